@@ -1,0 +1,165 @@
+"""The ``piecewise_breakable`` torch.compile backend: split at splitting ops, compile the rest.
+
+``piecewise_breakable`` is the entry-point target (a plain function: registering it
+at import as well would make torch raise "duplicate name"); :func:`make_backend`
+builds a backend for a non-default :class:`CompilationConfig`.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .capture import BreakPoint
+from .config import CompilationConfig
+from .modes import CUDAGraphMode
+from .observability import counters, dump_split, logger
+from .ops import registered_splitting_ops
+from .split import Piece, SplitGraph, split_graph
+
+_graph_ids = iter(range(1 << 62))
+_missing_logged: set[Any] = set()
+_missing_lock = threading.Lock()
+
+
+class _Ref:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T({tuple(map(str, value.shape))},{tuple(map(str, value.stride()))},{value.dtype},{value.device})"
+    if isinstance(value, torch.SymInt):
+        return "SymInt"
+    return type(value).__name__
+
+
+def structural_key(gm: fx.GraphModule) -> str:
+    """A key equal for pieces that compute the same thing on same-shaped inputs, whatever the names."""
+    names: dict[fx.Node, _Ref] = {}
+    parts = []
+    for i, node in enumerate(gm.graph.nodes):
+        names[node] = _Ref(f"v{i}")
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: names[n])
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
+        module = getattr(node.target, "__module__", "")
+        meta = _describe(node.meta.get("example_value")) if node.op == "placeholder" else ""
+        parts.append(f"{node.op} {module}.{target} {args!r} {meta}")
+    return "\n".join(parts)
+
+
+def _example_inputs(gm: fx.GraphModule) -> list[Any]:
+    return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _compile_inductor(gm: fx.GraphModule) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    fresh = fx.GraphModule(gm, graph)  # compile_fx rewrites the module it is given
+    return compile_fx(fresh, _example_inputs(gm))  # returns a bare value when the piece does
+
+
+class PiecewiseBackend:
+    """A torch.compile backend: ``backend(gm, example_inputs)`` -> stitched callable."""
+
+    def __init__(self, config: CompilationConfig | None = None):
+        self.config = config or CompilationConfig()
+        self._compiled: dict[str, Callable[..., Any]] = {}
+        self.splits: list[SplitGraph] = []  # every split made, for inspection and tests
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+        # torch passes mode=/options= only when the user set them; they have no meaning here.
+        graph_index = next(_graph_ids)
+        counters["graphs"] += 1
+        configured = self.config.splitting_ops is not None
+        ops = self.config.splitting_ops if configured else registered_splitting_ops()
+        split = split_graph(gm, ops)
+        self._log_missing(ops, split, configured, graph_index)
+        split_gm = split.split_gm
+        for piece in split.pieces:
+            split_gm.__dict__[piece.name] = self._runner(piece)  # setattr refuses non-Modules
+        counters["pieces"] += len(split.pieces)
+        counters["splitting_pieces"] += split.num_splitting
+        self.splits.append(split)
+        dump_split(split, graph_index, self.config.debug_dump_dir)
+        return split_gm.forward
+
+    def _runner(self, piece: Piece) -> Callable[..., Any]:
+        if piece.is_splitting:
+            return BreakPoint(piece.module.forward, piece.name)
+        counters["compiled_pieces"] += 1
+        if self.config.compile_pieces == "eager":
+            fn: Callable[..., Any] = piece.module.forward
+        else:
+            key = structural_key(piece.module)
+            fn = self._compiled.get(key)
+            if fn is None:
+                logger.debug("compiling %s with Inductor", piece.name)
+                fn = self._compiled[key] = _compile_inductor(piece.module)
+                counters["compiles"] += 1
+            else:
+                counters["compile_cache_hits"] += 1
+        if not self.config.use_breakable and self.config.cudagraph_mode != CUDAGraphMode.NONE:
+            from .wrappers import CUDAGraphWrapper
+
+            return CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, config=self.config)
+        return fn
+
+    def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
+        for op in ops:
+            if any(op is f or op == f for f in split.found_ops):
+                continue
+            with _missing_lock:
+                if (id(self), repr(op)) in _missing_logged:
+                    continue
+                _missing_logged.add((id(self), repr(op)))
+            log = logger.warning if configured else logger.debug
+            log("splitting op %r did not appear in graph %d; nothing was split there", op, graph_index)
+
+    def reset(self) -> None:
+        """Forget compiled pieces and recorded splits."""
+        self._compiled.clear()
+        self.splits.clear()
+
+
+def make_backend(config: CompilationConfig | None = None) -> PiecewiseBackend:
+    """A backend for ``config``: ``torch.compile(model, backend=pb.make_backend(config))``."""
+    if config is not None and not isinstance(config, CompilationConfig):
+        raise TypeError(f"make_backend takes a CompilationConfig, got {type(config).__name__}")
+    return PiecewiseBackend(config)
+
+
+def piecewise_breakable(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """Entry point of ``torch.compile(model, backend="piecewise_breakable")`` with the default config."""
+    return _default_backend()(gm, example_inputs, **kwargs)
+
+
+_default: PiecewiseBackend | None = None
+
+
+def _default_backend() -> PiecewiseBackend:
+    global _default
+    if _default is None:
+        _default = PiecewiseBackend(CompilationConfig())
+    return _default
+
+
+def register() -> None:
+    """Register ``piecewise_breakable`` by hand (source checkouts without the entry point). Idempotent."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "piecewise_breakable" not in _BACKENDS:
+        register_backend(name="piecewise_breakable")(piecewise_breakable)

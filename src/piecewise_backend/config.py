@@ -1,0 +1,88 @@
+"""CompilationConfig: one frozen, validated description of what to compile and capture."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from .modes import CUDAGraphMode
+from .ops import canonicalize_op
+
+PLATFORMS = ("auto", "cuda", "simulated")
+COMPILE_PIECES = ("inductor", "eager")
+
+
+def default_capture_sizes(max_capture_size: int) -> tuple[int, ...]:
+    """[1, 2, 4], every 8 below 256, every 16 from 256 up to ``max_capture_size``."""
+    ladder = [1, 2, 4, *range(8, 256, 8), *range(256, max_capture_size + 1, 16)]
+    return tuple(s for s in ladder if s <= max_capture_size)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilationConfig:
+    cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE
+    splitting_ops: tuple[Any, ...] | list[Any] | None = None
+    capture_sizes: tuple[int, ...] | list[int] | None = None
+    max_capture_size: int = 512
+    compile_pieces: str = "inductor"
+    use_breakable: bool = True
+    platform: str = "auto"
+    num_warmups: int = 1
+    debug_dump_dir: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__.__get__(self)
+        try:
+            set_("cudagraph_mode", CUDAGraphMode.parse(self.cudagraph_mode))
+        except ValueError as e:
+            raise ValueError(f"CompilationConfig.cudagraph_mode: {e}") from None
+        if self.splitting_ops is not None:
+            if isinstance(self.splitting_ops, (str, bytes)) or not hasattr(self.splitting_ops, "__iter__"):
+                raise ValueError(
+                    f"CompilationConfig.splitting_ops must be None or a list of ops, got {self.splitting_ops!r}"
+                )
+            set_("splitting_ops", tuple(canonicalize_op(op) for op in self.splitting_ops))
+        if not _is_int(self.max_capture_size) or self.max_capture_size < 1:
+            raise ValueError(f"CompilationConfig.max_capture_size must be a positive int, got {self.max_capture_size!r}")
+        if self.capture_sizes is not None:
+            sizes = list(self.capture_sizes)
+            bad = [s for s in sizes if not _is_int(s) or s < 1]
+            if bad or not sizes:
+                raise ValueError(
+                    f"CompilationConfig.capture_sizes must be a non-empty list of positive ints, got {self.capture_sizes!r}"
+                )
+            too_big = [s for s in sizes if s > self.max_capture_size]
+            if too_big:
+                raise ValueError(
+                    f"CompilationConfig.capture_sizes {too_big} exceed max_capture_size={self.max_capture_size}; "
+                    "raise max_capture_size or drop those sizes"
+                )
+            set_("capture_sizes", tuple(sorted(set(sizes))))
+        if self.compile_pieces not in COMPILE_PIECES:
+            raise ValueError(f"CompilationConfig.compile_pieces must be one of {COMPILE_PIECES}, got {self.compile_pieces!r}")
+        if not isinstance(self.use_breakable, bool):
+            raise ValueError(f"CompilationConfig.use_breakable must be a bool, got {self.use_breakable!r}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"CompilationConfig.platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if self.platform == "simulated" and self.compile_pieces == "inductor":
+            raise ValueError(
+                "CompilationConfig: platform='simulated' needs compile_pieces='eager' (Inductor's fused CPU "
+                "kernels bypass the ATen dispatcher the simulator records); got compile_pieces='inductor'"
+            )
+        if not _is_int(self.num_warmups) or self.num_warmups < 0:
+            raise ValueError(f"CompilationConfig.num_warmups must be an int >= 0, got {self.num_warmups!r}")
+        if self.debug_dump_dir is not None and not isinstance(self.debug_dump_dir, (str, os.PathLike)):
+            raise ValueError(f"CompilationConfig.debug_dump_dir must be None or a path, got {self.debug_dump_dir!r}")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The capture sizes in effect, ascending."""
+        return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)
+
+    def replace(self, **changes: Any) -> CompilationConfig:
+        return dataclasses.replace(self, **changes)

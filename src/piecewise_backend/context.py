@@ -1,0 +1,87 @@
+"""Forward context: per-step metadata (runtime mode, batch descriptor, attention data).
+
+Stored in a ``contextvars.ContextVar`` so every thread and asyncio task sees its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from .modes import CUDAGraphMode
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchDescriptor:
+    """Key of a captured graph: padded token count, and for uniform decode the request count."""
+
+    num_tokens: int
+    num_reqs: int | None = None
+    uniform: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
+            raise ValueError(f"BatchDescriptor.num_tokens must be a positive int, got {self.num_tokens!r}")
+        if self.num_reqs is not None and (not isinstance(self.num_reqs, int) or self.num_reqs < 1):
+            raise ValueError(f"BatchDescriptor.num_reqs must be None or a positive int, got {self.num_reqs!r}")
+
+    def relax_for_mixed_batch(self) -> BatchDescriptor:
+        """The key a mixed (non-uniform) batch of the same token count uses."""
+        return BatchDescriptor(self.num_tokens)
+
+
+class ForwardContext:
+    """What one forward step runs under. Extra attributes (attention metadata...) are readable."""
+
+    def __init__(self, runtime_mode: CUDAGraphMode, batch_descriptor: BatchDescriptor | None, **attrs: Any):
+        self.runtime_mode = runtime_mode
+        self.batch_descriptor = batch_descriptor
+        self.__dict__.update(attrs)
+
+    def __repr__(self) -> str:
+        return f"ForwardContext({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+_CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pb_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def set_forward_context(
+    runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    batch_descriptor: BatchDescriptor | None = None,
+    **attrs: Any,
+) -> Iterator[ForwardContext]:
+    """Run a step under ``runtime_mode`` (NONE, PIECEWISE or FULL) keyed by ``batch_descriptor``."""
+    runtime_mode = CUDAGraphMode.parse(runtime_mode)
+    if runtime_mode not in CUDAGraphMode.valid_runtime_modes():
+        raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {runtime_mode.name}")
+    if runtime_mode != CUDAGraphMode.NONE and batch_descriptor is None:
+        raise ValueError(f"runtime_mode {runtime_mode.name} needs a batch_descriptor (the graph key)")
+    if batch_descriptor is not None and not isinstance(batch_descriptor, BatchDescriptor):
+        raise TypeError(f"batch_descriptor must be a BatchDescriptor, got {type(batch_descriptor).__name__}")
+    ctx = ForwardContext(runtime_mode, batch_descriptor, **attrs)
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError("no forward context is set; run the model inside `with pb.set_forward_context(...)`")
+    return ctx
+
+
+def is_forward_context_available() -> bool:
+    return _CONTEXT.get() is not None
+
+
+def current_runtime_mode() -> CUDAGraphMode:
+    """The active runtime mode, NONE when no context is set (cheap; used on hot paths)."""
+    ctx = _CONTEXT.get()
+    return CUDAGraphMode.NONE if ctx is None else ctx.runtime_mode

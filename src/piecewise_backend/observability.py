@@ -1,0 +1,79 @@
+"""Logging, counters and debug dumps: how a user sees what the backend and wrappers did."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .split import SplitGraph
+
+logger = logging.getLogger("piecewise_backend")
+
+# Public counters; every key a test may read is listed here (missing keys read 0).
+COUNTER_KEYS = (
+    "graphs",  # FX graphs the backend received
+    "pieces",  # pieces produced by splitting
+    "splitting_pieces",  # pieces that became break points
+    "compiled_pieces",  # pieces that run compiled code (Inductor or eager GraphModule)
+    "compiles",  # Inductor compilations actually run (identical pieces share one)
+    "compile_cache_hits",  # pieces that reused an identical piece's compiled code
+    "captures",  # graph entries captured (one per wrapper and descriptor)
+    "replays",  # entry replays
+    "breaks",  # eager segments recorded during breakable captures
+    "eager_NONE",  # wrapper calls that ran eagerly: no context or runtime mode NONE
+    "eager_PIECEWISE",  # ... a PIECEWISE step a FULL-only wrapper let through
+    "eager_FULL",  # ... a FULL step a PIECEWISE-only wrapper let through
+)
+counters: collections.Counter[str] = collections.Counter()
+
+
+@contextlib.contextmanager
+def expect(**deltas: int) -> Iterator[None]:
+    """Assert that the block changes each named counter by exactly the given amount."""
+    unknown = sorted(set(deltas) - set(COUNTER_KEYS))
+    if unknown:
+        raise ValueError(f"unknown counter(s) {unknown}; valid: {', '.join(COUNTER_KEYS)}")
+    before = {k: counters[k] for k in deltas}
+    yield
+    wrong = {k: (counters[k] - before[k], v) for k, v in deltas.items() if counters[k] - before[k] != v}
+    if wrong:
+        detail = ", ".join(f"{k}: changed by {got}, expected {want}" for k, (got, want) in wrong.items())
+        raise AssertionError(f"counter mismatch: {detail}")
+
+
+def reset_counters() -> None:
+    counters.clear()
+
+
+def _artifact(name: str, text: str) -> None:
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=lambda: text,
+    )
+
+
+def dump_split(split: SplitGraph, graph_index: int, dump_dir: str | os.PathLike[str] | None) -> None:
+    """Log the split, emit tlparse artifacts, and write readable Python to ``dump_dir`` if set."""
+    summary = ", ".join(f"{p.name}:{'split' if p.is_splitting else 'compiled'}" for p in split.pieces)
+    logger.debug("graph %d split into %d pieces: %s", graph_index, len(split.pieces), summary)
+    _artifact(f"piecewise_split_graph_{graph_index}", split.split_gm.code)
+    for p in split.pieces:
+        _artifact(f"piecewise_graph_{graph_index}_{p.name}", p.module.code)
+    if dump_dir is None:
+        return
+    out = Path(dump_dir) / f"graph_{graph_index}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "split.py").write_text(split.split_gm.print_readable(print_output=False))
+    for p in split.pieces:
+        kind = "splitting" if p.is_splitting else "compiled"
+        (out / f"{p.name}_{kind}.py").write_text(p.module.print_readable(print_output=False))
+    logger.info("dumped graph %d (%d pieces) to %s", graph_index, len(split.pieces), out)

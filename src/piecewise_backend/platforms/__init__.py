@@ -1,0 +1,57 @@
+"""Graph platforms: real CUDA graphs, or a faithful CPU simulator for tests and CI.
+
+A platform opens capture *scopes* (one per wrapper capture call: stream, gc) and
+records *segments* inside them; a finished segment is a graph with ``replay()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class Recorder(Protocol):
+    def end(self) -> Graph: ...
+
+    def abort(self) -> None: ...
+
+
+class Platform(Protocol):
+    name: str
+
+    def capture_scope(self): ...  # context manager around one whole capture
+
+    def begin(self) -> Recorder: ...
+
+    def stats(self) -> str: ...
+
+
+def resolve_platform_name(name: str) -> str | None:
+    """'auto' -> 'cuda' when a GPU is present, else None (no graphs on a real CPU run)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else None
+    return name
+
+
+@functools.cache
+def get_platform(name: str) -> Platform:
+    if name == "simulated":
+        from .simulated import SimulatedPlatform
+
+        return SimulatedPlatform()
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "platform='cuda' was asked for but torch.cuda.is_available() is False; "
+                "use platform='simulated' (with compile_pieces='eager') to run graph capture on the CPU"
+            )
+        from .cuda import CudaPlatform
+
+        return CudaPlatform()
+    raise ValueError(f"unknown platform {name!r}; valid: 'cuda', 'simulated'")

@@ -1,0 +1,200 @@
+"""CUDAGraphWrapper (one graph per descriptor) and BreakableCUDAGraphWrapper (segments with breaks).
+
+Outputs returned by a replay live in graph memory shared by every graph of the pool:
+they stay valid only until the next replay of any graph. Copy what you keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten_with_path, keystr
+
+from .capture import CaptureDisabledError, CaptureSession, EagerSegment, capture_active, capture_enabled, run_session
+from .config import CompilationConfig
+from .context import _CONTEXT, BatchDescriptor
+from .modes import CUDAGraphMode
+from .observability import counters, logger
+from .platforms import Graph, Platform, get_platform, resolve_platform_name
+
+_NONE = CUDAGraphMode.NONE
+
+
+class GraphEntry:
+    """What one descriptor captured: segments to replay, static inputs, the output."""
+
+    __slots__ = ("segments", "inputs", "flat_args", "output")
+
+    def __init__(self, segments: list[Graph | EagerSegment], args: tuple, kwargs: dict, output: Any):
+        self.segments, self.output = segments, output
+        # Plain positional tensors/scalars (the common case) skip pytree on every replay.
+        self.flat_args = not kwargs and all(isinstance(a, (torch.Tensor, int, float, bool, type(None))) for a in args)
+        if self.flat_args:
+            self.inputs = [(f"args[{i}]", i, a, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        else:
+            leaves, _ = tree_flatten_with_path((args, kwargs))
+            self.inputs = [
+                (keystr(path), i, a, a.data_ptr()) for i, (path, a) in enumerate(leaves) if isinstance(a, torch.Tensor)
+            ]
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(not isinstance(s, EagerSegment) for s in self.segments)
+
+    def check_inputs(self, args: tuple, kwargs: dict) -> None:
+        if self.flat_args and not kwargs:
+            leaves: Any = args
+        else:
+            leaves = [leaf for _, leaf in tree_flatten_with_path((args, kwargs))[0]]
+        for name, i, captured, ptr in self.inputs:
+            new = leaves[i]
+            if new.data_ptr() == ptr:
+                continue
+            if new.shape != captured.shape or new.dtype != captured.dtype or new.device != captured.device:
+                raise ValueError(
+                    f"input {name} moved and no longer fits the captured buffer: captured "
+                    f"{tuple(captured.shape)} {captured.dtype} on {captured.device}, got {tuple(new.shape)} "
+                    f"{new.dtype} on {new.device}; pass a static buffer of the captured shape or clear_graphs()"
+                )
+            captured.copy_(new)  # graphs read fixed addresses: bring the new data to the captured one
+
+    def replay(self) -> Any:
+        for seg in self.segments:
+            seg.replay()
+        return self.output
+
+
+class _GraphWrapper:
+    breakable = False
+
+    def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode | None, config: CompilationConfig | None):
+        if not callable(runnable):
+            raise TypeError(f"{type(self).__name__} needs a callable runnable, got {type(runnable).__name__}")
+        if runtime_mode is not None:
+            runtime_mode = CUDAGraphMode.parse(runtime_mode)
+            if runtime_mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+                raise ValueError(f"{type(self).__name__} runtime_mode must be PIECEWISE or FULL, got {runtime_mode.name}")
+        if config is not None and not isinstance(config, CompilationConfig):
+            raise TypeError(f"config must be a CompilationConfig or None, got {type(config).__name__}")
+        self.runnable = runnable
+        self.runtime_mode = runtime_mode
+        self.config = config or CompilationConfig()
+        self.entries: dict[BatchDescriptor, GraphEntry] = {}
+        self._platform: Platform | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for missing attributes: forward them to the wrapped model.
+        if name == "runnable":
+            raise AttributeError(name)
+        return getattr(self.runnable, name)
+
+    def _matches(self, mode: CUDAGraphMode) -> bool:
+        return mode == self.runtime_mode
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = _CONTEXT.get()
+        mode = _NONE if ctx is None else ctx.runtime_mode
+        if mode is _NONE or not self._matches(mode):
+            counters[_EAGER_KEY[mode]] += 1
+            return self.runnable(*args, **kwargs)
+        if capture_active():  # inside another wrapper's capture: become part of its graph
+            return self.runnable(*args, **kwargs)
+        entry = self.entries.get(ctx.batch_descriptor)
+        if entry is None:
+            entry = self._capture(ctx.batch_descriptor, mode, args, kwargs)
+        else:
+            entry.check_inputs(args, kwargs)
+        counters["replays"] += 1
+        return entry.replay()
+
+    @property
+    def platform(self) -> Platform:
+        if self._platform is None:
+            name = resolve_platform_name(self.config.platform)
+            if name is None:
+                raise RuntimeError(
+                    f"{type(self).__name__} was asked to capture but no CUDA device is present and "
+                    "platform='auto'; use CompilationConfig(platform='simulated', compile_pieces='eager') "
+                    "to simulate graphs on the CPU, or run with runtime_mode NONE"
+                )
+            self._platform = get_platform(name)
+        return self._platform
+
+    def _capture(self, desc: BatchDescriptor, mode: CUDAGraphMode, args: tuple, kwargs: dict) -> GraphEntry:
+        if not capture_enabled():
+            raise CaptureDisabledError(
+                f"{type(self).__name__}: no graph for {desc} in mode {mode.name} and capture is disabled "
+                f"(captured: {sorted(self.entries, key=lambda d: d.num_tokens) or 'none'}); capture this "
+                "descriptor at startup or dispatch it to a captured size"
+            )
+        # Under FULL nothing breaks: attention is part of the one graph.
+        session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
+        output = run_session(session, self.runnable, args, kwargs)
+        entry = GraphEntry(session.segments, args, kwargs, output)
+        self.entries[desc] = entry
+        counters["captures"] += 1
+        logger.debug("%s captured %s (%s): %d segments", type(self).__name__, desc, mode.name, len(entry.segments))
+        return entry
+
+    def unwrap(self) -> Any:
+        """The innermost runnable below this library's wrappers."""
+        inner = self.runnable
+        return inner.unwrap() if isinstance(inner, _GraphWrapper) else inner
+
+    def clear_graphs(self) -> None:
+        """Drop every captured entry (and its graph memory)."""
+        self.entries.clear()
+
+    def __repr__(self) -> str:
+        mode = "any" if self.runtime_mode is None else self.runtime_mode.name
+        return f"{type(self).__name__}({mode}, entries={len(self.entries)}, runnable={self.runnable!r})"
+
+
+_EAGER_KEY = {m: f"eager_{m.name}" for m in CUDAGraphMode}
+
+
+class CUDAGraphWrapper(_GraphWrapper):
+    """Captures the whole call as one graph per descriptor when the context's mode is ``runtime_mode``.
+
+    Break points inside run inline, so they are captured too.
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        runtime_mode: CUDAGraphMode = CUDAGraphMode.FULL,
+        *,
+        config: CompilationConfig | None = None,
+    ):
+        if runtime_mode is None:
+            raise ValueError("CUDAGraphWrapper runtime_mode must be PIECEWISE or FULL, got None")
+        super().__init__(runnable, runtime_mode, config)
+
+
+class BreakableCUDAGraphWrapper(_GraphWrapper):
+    """Captures the call as graph segments split at break points, which run eagerly on replay.
+
+    ``runtime_mode=None`` matches any non-NONE mode; a set mode matches only itself and
+    lets every other mode through eagerly without creating an entry.
+    """
+
+    breakable = True
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        runtime_mode: CUDAGraphMode | None = None,
+        *,
+        config: CompilationConfig | None = None,
+    ):
+        super().__init__(runnable, runtime_mode, config)
+
+    def _matches(self, mode: CUDAGraphMode) -> bool:
+        return self.runtime_mode is None or mode == self.runtime_mode
+
+
+def unwrap_model(obj: Any) -> Any:
+    """The innermost runnable through any stack of this library's wrappers."""
+    return obj.unwrap() if isinstance(obj, _GraphWrapper) else obj
