@@ -52,7 +52,10 @@ def structural_key(gm: fx.GraphModule) -> str:
     for i, node in enumerate(gm.graph.nodes):
         names[node] = _Ref(f"v{i}")
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: names[n])
-        target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
+        if node.op == "placeholder":
+            target = ""  # a placeholder's target is its name; inputs are positional
+        else:
+            target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
         module = getattr(node.target, "__module__", "")
         meta = _describe(node.meta.get("example_value")) if node.op == "placeholder" else ""
         parts.append(f"{node.op} {module}.{target} {args!r} {meta}")

@@ -46,11 +46,15 @@ class CompilationConfig:
                 raise ValueError(
                     f"CompilationConfig.splitting_ops must be None or a list of ops, got {self.splitting_ops!r}"
                 )
-            set_("splitting_ops", tuple(canonicalize_op(op) for op in self.splitting_ops))
+            try:
+                set_("splitting_ops", tuple(canonicalize_op(op) for op in self.splitting_ops))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"CompilationConfig.splitting_ops: {e}") from None
         if not _is_int(self.max_capture_size) or self.max_capture_size < 1:
             raise ValueError(f"CompilationConfig.max_capture_size must be a positive int, got {self.max_capture_size!r}")
         if self.capture_sizes is not None:
-            sizes = list(self.capture_sizes)
+            iterable = hasattr(self.capture_sizes, "__iter__") and not isinstance(self.capture_sizes, (str, bytes))
+            sizes = list(self.capture_sizes) if iterable else []
             bad = [s for s in sizes if not _is_int(s) or s < 1]
             if bad or not sizes:
                 raise ValueError(

@@ -22,6 +22,16 @@ _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_outpu
 _NO_REPLAY = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
 
 
+_INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def _data_dependent(func: Any, args: tuple) -> bool:
+    # Indexing with integer tensors has a static output shape (fine under CUDA capture); with masks it does not.
+    if func._schema.name in _INDEX_OPS:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+    return True
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -38,12 +48,15 @@ class SimulatedGraph:
         self.ops = ops
 
     def replay(self) -> None:
-        for op in self.ops:
-            out = op.func(*op.args, **op.kwargs)
-            if op.fresh:
-                outs = out if isinstance(out, (tuple, list)) else (out,)
-                for i, captured in op.fresh:
-                    captured.copy_(outs[i])
+        # The ops were recorded below autograd; replay them there too, as a CUDA graph replay
+        # never touches autograd (in grad mode, autograd's view checks reject the replayed writes).
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            for op in self.ops:
+                out = op.func(*op.args, **op.kwargs)
+                if op.fresh:
+                    outs = out if isinstance(out, (tuple, list)) else (out,)
+                    for i, captured in op.fresh:
+                        captured.copy_(outs[i])
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -63,7 +76,7 @@ class _RecordingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _HOST_SYNC or any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS):
+        if func in _HOST_SYNC or (any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS) and _data_dependent(func, args)):
             raise RuntimeError(
                 f"operation not permitted when stream is capturing: {func} needs the host to read device "
                 "data (a sync or a data-dependent shape); move it out of the captured region"
@@ -81,10 +94,10 @@ class _RecordingMode(TorchDispatchMode):
         fresh = [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs]
         for _, t in fresh:
             self.allocated.setdefault(_storage_key(t), t)
-        pure_view = all(r.alias_info is not None for r in schema.returns) and not any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-        )
-        if not pure_view and schema.name not in _NO_REPLAY:
+        # Decide by real storage, not the schema: under inference_mode composite ops such as
+        # contiguous/reshape reach the mode whole, and their "alias" result may be a copy.
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if (writes or fresh) and schema.name not in _NO_REPLAY:
             self.ops.append(_Op(func, args, kwargs, fresh))
         return out
 

@@ -1,0 +1,104 @@
+"""Assembly: resolve the mode an attention backend allows, stack the wrappers, prove coverage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import CompilationConfig
+from .context import BatchDescriptor
+from .dispatch import CudagraphDispatcher
+from .modes import AttentionGraphSupport, CUDAGraphMode
+from .observability import logger
+from .platforms import resolve_platform_name
+from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, _GraphWrapper
+
+_NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+
+def resolve_cudagraph_mode(
+    mode: CUDAGraphMode | str, support: AttentionGraphSupport | int, *, attention_split: bool = True
+) -> CUDAGraphMode:
+    """The strongest mode ``mode`` can keep given what the attention backend supports."""
+    mode = CUDAGraphMode.parse(mode)
+    support = AttentionGraphSupport(support)
+    if mode.mixed_mode() == _FULL and support < AttentionGraphSupport.ALWAYS:
+        if support == AttentionGraphSupport.NEVER:
+            raise ValueError(
+                f"cudagraph_mode {mode.name} captures attention in full graphs, but the attention backend "
+                "supports that NEVER; use PIECEWISE (with attention as a splitting op) or NONE"
+            )
+        resolved = CUDAGraphMode.FULL_AND_PIECEWISE if attention_split else CUDAGraphMode.FULL_DECODE_ONLY
+    elif mode.decode_mode() == _FULL and support == AttentionGraphSupport.NEVER:
+        resolved = _PIECEWISE if attention_split else _NONE
+    else:
+        return mode
+    logger.info("cudagraph_mode %s -> %s (attention support %s)", mode.name, resolved.name, support.name)
+    return resolved
+
+
+def effective_mode(config: CompilationConfig) -> CUDAGraphMode:
+    """The configured mode, or NONE when platform='auto' finds no GPU (CPU users want speed, not simulation)."""
+    if resolve_platform_name(config.platform) is None:
+        return _NONE
+    return config.cudagraph_mode
+
+
+def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) -> Any:
+    """Stack the wrappers ``config`` asks for around ``model``.
+
+    Two independent conditions: any mode but NONE installs the breakable PIECEWISE
+    wrapper (so a later FULL -> FULL_AND_PIECEWISE upgrade still has a capturer); a mode
+    with full graphs also installs the FULL wrapper around it, except for a drafter,
+    which only ever dispatches PIECEWISE or NONE.
+    """
+    if not isinstance(config, CompilationConfig):
+        raise TypeError(f"wrap_model takes a CompilationConfig, got {type(config).__name__}")
+    mode = effective_mode(config)
+    if mode == _NONE:
+        return model
+    wrapped = model
+    if config.use_breakable:
+        wrapped = BreakableCUDAGraphWrapper(wrapped, _PIECEWISE, config=config)
+    if mode.has_full_cudagraphs() and not drafter:
+        wrapped = CUDAGraphWrapper(wrapped, _FULL, config=config)
+    return wrapped
+
+
+def _wrappers(model: Any) -> list[_GraphWrapper]:
+    stack = []
+    while isinstance(model, _GraphWrapper):
+        stack.append(model)
+        model = model.runnable
+    return stack
+
+
+def _per_piece_backend(model: Any) -> bool:
+    """Best effort: is the innermost model compiled by a backend with per-piece PIECEWISE wrappers?"""
+    from .backend import PiecewiseBackend
+
+    obj: Any = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):  # torch nests its own wrappers around the user's backend
+        if obj is None:
+            return False
+        if isinstance(obj, PiecewiseBackend):
+            return not obj.config.use_breakable and obj.config.cudagraph_mode != _NONE
+        obj = getattr(obj, "_torchdynamo_orig_backend", None) or getattr(obj, "_inner_convert", None)
+    return False
+
+
+def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> None:
+    """Raise ValueError if some (mode, descriptor) the dispatcher can emit reaches no capturer."""
+    stack = _wrappers(model)
+    per_piece = _per_piece_backend(model.unwrap() if stack else model)
+    for mode in (_PIECEWISE, _FULL):
+        if not dispatcher.keys[mode]:
+            continue
+        if any(w._matches(mode) for w in stack) or (mode == _PIECEWISE and per_piece):
+            continue
+        desc: BatchDescriptor = max(dispatcher.keys[mode], key=lambda d: d.num_tokens)
+        installed = ", ".join(f"{type(w).__name__}({w.runtime_mode.name if w.runtime_mode else 'any'})" for w in stack)
+        raise ValueError(
+            f"no capturer for mode {mode.name} (e.g. {desc}): the dispatcher ({dispatcher.mode.name}) can emit it "
+            f"but the model has [{installed or 'no wrappers'}]; build the model with "
+            f"pb.wrap_model(model, config) for the same cudagraph_mode"
+        )

@@ -1,0 +1,92 @@
+"""CudagraphDispatcher: from a batch's token count to (runtime mode, graph key)."""
+
+from __future__ import annotations
+
+import bisect
+
+from .config import CompilationConfig
+from .context import BatchDescriptor
+from .modes import CUDAGraphMode
+
+_NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+
+class CudagraphDispatcher:
+    """Pads a batch to a captured size and picks the runtime mode that has a graph for it.
+
+    Order: exact FULL key (uniform decode) -> relaxed FULL -> relaxed PIECEWISE -> NONE.
+    """
+
+    def __init__(self, config: CompilationConfig):
+        if not isinstance(config, CompilationConfig):
+            raise TypeError(f"CudagraphDispatcher takes a CompilationConfig, got {type(config).__name__}")
+        self.config = config
+        self.sizes: list[int] = list(config.sizes)
+        self.max_size = self.sizes[-1]
+        # padding table: index n -> smallest captured size >= n (O(1) per step)
+        self._pad = [0] * (self.max_size + 1)
+        for n in range(1, self.max_size + 1):
+            self._pad[n] = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self.mode = _NONE
+        self.uniform_decode_query_len = 1
+        self.keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_PIECEWISE: set(), _FULL: set()}
+
+    def initialize_keys(self, mode: CUDAGraphMode | str, uniform_decode_query_len: int = 1) -> None:
+        """Build the set of keys ``dispatch`` may return for ``mode``."""
+        mode = CUDAGraphMode.parse(mode)
+        if not isinstance(uniform_decode_query_len, int) or uniform_decode_query_len < 1:
+            raise ValueError(f"uniform_decode_query_len must be a positive int, got {uniform_decode_query_len!r}")
+        self.mode, self.uniform_decode_query_len = mode, uniform_decode_query_len
+        self.keys = {_PIECEWISE: set(), _FULL: set()}
+        mixed = mode.mixed_mode()
+        if mixed != _NONE:
+            self.keys[mixed].update(BatchDescriptor(s) for s in self.sizes)
+        if mode.separate_routine() and mode.decode_mode() == _FULL:
+            q = uniform_decode_query_len
+            self.keys[_FULL].update(
+                BatchDescriptor(s, num_reqs=s // q, uniform=True) for s in self.sizes if s % q == 0
+            )
+
+    def pad(self, num_tokens: int) -> int:
+        """The captured size a batch of ``num_tokens`` runs at (``num_tokens`` itself above the largest)."""
+        return self._pad[num_tokens] if num_tokens <= self.max_size else num_tokens
+
+    def dispatch(
+        self,
+        num_tokens: int,
+        *,
+        uniform_decode: bool = False,
+        num_reqs: int | None = None,
+        disable_full: bool = False,
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        if not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        q = self.uniform_decode_query_len
+        if uniform_decode and num_reqs is not None and num_reqs * q != num_tokens:
+            raise ValueError(
+                f"a uniform decode batch of {num_reqs} requests has {num_reqs * q} tokens "
+                f"(uniform_decode_query_len={q}), got num_tokens={num_tokens}"
+            )
+        if self.mode == _NONE or num_tokens > self.max_size:
+            return _NONE, BatchDescriptor(num_tokens)
+        padded = self._pad[num_tokens]
+        relaxed = BatchDescriptor(padded)
+        if not disable_full:
+            if uniform_decode and padded % q == 0:
+                exact = BatchDescriptor(padded, num_reqs=padded // q, uniform=True)
+                if exact in self.keys[_FULL]:
+                    return _FULL, exact
+            if relaxed in self.keys[_FULL]:
+                return _FULL, relaxed
+        if relaxed in self.keys[_PIECEWISE]:
+            return _PIECEWISE, relaxed
+        return _NONE, BatchDescriptor(num_tokens)
+
+    def capture_descriptors(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
+        """Every key to capture at startup, per mode, largest first (PIECEWISE before FULL)."""
+        plan = []
+        for mode in (_PIECEWISE, _FULL):
+            if self.keys[mode]:
+                descs = sorted(self.keys[mode], key=lambda d: (d.num_tokens, d.uniform), reverse=True)
+                plan.append((mode, descs))
+        return plan

@@ -1,0 +1,31 @@
+"""Shared pytest setup: fresh Dynamo caches per test module, capture re-enabled after each test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piecewise_backend as pb
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo():
+    # ToyLlama.forward is one code object for every test: without a reset, tests would
+    # share Dynamo cache entries and hit recompile_limit.
+    torch._dynamo.reset()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _capture_enabled():
+    yield
+    pb.set_capture_enabled(True)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,144 @@
+"""Tiny models, ops and configs shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+import piecewise_backend as pb
+from piecewise_backend.toy_llama import ToyConfig, ToyLlama, make_model  # noqa: F401
+
+SIM = pb.CompilationConfig(platform="simulated", compile_pieces="eager")
+CUDA = dict(platform="cuda", compile_pieces="inductor")
+
+
+@torch.library.custom_op("pb_test::double_into", mutates_args=("out",))
+def double_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * 2)
+
+
+@torch.library.custom_op("pb_test::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def compile_model(model: torch.nn.Module, config: pb.CompilationConfig = SIM) -> tuple[torch.nn.Module, pb.PiecewiseBackend]:
+    backend = pb.make_backend(config)
+    return torch.compile(model, backend=backend), backend
+
+
+def token_ids(n: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    torch._dynamo.mark_dynamic(ids, 0)
+    return ids
+
+
+def run(wrapper, mode: pb.CUDAGraphMode, desc: pb.BatchDescriptor | None, *args, **attrs):
+    """Call ``wrapper(*args)`` under a forward context."""
+    with pb.set_forward_context(mode, desc, **attrs):
+        return wrapper(*args)
+
+
+# --- capture-layer helpers (wrappers, capture, simulated and CUDA tests) ---
+
+BREAK_CALLS: dict[str, int] = {"fresh": 0, "into": 0}
+
+
+@pb.eager_break
+def fresh_break(x: torch.Tensor) -> torch.Tensor:
+    """A break point returning a new tensor that later segments read."""
+    BREAK_CALLS["fresh"] += 1
+    return x * 3 + 1
+
+
+@pb.eager_break
+def into_break(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A break point writing into a caller-provided buffer."""
+    BREAK_CALLS["into"] += 1
+    out.copy_(x * 3 + 1)
+    return out
+
+
+class CountingMLP(torch.nn.Module):
+    """Counts Python-level forward calls (replays must not run them)."""
+
+    def __init__(self, dim: int = 8, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1, self.l2 = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.l2(torch.relu(self.l1(x))) * 2
+
+
+class TwoBreakModel(torch.nn.Module):
+    """linear -> break -> linear -> break -> linear: segments G E G E G under a breakable capture."""
+
+    def __init__(self, dim: int = 8, fresh: bool = True, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1, self.l2, self.l3 = (torch.nn.Linear(dim, dim) for _ in range(3))
+        self.fresh = fresh
+        self.calls = 0
+
+    def brk(self, h: torch.Tensor) -> torch.Tensor:
+        if self.fresh:
+            return fresh_break(h)
+        out = torch.empty_like(h)
+        into_break(h, out)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.brk(self.l1(x))
+        h = self.brk(torch.relu(self.l2(h)))
+        return self.l3(h)
+
+
+def segment_kinds(entry: pb.GraphEntry) -> str:
+    """'G E G ...': graph segments and eager (break) segments of a captured entry."""
+    from piecewise_backend.capture import EagerSegment
+
+    return " ".join("E" if isinstance(s, EagerSegment) else "G" for s in entry.segments)
+
+
+def dynamo_graphs(fn, *args, reset: bool = True) -> list[torch.fx.GraphModule]:
+    """The Dynamo-level FX graphs of ``fn(*args)``, captured by a pass-through backend under no_grad.
+
+    ``reset`` clears Dynamo's caches first, so the capture really traces (a cached entry for the
+    same code object would skip the backend) and repeated captures do not hit recompile_limit.
+    """
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    if reset:
+        torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=capture)(*args)
+    return graphs
+
+
+class saved_splitting_ops:
+    """Context manager: restore the splitting-op registry (contents and order) on exit."""
+
+    def __enter__(self):
+        self.saved = pb.registered_splitting_ops()
+        return self
+
+    def __exit__(self, *exc):
+        for op in pb.registered_splitting_ops():
+            pb.unregister_splitting_op(op)
+        for op in self.saved:
+            pb.register_splitting_op(op)
+        assert pb.registered_splitting_ops() == self.saved
+        return False

@@ -1,0 +1,357 @@
+"""CUDAGraphWrapper / BreakableCUDAGraphWrapper contracts (DESIGN.md 4.4), on the simulated platform."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import piecewise_backend as pb
+from piecewise_backend.capture import capture_active
+from tests.helpers import SIM, CountingMLP, TwoBreakModel, run, segment_kinds
+
+M = pb.CUDAGraphMode
+D8 = pb.BatchDescriptor(8)
+
+
+def full(m):
+    return pb.CUDAGraphWrapper(m, M.FULL, config=SIM)
+
+
+def breakable(m, mode=None):
+    return pb.BreakableCUDAGraphWrapper(m, mode, config=SIM)
+
+
+def x8(seed: int = 0) -> torch.Tensor:
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- mode gating
+
+
+def test_full_wrapper_under_piecewise_falls_through_without_entry():
+    m = CountingMLP()
+    w = full(m)
+    x = x8()
+    with pb.expect(captures=0, replays=0, eager_PIECEWISE=1):
+        out = run(w, M.PIECEWISE, D8, x)
+    assert w.entries == {}
+    assert m.calls == 1
+    assert_close(out, m(x))
+
+
+def test_full_wrapper_under_full_captures_keyed_by_descriptor():
+    m = CountingMLP()
+    w = full(m)
+    x = x8()
+    with pb.expect(captures=1, replays=1):
+        run(w, M.FULL, D8, x)
+    assert list(w.entries) == [D8]
+    assert isinstance(w.entries[D8], pb.GraphEntry)
+    # an equal descriptor (a new object) hits the same entry; another one captures anew
+    with pb.expect(captures=0, replays=1):
+        run(w, M.FULL, pb.BatchDescriptor(8), x)
+    d_uniform = pb.BatchDescriptor(8, num_reqs=8, uniform=True)
+    with pb.expect(captures=1):
+        run(w, M.FULL, d_uniform, x)
+    assert set(w.entries) == {D8, d_uniform}
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
+def test_breakable_any_mode_captures_under_full_and_piecewise(mode):
+    m = CountingMLP()
+    w = breakable(m)
+    assert w.runtime_mode is None
+    x = x8()
+    with pb.expect(captures=1, replays=1):
+        out = run(w, mode, D8, x)
+    assert list(w.entries) == [D8]
+    assert_close(out, m(x))
+
+
+def test_breakable_piecewise_under_full_falls_through_without_entry():
+    m = CountingMLP()
+    w = breakable(m, M.PIECEWISE)
+    with pb.expect(captures=0, replays=0, eager_FULL=1):
+        run(w, M.FULL, D8, x8())
+    assert w.entries == {}
+    assert m.calls == 1
+    # ... and it does capture the mode it is set to
+    with pb.expect(captures=1):
+        run(w, M.PIECEWISE, D8, x8())
+    assert list(w.entries) == [D8]
+
+
+@pytest.mark.parametrize("make", [full, breakable], ids=["full", "breakable"])
+def test_no_context_or_none_mode_runs_eagerly(make):
+    m = CountingMLP()
+    w = make(m)
+    x = x8()
+    with pb.expect(captures=0, replays=0, eager_NONE=2):
+        out1 = w(x)  # no forward context at all
+        out2 = run(w, M.NONE, None, x)
+    assert w.entries == {}
+    assert m.calls == 2
+    assert_close(out1, m(x))
+    assert_close(out2, m(x))
+    # NONE with a descriptor is still eager
+    with pb.expect(captures=0, eager_NONE=1):
+        run(w, M.NONE, D8, x)
+    assert w.entries == {}
+
+
+def test_full_around_piecewise_routes_each_mode_to_one_wrapper():
+    m = TwoBreakModel()
+    inner = breakable(m, M.PIECEWISE)
+    outer = pb.CUDAGraphWrapper(inner, M.FULL, config=SIM)
+    x = x8()
+    ref = m(x)
+    with pb.expect(captures=1):
+        assert_close(run(outer, M.FULL, D8, x), ref)
+    assert list(outer.entries) == [D8] and inner.entries == {}
+    assert segment_kinds(outer.entries[D8]) == "G"
+    with pb.expect(captures=1):
+        assert_close(run(outer, M.PIECEWISE, D8, x), ref)
+    assert list(inner.entries) == [D8] and list(outer.entries) == [D8]
+    assert segment_kinds(inner.entries[D8]) == "G E G E G"
+
+
+# ---------------------------------------------------------------- unwrap, attributes, validation
+
+
+def test_nested_unwrap_reaches_innermost_model():
+    m = CountingMLP()
+    w = pb.CUDAGraphWrapper(pb.BreakableCUDAGraphWrapper(m, M.PIECEWISE), M.FULL)
+    assert w.unwrap() is m
+    assert w.runnable.unwrap() is m
+    assert pb.unwrap_model(w) is m
+    assert pb.unwrap_model(m) is m
+
+
+class ForeignWithUnwrap:
+    """Not one of ours: unwrap() must never be called on it."""
+
+    def __init__(self):
+        self.unwrap_calls = 0
+
+    def __call__(self, x):
+        return x + 1
+
+    def unwrap(self):
+        self.unwrap_calls += 1
+        return "wrongly unwrapped"
+
+
+def test_unwrap_never_calls_a_foreign_unwrap():
+    f = ForeignWithUnwrap()
+    w = pb.CUDAGraphWrapper(pb.BreakableCUDAGraphWrapper(f, M.PIECEWISE), M.FULL)
+    assert w.unwrap() is f
+    assert pb.unwrap_model(w) is f
+    assert pb.unwrap_model(f) is f
+    assert f.unwrap_calls == 0
+
+
+def test_attribute_forwarding_and_own_attributes():
+    m = CountingMLP()
+    inner = breakable(m, M.PIECEWISE)
+    w = pb.CUDAGraphWrapper(inner, M.FULL, config=SIM)
+    assert w.runnable is inner and inner.runnable is m
+    assert w.runtime_mode is M.FULL and inner.runtime_mode is M.PIECEWISE
+    assert w.entries == {} and inner.entries == {}
+    assert w.entries is not inner.entries
+    # forwarded through both wrappers to the model
+    assert w.l1 is m.l1
+    assert w.calls == 0
+    m(x8())
+    assert w.calls == 1
+    assert w.training is m.training
+    # the wrapper's own attributes are not forwarded
+    m.entries = "model attribute"
+    assert w.entries == {}
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        w.no_such_attribute
+
+
+def test_default_runtime_modes():
+    assert pb.CUDAGraphWrapper(CountingMLP()).runtime_mode is M.FULL
+    assert pb.BreakableCUDAGraphWrapper(CountingMLP()).runtime_mode is None
+    assert pb.CUDAGraphWrapper(CountingMLP(), "piecewise").runtime_mode is M.PIECEWISE
+
+
+@pytest.mark.parametrize("mode", [M.NONE, M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY, "bogus", None])
+def test_cudagraph_wrapper_rejects_invalid_runtime_mode(mode):
+    with pytest.raises(ValueError, match="runtime_mode|cudagraph mode"):
+        pb.CUDAGraphWrapper(CountingMLP(), mode)
+
+
+@pytest.mark.parametrize("mode", [M.NONE, M.FULL_AND_PIECEWISE, "nope"])
+def test_breakable_wrapper_rejects_invalid_runtime_mode(mode):
+    with pytest.raises(ValueError, match="runtime_mode|cudagraph mode"):
+        pb.BreakableCUDAGraphWrapper(CountingMLP(), mode)
+
+
+def test_wrapper_rejects_non_callable_and_bad_config():
+    with pytest.raises(TypeError):
+        pb.CUDAGraphWrapper(42)
+    with pytest.raises(TypeError, match="config"):
+        pb.BreakableCUDAGraphWrapper(CountingMLP(), config={"platform": "simulated"})
+
+
+# ---------------------------------------------------------------- replay
+
+
+@pytest.mark.parametrize("make", [full, breakable], ids=["full", "breakable"])
+def test_replay_does_not_run_model_python(make):
+    m = CountingMLP()
+    w = make(m)
+    x = x8()
+    ref = m(x)
+    assert m.calls == 1
+    with pb.expect(captures=1, replays=1):
+        out = run(w, M.FULL, D8, x)
+    assert m.calls == 2  # the capturing call runs the Python once
+    assert_close(out, ref)  # lazily captured entry: correct on its first call
+    with pb.expect(captures=0, replays=3):
+        for _ in range(3):
+            assert_close(run(w, M.FULL, D8, x), ref)
+    assert m.calls == 2
+
+
+def test_static_input_updated_in_place_replays_new_values():
+    m = CountingMLP()
+    w = full(m)
+    static = x8(0)
+    run(w, M.FULL, D8, static)
+    for seed in (1, 2, 3):
+        static.copy_(x8(seed))
+        out = run(w, M.FULL, D8, static)
+        assert_close(out, m(static))
+    assert m.calls == 1 + 3  # one capture, plus the three eager references
+
+
+def test_replay_output_lives_in_graph_memory():
+    m = CountingMLP()
+    w = full(m)
+    static = x8(0)
+    out1 = run(w, M.FULL, D8, static)
+    static.copy_(x8(1))
+    out2 = run(w, M.FULL, D8, static)
+    assert out2.data_ptr() == out1.data_ptr()  # valid only until the next replay
+    assert_close(out1, m(x8(1)))
+
+
+def test_moved_input_same_shape_is_copied_into_captured_buffer():
+    m = CountingMLP()
+    w = full(m)
+    static = x8(0)
+    run(w, M.FULL, D8, static)
+    other = x8(5)
+    assert other.data_ptr() != static.data_ptr()
+    with pb.expect(captures=0, replays=1):
+        out = run(w, M.FULL, D8, other)
+    assert_close(out, m(x8(5)))
+    assert_close(static, other)  # the captured buffer now holds the new data
+
+
+def test_moved_input_different_shape_raises_naming_argument():
+    m = CountingMLP()
+    w = full(m)
+    run(w, M.FULL, D8, x8(0))
+    with pytest.raises(ValueError, match=r"args\[0\].*\(8, 8\).*\(4, 8\)"):
+        run(w, M.FULL, D8, torch.randn(4, 8))
+    with pytest.raises(ValueError, match=r"args\[0\].*float64"):
+        run(w, M.FULL, D8, x8(0).double())
+    assert list(w.entries) == [D8]
+
+
+def test_moved_keyword_input_raises_naming_keyword():
+    def f(x, *, scale):
+        return x * scale
+
+    w = full(f)
+    x, scale = x8(0), torch.full((8,), 2.0)
+    with pb.set_forward_context(M.FULL, D8):
+        w(x, scale=scale)
+        other = torch.full((8,), 3.0)
+        assert_close(w(x, scale=other), x * 3)
+        with pytest.raises(ValueError, match="scale"):
+            w(x, scale=torch.ones(3))
+
+
+def test_clear_graphs_then_capture_again():
+    m = CountingMLP()
+    w = full(m)
+    x = x8()
+    run(w, M.FULL, D8, x)
+    run(w, M.FULL, pb.BatchDescriptor(4), x[:4])
+    assert len(w.entries) == 2
+    w.clear_graphs()
+    assert w.entries == {}
+    with pb.expect(captures=1, replays=1):
+        out = run(w, M.FULL, D8, x)
+    assert list(w.entries) == [D8]
+    assert_close(out, m(x))
+
+
+# ---------------------------------------------------------------- capture switch
+
+
+def test_capture_disabled_raises_for_new_descriptor_and_replays_existing():
+    m = CountingMLP()
+    w = full(m)
+    x = x8()
+    run(w, M.FULL, D8, x)
+    pb.set_capture_enabled(False)
+    assert pb.capture_enabled() is False
+    d16 = pb.BatchDescriptor(16)
+    with pb.expect(captures=0):
+        with pytest.raises(pb.CaptureDisabledError, match=r"BatchDescriptor\(num_tokens=16"):
+            run(w, M.FULL, d16, torch.randn(16, 8))
+    assert d16 not in w.entries
+    assert not capture_active()
+    with pb.expect(captures=0, replays=1):
+        assert_close(run(w, M.FULL, D8, x), m(x))
+    # eager paths are unaffected
+    with pb.expect(captures=0, eager_PIECEWISE=1):
+        run(w, M.PIECEWISE, d16, torch.randn(16, 8))
+    pb.set_capture_enabled(True)
+    with pb.expect(captures=1):
+        run(w, M.FULL, d16, torch.randn(16, 8))
+
+
+def test_capture_disabled_error_is_a_runtime_error():
+    assert issubclass(pb.CaptureDisabledError, RuntimeError)
+
+
+# ---------------------------------------------------------------- exceptions
+
+
+class FailOnce(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.fail = True
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.fail:
+            raise KeyError("boom during capture")
+        return h * 2
+
+
+@pytest.mark.parametrize("make", [full, breakable], ids=["full", "breakable"])
+def test_exception_during_capture_leaves_nothing_behind(make):
+    m = FailOnce()
+    w = make(m)
+    x = x8()
+    with pb.expect(captures=0):
+        with pytest.raises(KeyError, match="boom"):
+            run(w, M.FULL, D8, x)
+    assert w.entries == {}
+    assert not capture_active()
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None  # no recorder left open
+    m.fail = False
+    with pb.expect(captures=1, replays=1):
+        out = run(w, M.FULL, D8, x)
+    assert_close(out, m(x))
+    assert segment_kinds(w.entries[D8]) == "G"
