@@ -16,7 +16,6 @@ import torch
 from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
-from . import capture as _capture
 from .assembly import effective_mode, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .config import CompilationConfig
 from .context import BatchDescriptor, set_forward_context
@@ -96,6 +95,7 @@ class GraphRunner:
             i.name: torch.full((n, *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
         }
         self.last_mode = CUDAGraphMode.NONE
+        self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
 
     @property
@@ -107,6 +107,8 @@ class GraphRunner:
 
     def _call(self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict) -> Any:
         attrs = dict(self.context_fn(dict(views)) if self.context_fn else {}, **extra)
+        if self.capture_closed:
+            attrs.setdefault("allow_capture", False)
         with set_forward_context(mode, desc, **attrs):
             return self.model(*(views[a] for a in self.model_args))
 
@@ -148,7 +150,11 @@ class GraphRunner:
         return tree_map(lambda o: o[:n] if isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == padded else o, out)
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
-        """Warm up and capture every descriptor the dispatcher can emit, largest first."""
+        """Warm up and capture every descriptor the dispatcher can emit, largest first.
+
+        With ``disable_after`` (default) later steps of this runner never capture: an
+        unseen descriptor raises :class:`CaptureDisabledError` instead of capturing mid-serving.
+        """
         plan = self.dispatcher.capture_descriptors()
         total = sum(len(descs) for _, descs in plan)
         platform_name = resolve_platform_name(self.config.platform)
@@ -174,8 +180,7 @@ class GraphRunner:
         stats = get_platform(platform_name).stats() if platform_name else "no graphs"
         self.report = CaptureReport(total, time.perf_counter() - start, stats)
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
-        if disable_after:
-            _capture.set_capture_enabled(False)
+        self.capture_closed = disable_after
         return self.report
 
 

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten_with_path, keystr
 
 from .capture import CaptureDisabledError, CaptureSession, EagerSegment, capture_active, capture_enabled, run_session
 from .config import CompilationConfig
-from .context import _CONTEXT, BatchDescriptor
+from .context import _CONTEXT, BatchDescriptor, ForwardContext
 from .modes import CUDAGraphMode
 from .observability import counters, logger
 from .platforms import Graph, Platform, get_platform, resolve_platform_name
@@ -103,7 +103,7 @@ class _GraphWrapper:
             return self.runnable(*args, **kwargs)
         entry = self.entries.get(ctx.batch_descriptor)
         if entry is None:
-            entry = self._capture(ctx.batch_descriptor, mode, args, kwargs)
+            entry = self._capture(ctx, mode, args, kwargs)
         else:
             entry.check_inputs(args, kwargs)
         counters["replays"] += 1
@@ -122,8 +122,9 @@ class _GraphWrapper:
             self._platform = get_platform(name)
         return self._platform
 
-    def _capture(self, desc: BatchDescriptor, mode: CUDAGraphMode, args: tuple, kwargs: dict) -> GraphEntry:
-        if not capture_enabled():
+    def _capture(self, ctx: ForwardContext, mode: CUDAGraphMode, args: tuple, kwargs: dict) -> GraphEntry:
+        desc = ctx.batch_descriptor
+        if not capture_enabled() or not getattr(ctx, "allow_capture", True):
             raise CaptureDisabledError(
                 f"{type(self).__name__}: no graph for {desc} in mode {mode.name} and capture is disabled "
                 f"(captured: {sorted(self.entries, key=lambda d: d.num_tokens) or 'none'}); capture this "
