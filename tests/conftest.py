@@ -7,6 +7,9 @@ import torch
 
 import piecewise_backend as pb
 
+# Test models are tiny: on a 2-core CI machine, intra-op thread hand-off costs more than it saves.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_dynamo():

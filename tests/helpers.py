@@ -142,3 +142,26 @@ class saved_splitting_ops:
             pb.register_splitting_op(op)
         assert pb.registered_splitting_ops() == self.saved
         return False
+
+
+# --- assembly/runtime-layer helpers (dispatch, assembly, runner, property tests) ---
+
+
+class torch_threads:
+    """Context manager: run with ``n`` intra-op threads, restore the previous count on exit.
+
+    The toy models are tiny: on a small shared machine OpenMP's thread hand-off costs far
+    more than it saves (a 32-wide linear took milliseconds with 2 threads under load).
+    """
+
+    def __init__(self, n: int = 1):
+        self.n = n
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+        return False

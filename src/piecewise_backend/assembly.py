@@ -82,7 +82,11 @@ def _per_piece_backend(model: Any) -> bool:
             return False
         if isinstance(obj, PiecewiseBackend):
             return not obj.config.use_breakable and obj.config.cudagraph_mode != _NONE
-        obj = getattr(obj, "_torchdynamo_orig_backend", None) or getattr(obj, "_inner_convert", None)
+        obj = (
+            getattr(obj, "_torchdynamo_orig_backend", None)
+            or getattr(obj, "_inner_convert", None)
+            or getattr(obj, "compiler_fn", None)  # torch._TorchCompileWrapper holds the user's backend here
+        )
     return False
 
 

@@ -59,7 +59,7 @@ class CudagraphDispatcher:
         num_reqs: int | None = None,
         disable_full: bool = False,
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        if not isinstance(num_tokens, int) or num_tokens < 1:
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
         q = self.uniform_decode_query_len
         if uniform_decode and num_reqs is not None and num_reqs * q != num_tokens:

@@ -116,6 +116,8 @@ class GraphRunner:
         """True when every non-token dimension fits the static buffers (else: eager)."""
         for name, t in batch.items():
             spec = self.inputs[name]
+            if t.is_floating_point() != spec.dtype.is_floating_point:
+                raise ValueError(f"GraphRunner.run: input {name!r} is {t.dtype}, its StaticInput is {spec.dtype}")
             if t.dim() != len(spec.shape) + 1 or any(a > b for a, b in zip(t.shape[1:], spec.shape)):
                 return False
         return True
@@ -158,6 +160,8 @@ class GraphRunner:
         plan = self.dispatcher.capture_descriptors()
         total = sum(len(descs) for _, descs in plan)
         platform_name = resolve_platform_name(self.config.platform)
+        platform = get_platform(platform_name) if platform_name and total else None
+        before = platform.memory() if platform else 0
         start = time.perf_counter()
         gc.collect()  # once for the whole capture, then frozen: collecting per graph dominated capture time
         gc.freeze()
@@ -177,7 +181,7 @@ class GraphRunner:
         finally:
             _cuda_platform.gc_managed_outside = False
             gc.unfreeze()
-        stats = get_platform(platform_name).stats() if platform_name else "no graphs"
+        stats = platform.describe(platform.memory() - before) if platform else "no graphs"
         self.report = CaptureReport(total, time.perf_counter() - start, stats)
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
         self.capture_closed = disable_after

@@ -29,7 +29,9 @@ class Platform(Protocol):
 
     def begin(self) -> Recorder: ...
 
-    def stats(self) -> str: ...
+    def memory(self) -> int: ...  # a monotone measure of what captures hold (bytes, or recorded ops)
+
+    def describe(self, amount: int) -> str: ...  # ``amount`` of memory() in words
 
 
 def resolve_platform_name(name: str) -> str | None:

@@ -52,5 +52,5 @@ class CudaPlatform:
     def memory(self) -> int:
         return torch.cuda.memory_reserved()
 
-    def stats(self) -> str:
-        return f"{self.memory() / 2**20:.1f} MiB reserved"
+    def describe(self, amount: int) -> str:
+        return f"{amount / 2**20:.1f} MiB of CUDA memory reserved"

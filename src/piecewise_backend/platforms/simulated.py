@@ -152,5 +152,5 @@ class SimulatedPlatform:
     def memory(self) -> int:
         return self.recorded_ops
 
-    def stats(self) -> str:
-        return f"{self.recorded_ops} ATen ops recorded"
+    def describe(self, amount: int) -> str:
+        return f"{amount} ATen ops recorded"

@@ -1,0 +1,30 @@
+"""The examples run as a user would run them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serve_example_runs_piecewise_and_full_steps():
+    # One intra-op thread: the toy model is tiny and the CI machine small and shared.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "serve.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"serve.py exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    steps = re.findall(r"^step\s+\d+:\s+(\d+) tokens.*-> (\w+)\s+max\|diff\| (\S+)$", proc.stdout, re.MULTILINE)
+    modes = {mode for _, mode, _ in steps}
+    assert {"PIECEWISE", "FULL"} <= modes, proc.stdout
+    assert all(float(diff) < 1e-3 for _, _, diff in steps), proc.stdout
+    assert re.search(r"^captured \d+ graphs", proc.stdout, re.MULTILINE), proc.stdout
