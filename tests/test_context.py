@@ -53,7 +53,9 @@ def test_relax_for_mixed_batch(desc):
     assert desc.num_tokens == relaxed.num_tokens
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_tokens=0), dict(num_tokens=-3), dict(num_tokens=2.0), dict(num_tokens=4, num_reqs=0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(num_tokens=0), dict(num_tokens=-3), dict(num_tokens=2.0), dict(num_tokens=4, num_reqs=0)]
+)
 def test_batch_descriptor_rejects_bad_counts(kwargs):
     with pytest.raises(ValueError, match="num_tokens|num_reqs"):
         BD(**kwargs)

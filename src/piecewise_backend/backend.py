@@ -62,6 +62,23 @@ def structural_key(gm: fx.GraphModule) -> str:
     return "\n".join(parts)
 
 
+def _direct_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s generated ``forward``, bound: what a piece costs to call on every step and replay.
+
+    A lazily recompiled GraphModule's ``forward`` taken before its first call stays
+    ``_lazy_forward``, which goes through ``nn.Module.__call__`` and a Dynamo-disable
+    wrapper on *every* call (a few microseconds per piece, per step). Recompile now and
+    hand out the generated function itself.
+    """
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
+        _LazyGraphModule.force_recompile(gm)
+    except (ImportError, AttributeError):  # older/newer torch without lazy graph modules
+        pass
+    return gm.forward
+
+
 def _example_inputs(gm: fx.GraphModule) -> list[Any]:
     return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -98,14 +115,14 @@ class PiecewiseBackend:
         counters["splitting_pieces"] += split.num_splitting
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
-        return split_gm.forward
+        return _direct_forward(split_gm)
 
     def _runner(self, piece: Piece) -> Callable[..., Any]:
         if piece.is_splitting:
-            return BreakPoint(piece.module.forward, piece.name)
+            return BreakPoint(_direct_forward(piece.module), piece.name)
         counters["compiled_pieces"] += 1
         if self.config.compile_pieces == "eager":
-            fn: Callable[..., Any] = piece.module.forward
+            fn: Callable[..., Any] = _direct_forward(piece.module)
         else:
             key = structural_key(piece.module)
             fn = self._compiled.get(key)

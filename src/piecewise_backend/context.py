@@ -23,10 +23,14 @@ class BatchDescriptor:
     uniform: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
+        if not isinstance(self.num_tokens, int) or isinstance(self.num_tokens, bool) or self.num_tokens < 1:
             raise ValueError(f"BatchDescriptor.num_tokens must be a positive int, got {self.num_tokens!r}")
-        if self.num_reqs is not None and (not isinstance(self.num_reqs, int) or self.num_reqs < 1):
+        if self.num_reqs is not None and (
+            not isinstance(self.num_reqs, int) or isinstance(self.num_reqs, bool) or self.num_reqs < 1
+        ):
             raise ValueError(f"BatchDescriptor.num_reqs must be None or a positive int, got {self.num_reqs!r}")
+        if not isinstance(self.uniform, bool):
+            raise ValueError(f"BatchDescriptor.uniform must be a bool, got {self.uniform!r}")
 
     def relax_for_mixed_batch(self) -> BatchDescriptor:
         """The key a mixed (non-uniform) batch of the same token count uses."""

@@ -34,8 +34,9 @@ class CUDAGraphMode(enum.Enum):
         """True when decode and mixed batches use different runtime modes."""
         return self in _PAIRS
 
-    def has_mode(self, mode: CUDAGraphMode) -> bool:
+    def has_mode(self, mode: CUDAGraphMode | str) -> bool:
         """True when ``mode`` is one of the runtime modes this mode may dispatch."""
+        mode = CUDAGraphMode.parse(mode)
         if mode.separate_routine():
             raise ValueError(f"has_mode() takes a runtime mode (NONE, PIECEWISE, FULL), got {mode.name}")
         return mode in self._pair()
