@@ -264,6 +264,16 @@ def test_moved_input_different_shape_raises_naming_argument():
     assert list(w.entries) == [D8]
 
 
+def test_same_address_different_shape_raises():
+    # buf[:4] starts where buf[:8] does: the address check alone would replay 8 rows silently
+    w = full(lambda x: x * 2)
+    buf = x8()
+    run(w, M.FULL, D8, buf[:8])
+    with pytest.raises(ValueError, match=r"args\[0\].*\(8, 8\).*\(4, 8\)"):
+        run(w, M.FULL, D8, buf[:4])
+    assert_close(run(w, M.FULL, D8, buf[:8]), buf * 2)
+
+
 def test_moved_keyword_input_raises_naming_keyword():
     def f(x, *, scale):
         return x * scale
@@ -355,3 +365,21 @@ def test_exception_during_capture_leaves_nothing_behind(make):
         out = run(w, M.FULL, D8, x)
     assert_close(out, m(x))
     assert segment_kinds(w.entries[D8]) == "G"
+
+
+def test_changed_python_scalar_raises_instead_of_replaying_the_captured_value():
+    w = pb.CUDAGraphWrapper(lambda x, k: x * k, config=SIM)
+    x = torch.ones(3)
+    assert_close(run(w, pb.CUDAGraphMode.FULL, pb.BatchDescriptor(3), x, 2), torch.full((3,), 2.0))
+    assert_close(run(w, pb.CUDAGraphMode.FULL, pb.BatchDescriptor(3), x, 2), torch.full((3,), 2.0))
+    with pytest.raises(ValueError, match=r"args\[1\] was 2 at capture and is 5"):
+        run(w, pb.CUDAGraphMode.FULL, pb.BatchDescriptor(3), x, 5)
+
+
+def test_moved_keyword_input_is_named_as_a_kwarg():
+    w = pb.CUDAGraphWrapper(lambda x, *, scale: x * scale, config=SIM)
+    x, scale = torch.ones(3), torch.full((3,), 2.0)
+    with pb.set_forward_context(pb.CUDAGraphMode.FULL, pb.BatchDescriptor(3)):
+        w(x, scale=scale)
+        with pytest.raises(ValueError, match=r"input kwargs\['scale'\] moved"):
+            w(x, scale=torch.ones(4))

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten_with_path, keystr
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from .capture import CaptureDisabledError, CaptureSession, EagerSegment, capture_active, capture_enabled, run_session
 from .config import CompilationConfig
@@ -25,19 +25,20 @@ _NONE = CUDAGraphMode.NONE
 class GraphEntry:
     """What one descriptor captured: segments to replay, static inputs, the output."""
 
-    __slots__ = ("segments", "inputs", "flat_args", "output")
+    __slots__ = ("segments", "inputs", "scalars", "flat_args", "num_leaves", "output")
 
     def __init__(self, segments: list[Graph | EagerSegment], args: tuple, kwargs: dict, output: Any):
         self.segments, self.output = segments, output
         # Plain positional tensors/scalars (the common case) skip pytree on every replay.
         self.flat_args = not kwargs and all(isinstance(a, (torch.Tensor, int, float, bool, type(None))) for a in args)
         if self.flat_args:
-            self.inputs = [(f"args[{i}]", i, a, a.data_ptr()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            named = [(f"args[{i}]", a) for i, a in enumerate(args)]
         else:
-            leaves, _ = tree_flatten_with_path((args, kwargs))
-            self.inputs = [
-                (keystr(path), i, a, a.data_ptr()) for i, (path, a) in enumerate(leaves) if isinstance(a, torch.Tensor)
-            ]
+            named = [(_arg_name(path), a) for path, a in tree_flatten_with_path((args, kwargs))[0]]
+        self.num_leaves = len(named)
+        self.inputs = [(name, i, a, a.data_ptr()) for i, (name, a) in enumerate(named) if isinstance(a, torch.Tensor)]
+        # A graph bakes Python scalars in: replaying it for another value would be silently wrong.
+        self.scalars = [(name, i, a) for i, (name, a) in enumerate(named) if isinstance(a, (int, float, bool))]
 
     @property
     def num_graphs(self) -> int:
@@ -48,9 +49,11 @@ class GraphEntry:
             leaves: Any = args
         else:
             leaves = [leaf for _, leaf in tree_flatten_with_path((args, kwargs))[0]]
+        if len(leaves) != self.num_leaves:
+            raise ValueError(f"replay got {len(leaves)} input leaves, the capture had {self.num_leaves}")
         for name, i, captured, ptr in self.inputs:
             new = leaves[i]
-            if new.data_ptr() == ptr:
+            if new.data_ptr() == ptr and new.shape == captured.shape:  # buf[:n] keeps the address
                 continue
             if new.shape != captured.shape or new.dtype != captured.dtype or new.device != captured.device:
                 raise ValueError(
@@ -59,6 +62,12 @@ class GraphEntry:
                     f"{new.dtype} on {new.device}; pass a static buffer of the captured shape or clear_graphs()"
                 )
             captured.copy_(new)  # graphs read fixed addresses: bring the new data to the captured one
+        for name, i, value in self.scalars:
+            if leaves[i] != value:
+                raise ValueError(
+                    f"input {name} was {value!r} at capture and is {leaves[i]!r} now; a graph replays the "
+                    "captured value, so pass it as a tensor or key it into the BatchDescriptor"
+                )
 
     def replay(self) -> Any:
         for seg in self.segments:
@@ -94,10 +103,17 @@ class _GraphWrapper:
         return mode == self.runtime_mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Hot path: a step this wrapper does not capture must cost next to nothing. Modes are
+        # compared by identity and the counter key is found by ``_value_``, because hashing an
+        # Enum member runs Python code (it made each passthrough cost microseconds).
         ctx = _CONTEXT.get()
-        mode = _NONE if ctx is None else ctx.runtime_mode
-        if mode is _NONE or not self._matches(mode):
-            counters[_EAGER_KEY[mode]] += 1
+        if ctx is None:
+            counters["eager_NONE"] += 1
+            return self.runnable(*args, **kwargs)
+        mode, own = ctx.runtime_mode, self.runtime_mode
+        # == `not self._matches(mode)`, inlined: own None means "any mode" (breakable only)
+        if mode is _NONE or (mode is not own and (own is not None or not self.breakable)):
+            counters[_EAGER_KEYS[mode._value_]] += 1
             return self.runnable(*args, **kwargs)
         if capture_active():  # inside another wrapper's capture: become part of its graph
             return self.runnable(*args, **kwargs)
@@ -154,6 +170,7 @@ class _GraphWrapper:
 
 
 _EAGER_KEY = {m: f"eager_{m.name}" for m in CUDAGraphMode}
+_EAGER_KEYS = tuple(_EAGER_KEY[CUDAGraphMode(v)] for v in range(len(CUDAGraphMode)))  # by mode._value_
 
 
 class CUDAGraphWrapper(_GraphWrapper):
@@ -194,6 +211,11 @@ class BreakableCUDAGraphWrapper(_GraphWrapper):
 
     def _matches(self, mode: CUDAGraphMode) -> bool:
         return self.runtime_mode is None or mode == self.runtime_mode
+
+
+def _arg_name(path: tuple) -> str:
+    head, rest = path[0], keystr(path[1:])
+    return ("args" if getattr(head, "idx", 0) == 0 else "kwargs") + rest
 
 
 def unwrap_model(obj: Any) -> Any:

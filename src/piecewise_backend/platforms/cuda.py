@@ -42,9 +42,11 @@ class CudaPlatform:
         torch.cuda.synchronize()
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            yield
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            current.wait_stream(self.stream)  # order the capture stream's eager work before what follows
 
     def begin(self) -> _CudaRecorder:
         return _CudaRecorder(self.pool)

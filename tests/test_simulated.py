@@ -1,0 +1,230 @@
+"""Fidelity of the simulated platform: it must fail where a real CUDA graph would (DESIGN.md 5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import piecewise_backend as pb
+from piecewise_backend.capture import capture_active
+from piecewise_backend.platforms import get_platform
+from piecewise_backend.platforms.simulated import SimulatedGraph
+from tests.helpers import SIM, TwoBreakModel, run, segment_kinds
+
+M = pb.CUDAGraphMode
+D4 = pb.BatchDescriptor(4)
+
+
+@pytest.fixture
+def sim():
+    return get_platform("simulated")
+
+
+# ---------------------------------------------------------------- platform level
+
+
+def test_platform_is_cached_and_named(sim):
+    assert sim is get_platform("simulated")
+    assert sim.name == "simulated"
+    with pytest.raises(ValueError, match="unknown platform"):
+        get_platform("tpu")
+
+
+def test_segment_end_leaves_garbage_and_undoes_writes_until_replay(sim):
+    x = torch.arange(4.0)
+    pre = torch.ones(4)
+    ints = torch.arange(4)
+    rec = sim.begin()
+    fresh = x * 2 + 1
+    fresh_int = ints + 10
+    pre.mul_(3).add_(x)
+    view_write = pre[:2]
+    view_write.add_(100)
+    graph = rec.end()
+    assert isinstance(graph, SimulatedGraph)
+    # a capture does not execute
+    assert torch.isnan(fresh).all()
+    assert (fresh_int == -1).all()  # 0xFF bytes
+    assert_close(pre, torch.ones(4))
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    graph.replay()
+    assert_close(fresh, x * 2 + 1)
+    assert_close(fresh_int, ints + 10)
+    assert_close(pre, torch.tensor([103.0, 104.0, 5.0, 6.0]))
+    # replay reads the current contents of pre-existing memory, at the same addresses
+    x.fill_(1.0)
+    graph.replay()
+    assert_close(fresh, torch.full((4,), 3.0))
+    assert_close(pre, torch.tensor([410.0, 413.0, 16.0, 19.0]))
+
+
+def test_recorder_abort_restores_and_closes(sim):
+    pre = torch.zeros(3)
+    rec = sim.begin()
+    pre.add_(7)
+    rec.abort()
+    assert_close(pre, torch.zeros(3))
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    pre.add_(1)  # no longer recorded nor undone
+    assert_close(pre, torch.ones(3))
+
+
+def test_allocations_are_not_replayed_but_keep_their_memory(sim):
+    rec = sim.begin()
+    buf = torch.empty(5)
+    buf.fill_(2.0)
+    graph = rec.end()
+    ptr = buf.data_ptr()
+    assert torch.isnan(buf).all()
+    graph.replay()
+    assert buf.data_ptr() == ptr
+    assert_close(buf, torch.full((5,), 2.0))
+    assert all("empty" not in str(op.func) for op in graph.ops)
+
+
+def test_recorded_ops_are_the_memory_measure(sim):
+    before = sim.memory()
+    rec = sim.begin()
+    torch.ones(2) + 1
+    rec.end()
+    assert sim.memory() > before
+    assert "ATen ops" in sim.describe(sim.memory() - before)
+
+
+@pytest.mark.parametrize(
+    "sync",
+    [
+        pytest.param(lambda t: t.sum().item(), id="item"),
+        pytest.param(lambda t: torch.nonzero(t), id="nonzero"),
+        pytest.param(lambda t: bool(t.sum() > 0), id="bool"),
+        pytest.param(lambda t: t[t > 0], id="mask-index"),
+    ],
+)
+def test_host_sync_during_segment_raises(sim, sync):
+    t = torch.arange(4.0)
+    rec = sim.begin()
+    try:
+        with pytest.raises(RuntimeError, match="capturing"):
+            sync(t)
+    finally:
+        rec.abort()
+
+
+# ---------------------------------------------------------------- through the wrappers
+
+
+class StepCounter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.step.add_(1)
+        return x * 2 + self.step
+
+
+@pytest.mark.parametrize("breakable", [False, True])
+def test_in_place_buffer_update_runs_once_per_call(breakable):
+    m = StepCounter()
+    cls = pb.BreakableCUDAGraphWrapper if breakable else pb.CUDAGraphWrapper
+    w = cls(m, M.FULL, config=SIM)
+    x = torch.zeros(4)
+    out = run(w, M.FULL, D4, x)
+    assert m.step.item() == 1  # capture itself did not count; the replay after it did
+    assert_close(out, torch.full((4,), 1.0))
+    out = run(w, M.FULL, D4, x)
+    assert m.step.item() == 2
+    assert_close(out, torch.full((4,), 2.0))
+
+
+def host_sync_models():
+    class Item(torch.nn.Module):
+        def forward(self, x):
+            return x * x.sum().item()
+
+    class Nonzero(torch.nn.Module):
+        def forward(self, x):
+            return x[torch.nonzero(x > 0)[:, 0]].sum() + x
+
+    return [Item(), Nonzero()]
+
+
+@pytest.mark.parametrize("model", host_sync_models(), ids=["item", "nonzero"])
+@pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
+def test_host_sync_in_model_raises_and_leaves_no_entry(model, mode):
+    w = pb.BreakableCUDAGraphWrapper(model, config=SIM)
+    x = torch.arange(4.0)
+    with pb.expect(captures=0):
+        with pytest.raises(RuntimeError, match="capturing"):
+            run(w, mode, D4, x)
+    assert w.entries == {}
+    assert not capture_active()
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    assert_close(run(w, M.NONE, None, x), model(x))  # eager still fine
+
+
+def test_host_sync_failure_restores_earlier_writes():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("acc", torch.zeros(4))
+
+        def forward(self, x):
+            self.acc.add_(x)
+            return self.acc * self.acc.max().item()
+
+    m = Model()
+    w = pb.CUDAGraphWrapper(m, M.FULL, config=SIM)
+    with pytest.raises(RuntimeError, match="capturing"):
+        run(w, M.FULL, D4, torch.ones(4))
+    assert_close(m.acc, torch.zeros(4))
+
+
+def test_replay_in_grad_mode_with_multi_output_views():
+    # Linear -> view -> unbind -> contiguous with parameters requiring grad: replaying a
+    # fresh result into place must not trip autograd's view checks (a CUDA graph replay
+    # never touches autograd).
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj = torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).view(x.shape[0], 3, 8).unbind(1)
+            return q.contiguous() * k.contiguous() + v.contiguous()
+
+    m = QKV()
+    assert torch.is_grad_enabled() and m.proj.weight.requires_grad
+    w = pb.CUDAGraphWrapper(m, M.FULL, config=SIM)
+    static = torch.randn(4, 8)
+    assert_close(run(w, M.FULL, D4, static), m(static))
+    static.copy_(torch.randn(4, 8))
+    assert_close(run(w, M.FULL, D4, static), m(static))
+
+
+def test_break_segments_are_simulated_graphs_with_recorded_ops():
+    w = pb.BreakableCUDAGraphWrapper(TwoBreakModel(), config=SIM)
+    run(w, M.PIECEWISE, pb.BatchDescriptor(8), torch.randn(8, 8))
+    entry = w.entries[pb.BatchDescriptor(8)]
+    assert segment_kinds(entry) == "G E G E G"
+    graphs = [s for s in entry.segments if isinstance(s, SimulatedGraph)]
+    assert all(len(g) >= 1 for g in graphs)  # each linear at least
+
+
+def test_config_refuses_inductor_on_simulated():
+    with pytest.raises(ValueError, match="compile_pieces"):
+        pb.CompilationConfig(platform="simulated", compile_pieces="inductor")
+    assert pb.CompilationConfig(platform="simulated", compile_pieces="eager").platform == "simulated"
+
+
+def test_auto_platform_without_gpu_refuses_to_capture():
+    if torch.cuda.is_available():
+        pytest.skip("auto resolves to cuda on a GPU machine")  # only the CPU behaviour is tested here
+    w = pb.CUDAGraphWrapper(lambda x: x + 1, M.FULL, config=pb.CompilationConfig(compile_pieces="eager"))
+    x = torch.ones(2)
+    assert_close(w(x), x + 1)  # eager without a context is fine
+    with pytest.raises(RuntimeError, match="simulated"):
+        run(w, M.FULL, D4, x)
+    assert w.entries == {} and not capture_active()
