@@ -1,0 +1,208 @@
+"""``python -m piecewise_backend inspect MODULE:FACTORY``: show how the backend splits a model.
+
+The factory is called with no arguments and returns a model, or ``(model, example_inputs)``.
+Without example inputs the model runs once on ``torch.randint(0, vocab, (tokens,))``, where
+``vocab`` is ``model.cfg.vocab_size`` or ``model.config.vocab_size`` (else 128). Pieces are
+compiled eagerly (no Inductor), so inspecting is fast; ``--dump DIR`` writes the split graph
+and every piece as readable Python.
+
+Table columns: ``nodes`` counts a piece's operations (placeholders and the output node
+excluded), ``inputs`` its placeholders, ``outputs`` the values it returns; ``splitting op``
+names the registered op a splitting piece holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_TOKENS = 8
+DEFAULT_VOCAB = 128
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m piecewise_backend",
+        description="Tools for the piecewise_breakable torch.compile backend.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    inspect = sub.add_parser(
+        "inspect",
+        help="compile a model with the backend and print its pieces",
+        description="Build a model with MODULE:FACTORY, compile it with the piecewise_breakable backend "
+        "(eager pieces), run it once and print the pieces of every graph.",
+    )
+    inspect.add_argument("target", metavar="MODULE:FACTORY", help="e.g. piecewise_backend.toy_llama:make_model")
+    inspect.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"number of input token ids when the factory gives no example inputs (default {DEFAULT_TOKENS})",
+    )
+    inspect.add_argument("--dump", metavar="DIR", default=None, help="write the split graph and pieces as Python here")
+    inspect.set_defaults(parser=inspect)
+    return parser
+
+
+def _load_factory(parser: argparse.ArgumentParser, target: str) -> Any:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        parser.error(f"expected MODULE:FACTORY (e.g. piecewise_backend.toy_llama:make_model), got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        parser.error(f"cannot import module {module_name!r}: {e}")
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            parser.error(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        parser.error(f"{target!r} is not callable (got {type(obj).__name__})")
+    return obj
+
+
+def vocab_size(model: Any) -> int:
+    for holder in ("cfg", "config"):
+        size = getattr(getattr(model, holder, None), "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return DEFAULT_VOCAB
+
+
+def op_name(op: Any) -> str:
+    """A readable name for a registry entry: ``ns::name`` or a Python path."""
+    if isinstance(op, str):
+        return op
+    name = getattr(op, "__name__", None)
+    if name is not None and getattr(F, name, None) is op:
+        return f"torch.nn.functional.{name}"
+    module = getattr(op, "__module__", None) or "?"
+    return f"{module}.{getattr(op, '__qualname__', name or repr(op))}"
+
+
+def _num_outputs(gm: torch.fx.GraphModule) -> int:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return len(out) if isinstance(out, (tuple, list)) else 1
+
+
+def piece_rows(split: Any) -> list[tuple[str, ...]]:
+    from .ops import OpMatcher
+
+    matcher = OpMatcher(split.found_ops)
+    rows = []
+    for p in split.pieces:
+        nodes = [n for n in p.module.graph.nodes if n.op not in ("placeholder", "output")]
+        inputs = sum(n.op == "placeholder" for n in p.module.graph.nodes)
+        ops = ""
+        if p.is_splitting:
+            found = [matcher.match(n.target) for n in nodes if n.op == "call_function"]
+            ops = ", ".join(dict.fromkeys(op_name(s) for s in found if s is not None))
+        kind = "splitting" if p.is_splitting else "compiled"
+        rows.append((str(p.index), p.name, kind, str(len(nodes)), str(inputs), str(_num_outputs(p.module)), ops))
+    return rows
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    header = ("index", "name", "kind", "nodes", "inputs", "outputs", "splitting op")
+    table = [header, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(lines)
+
+
+def run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import piecewise_backend as pb
+
+    factory = _load_factory(parser, args.target)
+    made = factory()
+    example: tuple[Any, ...] | None = None
+    if isinstance(made, tuple):
+        if len(made) != 2:
+            parser.error(f"{args.target} returned a tuple of {len(made)}; expected a model or (model, example_inputs)")
+        made, example = made
+        example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    model = made
+    if not callable(model):
+        parser.error(f"{args.target} returned {type(model).__name__}, which is not a callable model")
+    if isinstance(model, torch.nn.Module):
+        model.eval()
+    if example is None:
+        vocab = vocab_size(model)
+        tokens = args.tokens or DEFAULT_TOKENS
+        param = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+        device = param.device if param is not None else "cpu"
+        example = (torch.randint(0, vocab, (tokens,), device=device),)
+        source = f"torch.randint(0, {vocab}, ({tokens},))"
+    else:
+        source = "example inputs from the factory" + (" (--tokens ignored)" if args.tokens else "")
+
+    ops = pb.registered_splitting_ops()
+    config = pb.CompilationConfig(compile_pieces="eager", debug_dump_dir=args.dump)
+    backend = pb.make_backend(config)
+    with torch.no_grad():
+        expected = model(*example)
+        got = torch.compile(model, backend=backend)(*example)
+    try:
+        torch.testing.assert_close(got, expected)
+        check, status = "compiled output matches eager", 0
+    except AssertionError as e:
+        check, status = "MISMATCH, compiled output differs from eager: " + str(e).splitlines()[0], 1
+    except TypeError as e:  # outputs assert_close cannot compare
+        check, status = f"skipped ({e})", 0
+
+    print(f"model: {args.target} ({type(model).__name__})")
+    print(f"inputs: {source}")
+    print(f"graphs: {len(backend.splits)}")
+    found: list[Any] = []
+    for g, split in enumerate(backend.splits):
+        found.extend(s for s in split.found_ops if not any(s is f or s == f for f in found))
+        print()
+        print(
+            f"graph {g}: {len(split.pieces)} pieces, {split.num_splitting} splitting, "
+            f"{len(split.pieces) - split.num_splitting} compiled"
+        )
+        print(format_table(piece_rows(split)))
+    missing = [op for op in ops if not any(op is f or op == f for f in found)]
+    print()
+    print("splitting ops found: " + (", ".join(op_name(o) for o in found) or "none"))
+    print("splitting ops not found: " + (", ".join(op_name(o) for o in missing) or "none"))
+    if not found:
+        print("note: no splitting op appeared, so nothing was split; register the model's attention op "
+              "with piecewise_backend.register_splitting_op")
+    if args.dump is not None:
+        files = sorted(p for p in Path(args.dump).rglob("*.py"))
+        print(f"dumped {len(files)} files to {args.dump}")
+    print(f"eager check: {check}")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect":
+        return run_inspect(args, args.parser)
+    parser.error(f"unknown command {args.command!r}")  # unreachable: argparse checks choices
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
