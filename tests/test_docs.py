@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,20 @@ def test_doc_code_blocks_run(path: Path) -> None:
     namespace: dict = {"__name__": f"doc_{path.stem}"}
     for i, block in enumerate(BLOCK.findall(path.read_text())):
         exec(compile(block, f"{path.name}[block {i}]", "exec"), namespace)
+
+
+SHELL = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_doc_commands_run(path: Path) -> None:
+    """The `python ...` lines of docs' bash blocks run with this interpreter and exit 0."""
+    for block in SHELL.findall(path.read_text()):
+        for line in block.splitlines():
+            if line.startswith("python "):
+                argv = [sys.executable, *shlex.split(line)[1:]]
+                proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+                assert proc.returncode == 0, f"{line}\n{proc.stdout}\n{proc.stderr}"
 
 
 def test_ci_runs_the_readme_test_command() -> None:
