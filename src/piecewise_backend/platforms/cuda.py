@@ -25,7 +25,8 @@ class _CudaRecorder:
         # After an error inside capture, capture_end itself may raise; the graph is dropped anyway.
         with contextlib.suppress(Exception):
             self.graph.capture_end()
-        self.graph.reset()
+        with contextlib.suppress(Exception):
+            self.graph.reset()
 
 
 class CudaPlatform:
