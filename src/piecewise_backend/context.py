@@ -44,9 +44,13 @@ class ForwardContext:
         self.runtime_mode = runtime_mode
         self.batch_descriptor = batch_descriptor
         self.__dict__.update(attrs)
+        # Ints for the wrappers' passthrough test (hashing or comparing Enum members is slow).
+        self._mode_index = runtime_mode.value
+        self._mode_bit = 1 << runtime_mode.value
 
     def __repr__(self) -> str:
-        return f"ForwardContext({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+        shown = (f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_mode_"))
+        return f"ForwardContext({', '.join(shown)})"
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pb_forward_context", default=None)

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# GPU check: the CUDA-marked tests and the CUDA benchmarks, results into docs/benchmarks.md.
+#
+#   bash scripts/gpu_check.sh [DOC]        # from anywhere; DOC defaults to docs/benchmarks.md
+#
+# For a CUDA machine with torch (2.11+) and pytest already installed: installs nothing from
+# the network (the package itself goes in with pip --no-deps --no-build-isolation, else
+# PYTHONPATH=src), and needs no expecttest (only tests/test_cuda.py is collected).
+# Everything is bounded by `timeout` to finish within 8 minutes (GPU_CHECK_SECONDS).
+# It rewrites the GPU section of DOC (date, torch, GPU, test summary, tables). When $OUT is
+# set (the device runner's output folder), DOC and the logs are copied there too.
+set -u
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+PY="${PYTHON:-python}"
+DOC="${1:-docs/benchmarks.md}"
+TOTAL="${GPU_CHECK_SECONDS:-480}"
+LOGS="$(mktemp -d /tmp/gpu_check.XXXXXX)"
+START=$(date +%s)
+left() { echo $(( TOTAL - ($(date +%s) - START) )); }
+export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+echo "== gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), logs in $LOGS"
+"$PY" - <<'EOF' 2>&1 | tee "$LOGS/env.log"
+import sys, torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("gpu", torch.cuda.get_device_name(), "| count", torch.cuda.device_count())
+EOF
+
+echo "== install (no network, no deps)"
+if timeout 90 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . >"$LOGS/pip.log" 2>&1; then
+  echo "installed editable (entry point registered)"
+else
+  echo "pip install -e . failed (see $LOGS/pip.log); running from PYTHONPATH=src"
+fi
+
+echo "== CUDA tests (tests/test_cuda.py, -m cuda)"
+TEST_RC=0
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout -k 10 "$(( $(left) / 2 ))" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda.py \
+    2>&1 | tee "$LOGS/cuda_tests.log"
+  TEST_RC=${PIPESTATUS[0]}
+  [ "$TEST_RC" = 124 ] && echo "CUDA tests: killed by timeout" | tee -a "$LOGS/cuda_tests.log"
+else
+  TEST_RC=127
+  echo "pytest is not installed: CUDA tests not run" | tee "$LOGS/cuda_tests.log"
+fi
+echo "pytest exit status $TEST_RC" >>"$LOGS/cuda_tests.log"
+
+echo "== CUDA benchmarks ($(left) s left)"
+BUDGET=$(( $(left) - 30 ))
+BENCH_RC=0
+if [ "$BUDGET" -gt 60 ]; then
+  # --budget cuts the timed loops short; `timeout` is the hard stop (the doc is rewritten
+  # after each part, so a kill keeps the parts already measured).
+  timeout -k 10 "$BUDGET" "$PY" benchmarks/run.py --cuda --budget "$(( BUDGET - 60 ))" --out "$DOC" \
+    --pytest-log "$LOGS/cuda_tests.log" 2>&1 | tee "$LOGS/bench.log"
+  BENCH_RC=${PIPESTATUS[0]}
+  [ "$BENCH_RC" = 124 ] && echo "benchmarks: killed by timeout after ${BUDGET}s" | tee -a "$LOGS/bench.log"
+else
+  echo "no time left for the benchmarks" | tee "$LOGS/bench.log"
+fi
+
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  cp "$DOC" "$OUT/benchmarks.md" 2>/dev/null
+  for f in env pip cuda_tests bench; do cp "$LOGS/$f.log" "$OUT/$f.log" 2>/dev/null; done
+fi
+echo "== done in $(( $(date +%s) - START )) s: tests rc=$TEST_RC, benchmarks rc=$BENCH_RC; results in $DOC"
+[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
