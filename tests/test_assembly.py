@@ -100,11 +100,14 @@ def test_wrap_model_without_breakable(mode):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="platform='auto' means CUDA here")
 @pytest.mark.parametrize("mode", [M.PIECEWISE, M.FULL_AND_PIECEWISE, M.FULL])
-def test_wrap_model_auto_platform_on_cpu_returns_model(mode):
+def test_auto_platform_on_cpu_means_no_graphs_in_the_runner(mode):
     model = TwoBreakModel()
     config = pb.CompilationConfig(cudagraph_mode=mode, platform="auto", compile_pieces="eager")
     assert pb.effective_mode(config) is M.NONE
-    assert pb.wrap_model(model, config) is model
+    runner = pb.GraphRunner(model, config, [pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
+    assert runner.mode is M.NONE and runner.model is model
+    # wrap_model itself is structural: it stacks what the configured mode asks for
+    assert isinstance(pb.wrap_model(model, config), pb.CUDAGraphWrapper if mode.has_full_cudagraphs() else pb.BreakableCUDAGraphWrapper)
 
 
 def test_wrap_model_rejects_non_config():

@@ -7,6 +7,7 @@ import dataclasses
 import threading
 
 import pytest
+import torch
 
 import piecewise_backend as pb
 
@@ -107,10 +108,12 @@ def test_rejects_unknown_mode():
 
 
 @pytest.mark.parametrize("mode", [M.PIECEWISE, M.FULL])
-def test_graph_mode_needs_a_descriptor(mode):
-    with pytest.raises(ValueError, match="batch_descriptor"):
-        with pb.set_forward_context(mode):
-            pytest.fail("body must not run")
+def test_graph_mode_without_descriptor_is_refused_by_a_capturing_wrapper(mode):
+    sim = pb.CompilationConfig(platform="simulated", compile_pieces="eager")
+    with pb.set_forward_context(mode) as ctx:
+        assert ctx.batch_descriptor is None
+        with pytest.raises(ValueError, match="batch_descriptor"):
+            pb.BreakableCUDAGraphWrapper(lambda x: x + 1, config=sim)(torch.ones(2))
 
 
 def test_descriptor_type_checked():

@@ -53,7 +53,7 @@ def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) 
     """
     if not isinstance(config, CompilationConfig):
         raise TypeError(f"wrap_model takes a CompilationConfig, got {type(config).__name__}")
-    mode = effective_mode(config)
+    mode = config.cudagraph_mode  # structural: GraphRunner applies effective_mode() first
     if mode == _NONE:
         return model
     wrapped = model

@@ -66,8 +66,6 @@ def set_forward_context(
     runtime_mode = CUDAGraphMode.parse(runtime_mode)
     if runtime_mode not in CUDAGraphMode.valid_runtime_modes():
         raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {runtime_mode.name}")
-    if runtime_mode != CUDAGraphMode.NONE and batch_descriptor is None:
-        raise ValueError(f"runtime_mode {runtime_mode.name} needs a batch_descriptor (the graph key)")
     if batch_descriptor is not None and not isinstance(batch_descriptor, BatchDescriptor):
         raise TypeError(f"batch_descriptor must be a BatchDescriptor, got {type(batch_descriptor).__name__}")
     ctx = ForwardContext(runtime_mode, batch_descriptor, **attrs)

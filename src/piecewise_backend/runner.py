@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError:  # a bare GPU box may lack it: capture works, without a progress bar
+    tqdm = None
 
 from .assembly import effective_mode, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .config import CompilationConfig
@@ -167,7 +171,7 @@ class GraphRunner:
         gc.freeze()
         _cuda_platform.gc_managed_outside = True
         try:
-            with tqdm(total=total, desc="capturing graphs", disable=(not progress) if progress is not None else None) as bar:
+            with _progress(total, progress) as bar:
                 for mode, descs in plan:
                     for desc in descs:
                         views = self._views(desc.num_tokens)
@@ -186,6 +190,27 @@ class GraphRunner:
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
         self.capture_closed = disable_after
         return self.report
+
+
+class _NoBar:
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+
+def _progress(total: int, progress: bool | None) -> Any:
+    """A tqdm bar (``progress=None``: only on a terminal), or a silent stand-in."""
+    if tqdm is None or progress is False:
+        return _NoBar()
+    return tqdm(total=total, desc="capturing graphs", disable=None if progress is None else False)
 
 
 def _drafter_mode(mode: CUDAGraphMode) -> CUDAGraphMode:

@@ -115,6 +115,11 @@ class _GraphWrapper:
             eager_counts[ctx._mode_index] += 1
             return self.runnable(*args, **kwargs)
         mode = ctx.runtime_mode
+        if ctx.batch_descriptor is None:
+            raise ValueError(
+                f"{type(self).__name__}: runtime mode {mode.name} needs a batch_descriptor in the forward "
+                "context (it keys the graph); pass pb.BatchDescriptor(num_tokens) to set_forward_context"
+            )
         if capture_active():  # inside another wrapper's capture: become part of its graph
             return self.runnable(*args, **kwargs)
         entry = self.entries.get(ctx.batch_descriptor)
