@@ -165,3 +165,36 @@ class torch_threads:
     def __exit__(self, *exc):
         torch.set_num_threads(self.saved)
         return False
+
+
+class StepCounter(torch.nn.Module):
+    """Increments a step buffer in place inside the captured region: 1 after the first call, 2 after the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step.add_(1)
+        return x * 2 + self.step
+
+
+class FlakyBreakModel(torch.nn.Module):
+    """linear -> break -> linear, where the break raises while ``self.fail`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.fail = True
+
+        @pb.eager_break
+        def flaky(h: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise ValueError("break failed")
+            return h.sigmoid()
+
+        self.flaky = flaky
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.flaky(self.l1(x)))

@@ -15,6 +15,7 @@ from tests.helpers import (
     BREAK_CALLS,
     SIM,
     CountingMLP,
+    FlakyBreakModel,
     TwoBreakModel,
     compile_model,
     fresh_break,
@@ -235,24 +236,7 @@ def test_runnable_raising_during_breakable_capture_leaves_nothing():
 
 
 def test_break_raising_during_capture_leaves_nothing():
-    state = {"fail": True}
-
-    @pb.eager_break
-    def flaky(h):
-        if state["fail"]:
-            raise ValueError("break failed")
-        return h.sigmoid()
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.l2(flaky(self.l1(x)))
-
-    m = Model()
+    m = FlakyBreakModel()
     w = breakable(m)
     static = x8()
     with pb.expect(captures=0):
@@ -261,7 +245,7 @@ def test_break_raising_during_capture_leaves_nothing():
     assert w.entries == {} and not capture_active()
     assert pb.capture._state.in_break == 0
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
-    state["fail"] = False
+    m.fail = False
     with pb.expect(captures=1, breaks=1):
         out = run(w, M.PIECEWISE, D8, static)
     assert_close(out, m(static))

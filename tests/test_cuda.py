@@ -14,7 +14,17 @@ from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend.capture import EagerSegment, capture_active
-from tests.helpers import BREAK_CALLS, CountingMLP, TwoBreakModel, compile_model, make_model, run, segment_kinds
+from tests.helpers import (
+    BREAK_CALLS,
+    CountingMLP,
+    FlakyBreakModel,
+    StepCounter,
+    TwoBreakModel,
+    compile_model,
+    make_model,
+    run,
+    segment_kinds,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -117,15 +127,6 @@ def test_cuda_replay_correct_without_python(make):
 
 
 def test_cuda_in_place_buffer_update_runs_once_per_call():
-    class StepCounter(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("step", torch.zeros((), dtype=torch.long))
-
-        def forward(self, x):
-            self.step.add_(1)
-            return x * 2 + self.step
-
     m = StepCounter().cuda()
     w = full(m)
     x = torch.zeros(4, device="cuda")
@@ -241,33 +242,17 @@ def test_cuda_exception_during_capture_leaves_nothing():
 
 
 def test_cuda_break_raising_during_capture_leaves_nothing():
-    state = {"fail": True}
-
-    @pb.eager_break
-    def flaky(h):
-        if state["fail"]:
-            raise ValueError("break failed")
-        return h.sigmoid()
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.l2(flaky(self.l1(x)))
-
-    m = Model().cuda()
+    m = FlakyBreakModel().cuda()
     w = breakable(m)
     static = xc(0)
-    state["fail"] = False
+    m.fail = False
     warm(w, static)
-    state["fail"] = True
+    m.fail = True
     with pytest.raises(ValueError, match="break failed"):
         run(w, M.PIECEWISE, D8, static)
     assert w.entries == {} and not capture_active()
     assert not torch.cuda.is_current_stream_capturing()
-    state["fail"] = False
+    m.fail = False
     with pb.expect(captures=1, breaks=1):
         assert_close(run(w, M.PIECEWISE, D8, static), m(static), **TOL)
     assert segment_kinds(w.entries[D8]) == "G E G"

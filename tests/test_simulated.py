@@ -10,7 +10,7 @@ import piecewise_backend as pb
 from piecewise_backend.capture import capture_active
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.platforms.simulated import SimulatedGraph
-from tests.helpers import SIM, TwoBreakModel, run, segment_kinds
+from tests.helpers import SIM, StepCounter, TwoBreakModel, run, segment_kinds
 
 M = pb.CUDAGraphMode
 D4 = pb.BatchDescriptor(4)
@@ -112,16 +112,6 @@ def test_host_sync_during_segment_raises(sim, sync):
 
 
 # ---------------------------------------------------------------- through the wrappers
-
-
-class StepCounter(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        self.step.add_(1)
-        return x * 2 + self.step
 
 
 @pytest.mark.parametrize("breakable", [False, True])

@@ -7,7 +7,6 @@ builds a backend for a non-default :class:`CompilationConfig`.
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
