@@ -257,3 +257,18 @@ def test_register_is_idempotent_next_to_the_entry_point():
     pb.register()
     pb.register()
     assert lookup_backend("piecewise_breakable") is pb.piecewise_breakable
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="platform='auto' means CUDA here")
+def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing():
+    # platform='auto' without a GPU means no graphs: the classic scheme must not install
+    # per-piece wrappers that would only cost a passthrough (or fail) on every call.
+    backend = pb.make_backend(pb.CompilationConfig(use_breakable=False, compile_pieces="eager"))
+    model = make_model(2, "inplace")
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        ids = token_ids(4)
+        torch.testing.assert_close(compiled(ids), model(ids))
+    split_gm = backend.splits[-1].split_gm
+    runners = [split_gm.__dict__[p.name] for p in backend.splits[-1].pieces if not p.is_splitting]
+    assert runners and not any(isinstance(r, pb.CUDAGraphWrapper) for r in runners)

@@ -81,7 +81,7 @@ def _per_piece_backend(model: Any) -> bool:
         if obj is None:
             return False
         if isinstance(obj, PiecewiseBackend):
-            return not obj.config.use_breakable and obj.config.cudagraph_mode != _NONE
+            return not obj.config.use_breakable and effective_mode(obj.config) != _NONE
         obj = (
             getattr(obj, "_torchdynamo_orig_backend", None)
             or getattr(obj, "_inner_convert", None)

@@ -131,7 +131,7 @@ class PiecewiseBackend:
                 counters["compiles"] += 1
             else:
                 counters["compile_cache_hits"] += 1
-        if not self.config.use_breakable and self.config.cudagraph_mode != CUDAGraphMode.NONE:
+        if not self.config.use_breakable and _effective_mode(self.config) != CUDAGraphMode.NONE:
             from .wrappers import CUDAGraphWrapper
 
             return CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, config=self.config)
@@ -152,6 +152,12 @@ class PiecewiseBackend:
         """Forget compiled pieces and recorded splits."""
         self._compiled.clear()
         self.splits.clear()
+
+
+def _effective_mode(config: CompilationConfig) -> CUDAGraphMode:
+    from .assembly import effective_mode  # assembly sits above the backend; import at use
+
+    return effective_mode(config)
 
 
 def make_backend(config: CompilationConfig | None = None) -> PiecewiseBackend:
