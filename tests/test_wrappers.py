@@ -383,3 +383,17 @@ def test_moved_keyword_input_is_named_as_a_kwarg():
         w(x, scale=scale)
         with pytest.raises(ValueError, match=r"input kwargs\['scale'\] moved"):
             w(x, scale=torch.ones(4))
+
+
+def test_changing_runtime_mode_after_construction_moves_the_gate():
+    w = pb.CUDAGraphWrapper(lambda x: x + 1, M.FULL, config=SIM)
+    x = torch.ones(2)
+    with pb.expect(eager_PIECEWISE=1, captures=0):
+        run(w, M.PIECEWISE, pb.BatchDescriptor(2), x)
+    w.runtime_mode = "PIECEWISE"
+    assert w.runtime_mode is M.PIECEWISE
+    with pb.expect(captures=1, eager_FULL=1):
+        run(w, M.PIECEWISE, pb.BatchDescriptor(2), x)
+        run(w, M.FULL, pb.BatchDescriptor(2), x)
+    with pytest.raises(ValueError, match="PIECEWISE or FULL"):
+        w.runtime_mode = M.NONE

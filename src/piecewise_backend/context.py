@@ -44,12 +44,23 @@ class ForwardContext:
         self.runtime_mode = runtime_mode
         self.batch_descriptor = batch_descriptor
         self.__dict__.update(attrs)
+
+    @property
+    def runtime_mode(self) -> CUDAGraphMode:
+        return self._runtime_mode
+
+    @runtime_mode.setter
+    def runtime_mode(self, mode: CUDAGraphMode) -> None:
+        if mode not in CUDAGraphMode.valid_runtime_modes():
+            raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {mode!r}")
+        self._runtime_mode = mode
         # Ints for the wrappers' passthrough test (hashing or comparing Enum members is slow).
-        self._mode_index = runtime_mode.value
-        self._mode_bit = 1 << runtime_mode.value
+        self._mode_index = mode.value
+        self._mode_bit = 1 << mode.value
 
     def __repr__(self) -> str:
-        shown = (f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_mode_"))
+        shown = [f"runtime_mode={self.runtime_mode!r}"]
+        shown += [f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_")]
         return f"ForwardContext({', '.join(shown)})"
 
 

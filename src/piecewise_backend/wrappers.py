@@ -81,22 +81,31 @@ class _GraphWrapper:
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode | None, config: CompilationConfig | None):
         if not callable(runnable):
             raise TypeError(f"{type(self).__name__} needs a callable runnable, got {type(runnable).__name__}")
-        if runtime_mode is not None:
-            runtime_mode = CUDAGraphMode.parse(runtime_mode)
-            if runtime_mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
-                raise ValueError(f"{type(self).__name__} runtime_mode must be PIECEWISE or FULL, got {runtime_mode.name}")
         if config is not None and not isinstance(config, CompilationConfig):
             raise TypeError(f"config must be a CompilationConfig or None, got {type(config).__name__}")
         self.runnable = runnable
         self.runtime_mode = runtime_mode
         self.config = config or CompilationConfig()
         self.entries: dict[BatchDescriptor, GraphEntry] = {}
-        self._mode_mask = sum(1 << m.value for m in CUDAGraphMode.valid_runtime_modes() if m is not _NONE and self._matches(m))
         self._platform: Platform | None = None
+
+    @property
+    def runtime_mode(self) -> CUDAGraphMode | None:
+        return self._runtime_mode
+
+    @runtime_mode.setter
+    def runtime_mode(self, mode: CUDAGraphMode | str | None) -> None:
+        if mode is not None:
+            mode = CUDAGraphMode.parse(mode)
+            if mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+                raise ValueError(f"{type(self).__name__} runtime_mode must be PIECEWISE or FULL, got {mode.name}")
+        self._runtime_mode = mode
+        # bit m.value set for every runtime mode this wrapper captures (see __call__)
+        self._mode_mask = sum(1 << m.value for m in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL) if self._matches(m))
 
     def __getattr__(self, name: str) -> Any:
         # Only called for missing attributes: forward them to the wrapped model.
-        if name == "runnable":
+        if name in ("runnable", "_runtime_mode"):
             raise AttributeError(name)
         return getattr(self.runnable, name)
 
