@@ -397,3 +397,20 @@ def test_runner_construction_errors():
         pb.StaticInput("not a name")
     with pytest.raises(ValueError, match="positive ints"):
         pb.StaticInput("x", shape=(0,))
+
+
+def test_padding_rows_hold_the_pad_value_not_the_previous_step():
+    model = LoggingModel()
+    inputs = [pb.StaticInput("x", shape=(8,), dtype=torch.float32, pad=-3.0)]
+    runner = pb.GraphRunner(model, cfg(), inputs)
+    runner.capture(progress=False)
+    big, small = rand(8, 8, seed=1), rand(3, 8, seed=2)
+    runner.run(x=big)
+    assert runner.last_mode is M.PIECEWISE
+    out = runner.run(x=small)  # 3 tokens run at a captured size > 3: rows 3.. are padding
+    padded = runner.dispatcher.pad(3)
+    assert padded > 3
+    buf = runner.buffers["x"]
+    assert torch.equal(buf[:3], small)
+    assert torch.equal(buf[3:padded], torch.full((padded - 3, 8), -3.0))
+    assert_close(out, model(small))

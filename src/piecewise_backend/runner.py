@@ -149,9 +149,14 @@ class GraphRunner:
             return self._call(batch, mode, desc, context or {})
         padded = desc.num_tokens
         for name, t in batch.items():
-            buf = self.buffers[name]
-            buf[:padded].fill_(self.inputs[name].pad)
-            buf[(slice(0, n), *(slice(0, d) for d in t.shape[1:]))].copy_(t)
+            buf, spec = self.buffers[name], self.inputs[name]
+            if t.shape[1:] == spec.shape:  # the common case: one copy, pad only the padding rows
+                buf[:n].copy_(t)
+                if padded > n:
+                    buf[n:padded].fill_(spec.pad)
+            else:
+                buf[:padded].fill_(spec.pad)
+                buf[(slice(0, n), *(slice(0, d) for d in t.shape[1:]))].copy_(t)
         out = self._call(self._views(padded), mode, desc, context or {})
         return tree_map(lambda o: o[:n] if isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == padded else o, out)
 
