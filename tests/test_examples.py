@@ -28,3 +28,15 @@ def test_serve_example_runs_piecewise_and_full_steps():
     assert {"PIECEWISE", "FULL"} <= modes, proc.stdout
     assert all(float(diff) < 1e-3 for _, _, diff in steps), proc.stdout
     assert re.search(r"^captured \d+ graphs", proc.stdout, re.MULTILINE), proc.stdout
+
+
+def test_compile_split_example_shows_pieces_and_compile_once():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "compile_split.py"), "--layers", "3", "--pieces", "eager"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "graph 0: 7 pieces" in proc.stdout  # 2N+1 for N=3
+    assert proc.stdout.count("splitting (runs eagerly") == 3
+    assert re.search(r"max \|compiled - eager\|: \S+", proc.stdout)
