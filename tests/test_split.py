@@ -542,3 +542,11 @@ def test_pieces_ordered_by_integer_id_graph_starting_with_splitting_op():
         (add,) = call_nodes(p.module)
         assert add.target is operator.add
     assert [call_nodes(p.module)[0].args[1] for p in split.pieces[1::2]] == list(range(6))
+
+
+def test_split_graph_accepts_a_single_op():
+    model = make_model(2, "inplace")
+    (gm,) = dynamo_graphs(model, token_ids(4))
+    for single in ("pb_toy::attention", torch.ops.pb_toy.attention):
+        split = pb.split_graph(gm, single)
+        assert [p.is_splitting for p in split.pieces] == [False, True, False, True, False]

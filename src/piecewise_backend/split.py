@@ -134,8 +134,10 @@ def _position(graph: fx.Graph) -> Any:
     return pos.__getitem__
 
 
-def split_graph(gm: fx.GraphModule, splitting_ops: Iterable[Any]) -> SplitGraph:
-    """Split ``gm`` (a Dynamo-level graph) at ``splitting_ops``; ``gm`` itself is not modified."""
+def split_graph(gm: fx.GraphModule, splitting_ops: Iterable[Any] | Any) -> SplitGraph:
+    """Split ``gm`` (a Dynamo-level graph) at ``splitting_ops`` (one op or a list); ``gm`` is not modified."""
+    if isinstance(splitting_ops, str) or callable(splitting_ops):  # one op (an op packet is iterable)
+        splitting_ops = [splitting_ops]
     matcher = OpMatcher(splitting_ops)
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
