@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .observability import counters
-from .platforms import Graph, Platform, Recorder
+from .platforms import Graph, Platform, Recorder, fresh_outputs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,13 +43,9 @@ class EagerSegment:
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any):
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         self.single = isinstance(out, torch.Tensor)
-        leaves = [out] if self.single else tree_leaves(out)
         # A result in fresh memory must land where the later graph segments read it.
-        self.fresh = [
-            (i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
-        ]
+        self.fresh = fresh_outputs(args, kwargs, [out] if self.single else tree_leaves(out))
 
     def replay(self) -> None:
         out = self.fn(*self.args, **self.kwargs)

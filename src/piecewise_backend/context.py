@@ -13,6 +13,8 @@ from typing import Any
 
 from .modes import CUDAGraphMode
 
+_RUNTIME_MODES = CUDAGraphMode.valid_runtime_modes()
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchDescriptor:
@@ -51,8 +53,8 @@ class ForwardContext:
 
     @runtime_mode.setter
     def runtime_mode(self, mode: CUDAGraphMode) -> None:
-        if mode not in CUDAGraphMode.valid_runtime_modes():
-            raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {mode!r}")
+        if mode not in _RUNTIME_MODES:
+            raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {getattr(mode, 'name', mode)}")
         self._runtime_mode = mode
         # Ints for the wrappers' passthrough test (hashing or comparing Enum members is slow).
         self._mode_index = mode.value
@@ -74,9 +76,7 @@ def set_forward_context(
     **attrs: Any,
 ) -> Iterator[ForwardContext]:
     """Run a step under ``runtime_mode`` (NONE, PIECEWISE or FULL) keyed by ``batch_descriptor``."""
-    runtime_mode = CUDAGraphMode.parse(runtime_mode)
-    if runtime_mode not in CUDAGraphMode.valid_runtime_modes():
-        raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {runtime_mode.name}")
+    runtime_mode = CUDAGraphMode.parse(runtime_mode)  # ForwardContext checks it is a runtime mode
     if batch_descriptor is not None and not isinstance(batch_descriptor, BatchDescriptor):
         raise TypeError(f"batch_descriptor must be a BatchDescriptor, got {type(batch_descriptor).__name__}")
     ctx = ForwardContext(runtime_mode, batch_descriptor, **attrs)

@@ -53,7 +53,7 @@ class CUDAGraphMode(enum.Enum):
 
     @staticmethod
     def valid_runtime_modes() -> frozenset[CUDAGraphMode]:
-        return frozenset({CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
+        return _RUNTIME
 
     @classmethod
     def parse(cls, value: CUDAGraphMode | str) -> CUDAGraphMode:
@@ -69,6 +69,9 @@ _PAIRS = {
     CUDAGraphMode.FULL_DECODE_ONLY: (CUDAGraphMode.FULL, CUDAGraphMode.NONE),
     CUDAGraphMode.FULL_AND_PIECEWISE: (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE),
 }
+
+
+_RUNTIME = frozenset({CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
 
 
 class AttentionGraphSupport(enum.IntEnum):

@@ -7,9 +7,10 @@ records *segments* inside them; a finished segment is a graph with ``replay()``.
 from __future__ import annotations
 
 import functools
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 class Graph(Protocol):
@@ -32,6 +33,13 @@ class Platform(Protocol):
     def memory(self) -> int: ...  # a monotone measure of what captures hold (bytes, or recorded ops)
 
     def describe(self, amount: int) -> str: ...  # ``amount`` of memory() in words
+
+
+def fresh_outputs(args: tuple, kwargs: dict, outs: list[Any]) -> list[tuple[int, torch.Tensor]]:
+    """(position, tensor) of each output in memory none of the inputs own: a result a replay
+    must copy into place, since later work reads the capture-time tensor."""
+    owned = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    return [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in owned]
 
 
 def resolve_platform_name(name: str) -> str | None:

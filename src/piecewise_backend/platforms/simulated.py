@@ -17,6 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import fresh_outputs
+
 _HOST_SYNC = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _NO_REPLAY = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
@@ -89,9 +91,7 @@ class _RecordingMode(TorchDispatchMode):
                     if isinstance(t, torch.Tensor):
                         self._snapshot(t)
         out = func(*args, **kwargs)
-        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        fresh = [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs]
+        fresh = fresh_outputs(args, kwargs, out if isinstance(out, (tuple, list)) else [out])
         for _, t in fresh:
             self.allocated.setdefault(_storage_key(t), t)
         # Decide by real storage, not the schema: under inference_mode composite ops such as
