@@ -124,6 +124,13 @@ BAD = [
     ("num_warmups", False),
     ("debug_dump_dir", 3),
     ("debug_dump_dir", ["/tmp"]),
+    ("max_num_seqs", 0),
+    ("max_num_seqs", 2.0),
+    ("max_num_seqs", True),
+    ("debug_checks", 1),
+    ("debug_checks", "yes"),
+    ("cache_dir", 3),
+    ("cache_dir", ["/tmp"]),
 ]
 
 

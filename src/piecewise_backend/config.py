@@ -34,6 +34,9 @@ class CompilationConfig:
     platform: str = "auto"
     num_warmups: int = 1
     debug_dump_dir: str | os.PathLike[str] | None = None
+    max_num_seqs: int | None = None  # set: FULL keys of mixed batches carry num_reqs=min(padded, max_num_seqs)
+    debug_checks: bool = False  # poison stale replay outputs, cross-rank key checks (slower; for debugging)
+    cache_dir: str | os.PathLike[str] | None = None  # compiled pieces saved and loaded across processes
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)
@@ -80,8 +83,14 @@ class CompilationConfig:
             )
         if not _is_int(self.num_warmups) or self.num_warmups < 0:
             raise ValueError(f"CompilationConfig.num_warmups must be an int >= 0, got {self.num_warmups!r}")
-        if self.debug_dump_dir is not None and not isinstance(self.debug_dump_dir, (str, os.PathLike)):
-            raise ValueError(f"CompilationConfig.debug_dump_dir must be None or a path, got {self.debug_dump_dir!r}")
+        for name in ("debug_dump_dir", "cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"CompilationConfig.{name} must be None or a path, got {value!r}")
+        if self.max_num_seqs is not None and (not _is_int(self.max_num_seqs) or self.max_num_seqs < 1):
+            raise ValueError(f"CompilationConfig.max_num_seqs must be None or a positive int, got {self.max_num_seqs!r}")
+        if not isinstance(self.debug_checks, bool):
+            raise ValueError(f"CompilationConfig.debug_checks must be a bool, got {self.debug_checks!r}")
 
     @property
     def sizes(self) -> tuple[int, ...]:
