@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import fresh_outputs
-from .sim_checks import check_caller, validate_segment
+from .sim_checks import check_caller, refuse, validate_segment
 
 _HOST_SYNC = {
     torch.ops.aten._local_scalar_dense.default,
@@ -125,10 +125,10 @@ class _RecordingMode(TorchDispatchMode):
         # Let torch.compile trace and compile under an open segment, as it can under a CUDA capture.
         return True
 
-    def __init__(self, platform: SimulatedPlatform, record_inside_ops: bool = True) -> None:
+    def __init__(self, platform: SimulatedPlatform) -> None:
         super().__init__()
         self.platform = platform
-        self.record_inside_ops = record_inside_ops
+        self.record_inside_ops, self.check = platform.record_inside_ops, platform.validate
         self.ops: list[_Op] = []
         self.allocated: dict[int, torch.Tensor] = {}  # storage key -> a tensor on it
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
@@ -142,7 +142,8 @@ class _RecordingMode(TorchDispatchMode):
             if not self.platform.is_host_scalar(args[0]):
                 _raise_host_sync(func)
             return func(*args, **kwargs)
-        check_caller(func)
+        if self.check:
+            check_caller(func)
         if func in _HOST_FROM_DATA:
             self.platform.mark_host(args[0])
         self._snapshot_writes(func, args, kwargs)
@@ -188,9 +189,10 @@ class _RecordingMode(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else [out]
         for _, t in fresh_outputs(args, kwargs, outs):
             if _storage_key(t) not in self.allocated:
-                from .sim_checks import refuse
-
-                refuse(f"{func} returned a tensor that no recorded ATen op produced (its kernel bypasses the dispatcher)")
+                refuse(
+                    f"{func} returned a tensor that no recorded ATen op produced (its kernel allocates or "
+                    "writes behind the dispatcher, or it returns a tensor made outside the op)"
+                )
         return out
 
     def _snapshot_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -218,7 +220,7 @@ class _RecordingMode(TorchDispatchMode):
 class _SimRecorder:
     def __init__(self, platform: SimulatedPlatform) -> None:
         self.platform = platform
-        self.mode = _RecordingMode(platform, platform.record_inside_ops)
+        self.mode = _RecordingMode(platform)
         self.rng = torch.get_rng_state()
         self.mode.__enter__()
         self.open = True
@@ -249,8 +251,8 @@ class SimulatedPlatform:
     def __init__(self) -> None:
         self.recorded_ops = 0
         # Knobs for benchmarks and debugging only: the defaults are what makes the simulator faithful.
-        self.record_inside_ops = True
-        self.validate = True
+        self.record_inside_ops = True  # False: record a custom op whole and re-run its Python on replay
+        self.validate = True  # False: skip the checks that refuse unrecordable work (sim_checks)
         self._host: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> tensor (weak: never keep it alive)
 
     @contextlib.contextmanager
