@@ -14,7 +14,7 @@ import piecewise_backend as pb
 from piecewise_backend.capture import capture_active
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.platforms.sim_checks import UnrecordableError
-from tests.helpers import OP_CALLS, SIM, ContextScale, ContextScaleBreak, make_model, run
+from tests.helpers import OP_CALLS, SIM, ContextScale, ContextScaleBreak, make_model, run, tiny_mlp
 
 M = pb.CUDAGraphMode
 D4 = pb.BatchDescriptor(4)
@@ -115,19 +115,12 @@ def test_host_sync_inside_custom_op_raises(mode):
 # ---------------------------------------------------------------- unrecordable work is refused
 
 
-@torch.library.custom_op("pb_test::raw_double", mutates_args=("out",))
-def raw_double(x: torch.Tensor, out: torch.Tensor) -> None:
-    # Stands for a C++ kernel writing through raw pointers: the write never reaches the dispatcher.
-    with torch._C._DisableTorchDispatch():
-        out.copy_(x * 2)
-
-
 def test_kernel_bypassing_the_dispatcher_is_refused():
     # GPU: such a kernel is captured like any other. The simulator cannot see it, so a replay
     # would skip it: it must refuse at capture time, naming the cause and the fix.
     def fn(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        raw_double(x + 1, out)
+        torch.ops.pb_test.raw_double(x + 1, out)
         return out
 
     w = pb.CUDAGraphWrapper(fn, M.FULL, config=SIM)
@@ -137,17 +130,12 @@ def test_kernel_bypassing_the_dispatcher_is_refused():
     assert w.entries == {} and not capture_active()
 
 
-def mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).eval()
-
-
 def test_inductor_pieces_are_refused_at_capture():
     # GPU: Inductor's Triton kernels are captured. On the CPU its fused C++ kernels bypass the
     # dispatcher: replays would silently differ from eager, so capture must refuse them. The
     # config check cannot see this: the model was compiled with the default backend config.
     torch._dynamo.reset()
-    compiled = torch.compile(mlp(), backend="piecewise_breakable")
+    compiled = torch.compile(tiny_mlp(), backend="piecewise_breakable")
     x = torch.randn(4, 8)
     compiled(x)  # compile outside the capture
     w = pb.BreakableCUDAGraphWrapper(compiled, config=SIM)
@@ -159,7 +147,7 @@ def test_inductor_pieces_are_refused_at_capture():
 
 def test_whole_graph_inductor_is_refused_at_capture():
     torch._dynamo.reset()
-    compiled = torch.compile(mlp())
+    compiled = torch.compile(tiny_mlp())
     x = torch.randn(4, 8)
     compiled(x)
     w = pb.CUDAGraphWrapper(compiled, M.FULL, config=SIM)
