@@ -138,6 +138,19 @@ def test_custom_ops_are_recorded_as_their_aten_ops_recursively(sim):
     assert_close(fresh, torch.full((4,), 3.0))
 
 
+def test_custom_op_with_a_cpp_kernel_is_recorded_whole(sim):
+    # A compiled kernel (here fbgemm's) replays without Python: recording it whole is faithful,
+    # while expanding it would miss its raw writes.
+    w = torch.randn(4, 8)
+    rec = sim.begin()
+    packed = torch.ops.quantized.embedding_bag_byte_prepack(w)
+    graph = rec.end()
+    assert [op.func.name() for op in graph.ops] == ["quantized::embedding_bag_byte_prepack"]
+    w.mul_(2)
+    graph.replay()
+    assert torch.equal(packed, torch.ops.quantized.embedding_bag_byte_prepack(w))
+
+
 def test_tensor_subclass_desugars_before_recording(sim):
     # A subclass (DTensor, here TwoTensor) must reach the recorder as the plain ops it runs.
     from torch.testing._internal.two_tensor import TwoTensor

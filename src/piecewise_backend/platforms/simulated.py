@@ -1,11 +1,11 @@
 """Simulated platform: CUDA graph semantics on the CPU, for tests and CI.
 
 A segment records the ATen ops run while it is open (a TorchDispatchMode) and replays
-them into the same tensors. An op that is not ATen (a ``torch.library`` custom op such as
-an attention kernel written in Python) is not recorded as a whole: its implementation
-runs with the recorder active, so the ATen ops inside it are recorded, recursively, and a
-replay runs no Python at all, as a CUDA graph replays kernels, not the code that launched
-them. Like a real capture, recording does not count as running: when a segment ends,
+them into the same tensors. An op implemented in Python (a ``torch.library`` custom op
+such as an attention kernel, or a composite decomposition) is not recorded as a whole: its
+implementation runs with the recorder active, so the ATen ops inside it are recorded,
+recursively, and a replay runs no Python at all, as a CUDA graph replays kernels, not the
+code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a real capture, recording does not count as running: when a segment ends,
 in-place writes to tensors that existed before it are undone and tensors it allocated are
 filled with garbage (NaN bits), so only a replay produces values. Host syncs raise as CUDA
 does while a stream is capturing, inside custom ops too. Work the recorder cannot see
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
+import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -42,13 +44,14 @@ _HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+_PY_SITE = re.compile(r"registered at \S+\.py:\d+")
 
 
 class OpKind(enum.Enum):
     HOST_SYNC = "host sync"  # the host reads device data: illegal while capturing
     ALLOCATION = "allocation"  # empty*: memory with no values, nothing to replay
-    NATIVE = "native"  # an ATen op: recorded, replayed as it is
-    OPAQUE = "opaque"  # anything else: its implementation runs under the recorder
+    NATIVE = "native"  # an ATen op or a C++ kernel: recorded, replayed as it is (no Python runs)
+    OPAQUE = "opaque"  # an op implemented in Python: its implementation runs under the recorder
 
 
 def classify(func: Any, args: tuple) -> OpKind:
@@ -62,7 +65,20 @@ def classify(func: Any, args: tuple) -> OpKind:
         return OpKind.ALLOCATION
     if func.namespace in _NATIVE_NAMESPACES:
         return OpKind.NATIVE
-    return OpKind.OPAQUE
+    name = func.name()
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA) or _python_kernel(name):
+        return OpKind.OPAQUE
+    return OpKind.NATIVE
+
+
+@functools.cache
+def _python_kernel(name: str) -> bool:
+    # The dispatcher records where each kernel was registered: "<file>.py:<line>" for a Python
+    # one (torch.library, custom_op), a C++ source for compiled kernels such as vLLM's or fbgemm's.
+    for line in torch._C._dispatch_dump_table(name).splitlines():
+        if line.startswith("CPU:"):
+            return _PY_SITE.search(line) is not None
+    return False
 
 
 def _data_dependent(schema_name: str, args: tuple) -> bool:
