@@ -399,18 +399,27 @@ def test_cuda_kernel_bypassing_the_dispatcher_is_captured():
     assert_close(run(w, M.FULL, D4, x), _cuda_full(6.0))
 
 
-@pytest.mark.parametrize("whole_graph", [False, True], ids=["pieces", "whole"])
-def test_cuda_inductor_code_captures_and_replays(whole_graph):
+def test_cuda_inductor_pieces_capture_and_replay_in_a_runner():
     torch._dynamo.reset()
     model = tiny_mlp("cuda")
-    compiled = torch.compile(model) if whole_graph else torch.compile(model, backend="piecewise_breakable")
-    w = full(compiled) if whole_graph else breakable(compiled)
+    compiled = torch.compile(model, backend="piecewise_breakable")
+    config = pb.CompilationConfig(cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="cuda", compile_pieces="eager")
+    runner = pb.GraphRunner(compiled, config, inputs=[pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
+    runner.capture(progress=False)
+    for _ in range(2):
+        x = torch.randn(4, 8, device="cuda")
+        assert_close(runner.run(x=x), model(x), **TOL)
+
+
+def test_cuda_whole_graph_inductor_captures_and_replays():
+    torch._dynamo.reset()
+    model = tiny_mlp("cuda")
+    w = full(torch.compile(model))
     x = torch.randn(4, 8, device="cuda")
     warm(w, x)
-    mode = M.FULL if whole_graph else M.PIECEWISE
-    assert_close(run(w, mode, D4, x), model(x), **TOL)
+    assert_close(run(w, M.FULL, D4, x), model(x), **TOL)
     x.copy_(torch.randn(4, 8, device="cuda"))
-    assert_close(run(w, mode, D4, x), model(x), **TOL)
+    assert_close(run(w, M.FULL, D4, x), model(x), **TOL)
 
 
 @pytest.mark.parametrize("mode", [M.PIECEWISE, M.FULL])

@@ -133,16 +133,16 @@ def test_kernel_bypassing_the_dispatcher_is_refused():
 def test_inductor_pieces_are_refused_at_capture():
     # GPU: Inductor's Triton kernels are captured. On the CPU its fused C++ kernels bypass the
     # dispatcher: replays would silently differ from eager, so capture must refuse them. The
-    # config check cannot see this: the model was compiled with the default backend config.
+    # config check cannot see this: the model was compiled with the default backend config and
+    # only the GraphRunner's config says simulated.
     torch._dynamo.reset()
     compiled = torch.compile(tiny_mlp(), backend="piecewise_breakable")
-    x = torch.randn(4, 8)
-    compiled(x)  # compile outside the capture
-    w = pb.BreakableCUDAGraphWrapper(compiled, config=SIM)
+    config = pb.CompilationConfig(cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="simulated", compile_pieces="eager")
+    runner = pb.GraphRunner(compiled, config, inputs=[pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
     with pytest.raises(UnrecordableError, match="Inductor") as info:
-        run(w, M.PIECEWISE, D4, x)
+        runner.capture(progress=False)
     assert "compile_pieces='eager'" in str(info.value)
-    assert w.entries == {} and not capture_active()
+    assert not capture_active()
 
 
 def test_whole_graph_inductor_is_refused_at_capture():
