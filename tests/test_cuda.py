@@ -437,9 +437,10 @@ def test_cuda_dynamic_toy_model_reads_lifted_eps_on_the_host(mode):
 
 def test_cuda_item_of_a_device_scalar_raises():
     step = torch.zeros((), device="cuda")
-    w = full(lambda x: x * (x.sum() + step).item())
-    x = torch.ones(4, device="cuda")
-    warm(w, x)
-    with pytest.raises(RuntimeError, match="capturing"):
-        run(w, M.FULL, D4, x)
-    assert not torch.cuda.is_current_stream_capturing()
+    for fn in (lambda x: x * step.item(), lambda x: x * (x.sum() + step).item()):
+        w = full(fn)
+        x = torch.ones(4, device="cuda")
+        warm(w, x)
+        with pytest.raises(RuntimeError, match="capturing"):
+            run(w, M.FULL, D4, x)
+        assert w.entries == {} and not torch.cuda.is_current_stream_capturing()

@@ -37,7 +37,14 @@ _HOST_SYNC = {
     torch.ops.aten.equal.default,
 }
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
-_ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
+_ALLOCATIONS = {
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::empty_permuted",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+}
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _NATIVE_NAMESPACES = {"aten"}
 _HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
