@@ -224,12 +224,12 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 class ContextScale(torch.nn.Module):
-    """``x + 1`` scaled by the context's ``scale`` inside a custom op, then doubled."""
+    """The issue-9 repro: ``x`` scaled by the context's ``scale`` tensor inside a custom op."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        torch.ops.pb_test.scale_from_context(x + 1, out)
-        return out * 2
+        torch.ops.pb_test.scale_from_context(x, out)
+        return out
 
 
 @pb.eager_break
