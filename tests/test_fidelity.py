@@ -12,6 +12,7 @@ from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend.capture import capture_active
+from piecewise_backend.platforms import simulated
 from piecewise_backend.platforms.sim_checks import UnrecordableError
 from tests.helpers import OP_CALLS, SIM, ContextScale, ContextScaleBreak, make_model, run, tiny_mlp
 
@@ -144,14 +145,20 @@ def test_inductor_pieces_are_refused_at_capture():
     assert not capture_active()
 
 
-def test_whole_graph_inductor_is_refused_at_capture():
+def test_whole_graph_inductor_is_refused_at_capture(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(tiny_mlp())
     x = torch.randn(4, 8)
     compiled(x)
     w = pb.CUDAGraphWrapper(compiled, M.FULL, config=SIM)
-    with pytest.raises(UnrecordableError, match="compile_pieces='eager'"):
+    with pytest.raises(UnrecordableError, match="Inductor-generated code"):
         run(w, M.FULL, D4, x)
+    assert w.entries == {} and not capture_active()
+    # Without the caller check, the validation replay alone still refuses it.
+    monkeypatch.setattr(simulated, "check_caller", lambda func: None)
+    with pytest.raises(UnrecordableError, match="did not reproduce") as info:
+        run(w, M.FULL, D4, x)
+    assert "compile_pieces='eager'" in str(info.value)
     assert w.entries == {} and not capture_active()
 
 
