@@ -48,9 +48,9 @@ class EagerSegment:
     write (as a KV-cache write is) whose Python arguments do not change between steps.
     """
 
-    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled")
+    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled", "_plain")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any):
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, start_grad: bool | None = None):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.single = isinstance(out, torch.Tensor)
         leaves = [out] if self.single else tree_leaves(out)
@@ -59,24 +59,38 @@ class EagerSegment:
         # A result that *is* one of the inputs is read in place by later segments: it must stay that input.
         inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
-        # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: restore the break's own.
-        self.grad_enabled = torch.is_grad_enabled()
+        # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: a break that
+        # ran in another grad mode than its capture started in gets that mode back on replay.
+        grad = torch.is_grad_enabled()
+        self.grad_enabled = grad if start_grad is not None and grad != start_grad else None
+        self._plain = not self.fresh and not self.returned  # nothing to check or copy after the call
 
     def replay(self) -> None:
-        if torch.is_grad_enabled() != self.grad_enabled:
+        if self.grad_enabled is not None:
             torch._C._set_grad_enabled(self.grad_enabled)
         out = self.fn(*self.args, **self.kwargs)
-        if self.fresh or self.returned:
-            leaves = [out] if self.single else tree_leaves(out)
-            for i, t in self.returned:
-                if leaves[i] is not t:
-                    raise RuntimeError(
-                        f"break {getattr(self.fn, '__name__', self.fn)!r} returned its input tensor (output {i}) at "
-                        "capture and another tensor now; later graph segments read the captured one, so the result "
-                        "would be lost: a break must return the same input object on every call, or always a fresh tensor"
-                    )
-            for i, captured in self.fresh:
-                captured.copy_(leaves[i])
+        if self._plain:
+            return
+        if self.single:
+            if self.returned:
+                if out is not self.returned[0][1]:
+                    self._lost(0)
+            else:
+                self.fresh[0][1].copy_(out)
+            return
+        leaves = tree_leaves(out)
+        for i, t in self.returned:
+            if leaves[i] is not t:
+                self._lost(i)
+        for i, captured in self.fresh:
+            captured.copy_(leaves[i])
+
+    def _lost(self, i: int) -> None:
+        raise RuntimeError(
+            f"break {getattr(self.fn, '__name__', self.fn)!r} returned its input tensor (output {i}) at "
+            "capture and another tensor now; later graph segments read the captured one, so the result "
+            "would be lost: a break must return the same input object on every call, or always a fresh tensor"
+        )
 
 
 class CaptureSession:
@@ -86,6 +100,7 @@ class CaptureSession:
         self.platform, self.breakable = platform, breakable
         self.segments: list[Graph | EagerSegment] = []
         self._recorder: Recorder | None = None
+        self.start_grad = torch.is_grad_enabled()
 
     def begin(self) -> None:
         self._recorder = self.platform.begin()
@@ -109,7 +124,7 @@ class CaptureSession:
             out = fn(*args, **kwargs)
         finally:
             _state.in_break -= 1
-        self.segments.append(EagerSegment(fn, args, kwargs, out))
+        self.segments.append(EagerSegment(fn, args, kwargs, out, self.start_grad))
         counters["breaks"] += 1
         self.begin()
         return out

@@ -88,13 +88,6 @@ class GraphEntry:
     def replay(self, args: tuple, kwargs: dict) -> Any:
         """Validate and stage the inputs, replay every segment, return a fresh output container."""
         written = self.spec.prepare(args, kwargs)
-        self.run()
-        if written:
-            self.spec.copy_back(written)
-        return self.result()
-
-    def run(self) -> None:
-        """Replay the segments; grad mode (which a break's piece may set) is restored afterwards."""
         grad = torch.is_grad_enabled()
         try:
             if self.inference and not torch.is_inference_mode_enabled():
@@ -105,7 +98,27 @@ class GraphEntry:
                 for seg in self.segments:
                     seg.replay()
         finally:
-            if torch.is_grad_enabled() != grad:
+            if torch.is_grad_enabled() is not grad:
+                torch._C._set_grad_enabled(grad)
+        if written:
+            self.spec.copy_back(written)
+        if self._rebuild or self.requires_grad:
+            return self.result()
+        return self.output
+
+    def run(self) -> None:
+        """Replay the segments as they are (no input step); grad mode is restored afterwards."""
+        grad = torch.is_grad_enabled()
+        try:
+            if self.inference and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():
+                    for seg in self.segments:
+                        seg.replay()
+            else:
+                for seg in self.segments:
+                    seg.replay()
+        finally:
+            if torch.is_grad_enabled() is not grad:
                 torch._C._set_grad_enabled(grad)
 
     def result(self) -> Any:

@@ -122,6 +122,7 @@ class InputSpec:
         self.kw_set = frozenset(kwargs)
         # Leaves only, no containers (the common case): matched without pytree on every replay.
         self.flat = all(isinstance(a, _LEAF_TYPES) for a in (*args, *kwargs.values()))
+        self._positional = self.flat and not kwargs
         named = [(_arg_name(p), v) for p, v in tree_flatten_with_path((args, kwargs))[0]]
         self.treespec = None if self.flat else tree_flatten((args, kwargs))[1]
         self.num_leaves = len(named)
@@ -172,7 +173,7 @@ class InputSpec:
 
     def leaves(self, args: tuple, kwargs: dict) -> Any:
         """The call's leaves, in capture order; raises when the structure differs from the capture."""
-        if kwargs.keys() != self.kw_set or len(args) != self.nargs:
+        if (kwargs or self.kw_names) and kwargs.keys() != self.kw_set or len(args) != self.nargs:
             missing = sorted(self.kw_set - kwargs.keys())
             extra = sorted(kwargs.keys() - self.kw_set)
             raise ValueError(
@@ -192,32 +193,50 @@ class InputSpec:
             )
         return leaves
 
-    def prepare(self, args: tuple, kwargs: dict) -> list[tuple[_Tensor, torch.Tensor]]:
+    def prepare(self, args: tuple, kwargs: dict) -> list[tuple[_Tensor, torch.Tensor]] | tuple[()]:
         """Validate every input, then copy staged ones into their static buffers.
 
         Returns the (slot, caller tensor) pairs whose static buffer the model writes
         into: :meth:`copy_back` brings those writes to the caller after the replay.
         """
-        leaves = self.validate(args, kwargs)
+        # the replay hot path: written out flat (every call level costs on every step)
+        if self._positional and not kwargs and len(args) == self.nargs:
+            leaves: Any = args  # the common call: positional leaves only
+        else:
+            leaves = self.leaves(args, kwargs)
+        try:  # fast path: every tensor where and as it was at capture
+            for i, ptr, shape, stride, dtype in self._fast:
+                t = leaves[i]
+                if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride or t.dtype != dtype:
+                    self._check_moved(leaves)
+                    break
+        except AttributeError:  # a tensor leaf is no tensor now
+            self._check_moved(leaves)
+        if self.values:
+            self._check_values(leaves)
         if self._staged:
+            # below autograd: a static buffer is the wrapper's, never part of the caller's autograd graph
             with torch._C._AutoDispatchBelowADInplaceOrView():
                 for s in self._staged:
                     s.static.copy_(leaves[s.index])
-        return [(s, leaves[s.index]) for s in self._written]
+            if self._written:
+                return [(s, leaves[s.index]) for s in self._written]
+        return ()
 
     def validate(self, args: tuple, kwargs: dict) -> Any:
         """Check every input against the capture (no copy); returns the call's leaves."""
         leaves = self.leaves(args, kwargs)
-        try:  # fast path: every tensor where and as it was at capture
-            moved = any(
-                leaves[i].data_ptr() != ptr or leaves[i].shape != shape or leaves[i].stride() != stride
-                or leaves[i].dtype != dtype
-                for i, ptr, shape, stride, dtype in self._fast
-            )
-        except AttributeError:  # a tensor leaf is no tensor now
-            moved = True
-        if moved:
-            self._check_moved(leaves)
+        for s in self.tensors:
+            t = leaves[s.index]
+            if not isinstance(t, torch.Tensor) or (t.data_ptr(), t.shape, t.stride(), t.dtype) != (
+                s.ptr, s.shape, s.stride, s.dtype
+            ):
+                self._check_moved(leaves)
+                break
+        self._check_values(leaves)
+        return leaves
+
+    def _check_values(self, leaves: Any) -> None:
         for i, name, value in self.values:
             new = leaves[i]
             if new is not value and not _same_value(new, value):
@@ -228,7 +247,6 @@ class InputSpec:
                     "what it captured, so pass changing values as tensors, key them into the BatchDescriptor, "
                     "or clear_graphs()"
                 )
-        return leaves
 
     @staticmethod
     def copy_back(written: list[tuple[_Tensor, torch.Tensor]]) -> None:
