@@ -33,7 +33,6 @@ from .static_inputs import (
     StaticInput,
     check_context,
     check_full_context,
-    check_plain,
     check_tensor,
     eager_tensor,
     fill,
@@ -145,7 +144,6 @@ class GraphRunner:
     ) -> Any:
         attrs = dict(self.context_fn(dict(views)) if self.context_fn else {}, **extra)
         if capturing:
-            check_plain(attrs, "context_fn returned")
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
         elif self.capture_closed:
             attrs.setdefault("allow_capture", False)
