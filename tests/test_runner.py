@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 import piecewise_backend as pb
-from piecewise_backend.platforms import cuda as cuda_platform
+from piecewise_backend.capture import gc_managed
 from tests.helpers import SIM, make_model, token_ids, torch_threads
 
 M = pb.CUDAGraphMode
@@ -69,7 +69,7 @@ class LoggingModel(torch.nn.Module):
                     desc=ctx.batch_descriptor,
                     tokens=x.shape[0],
                     frozen=gc.get_freeze_count(),
-                    gc_outside=cuda_platform.gc_managed_outside,
+                    gc_outside=gc_managed(),
                     tag=getattr(ctx, "tag", None),
                 )
             )
@@ -122,7 +122,7 @@ def test_capture_warms_up_and_captures_every_descriptor_largest_first(num_warmup
     assert all(e["tokens"] == e["desc"].num_tokens for e in model.log)
     assert all(e["frozen"] > 0 for e in model.log), "gc must be frozen for the whole capture, warmups included"
     assert all(e["gc_outside"] for e in model.log)
-    assert cuda_platform.gc_managed_outside is False
+    assert gc_managed() is False
 
     outer, inner = runner.model, runner.model.runnable
     assert isinstance(outer, pb.CUDAGraphWrapper) and isinstance(inner, pb.BreakableCUDAGraphWrapper)
@@ -629,6 +629,21 @@ def test_runner_captures_again_after_clear_graphs():
         runner.model.runnable.clear_graphs()
         with pb.expect(captures=4):
             runner.capture(progress=False)
+
+
+def test_runner_with_per_piece_wrappers_captures_again_after_clear_graphs():
+    config = cfg(M.PIECEWISE, use_breakable=False).replace(capture_sizes=[2, 4])
+    model = make_model(1, "inplace")
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config, [pb.StaticInput("input_ids")])
+    with torch.no_grad():
+        with pb.expect(captures=4):  # 2 compiled pieces x 2 sizes
+            runner.capture(progress=False)
+        runner.clear_graphs()
+        with pb.expect(captures=4):
+            runner.capture(progress=False)
+        ids = token_ids(3, seed=4)
+        with pb.expect(captures=0):
+            assert_close(runner.run(input_ids=ids), model(ids))
 
 
 def test_capture_keeps_the_applications_gc_freeze():

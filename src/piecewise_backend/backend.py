@@ -140,7 +140,7 @@ class PiecewiseBackend:
         return fn
 
     def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
-        if ops and not split.found_ops and _effective_mode(self.config).has_piecewise_cudagraphs():
+        if ops and not split.found_ops and effective_mode(self.config).has_piecewise_cudagraphs():
             # PIECEWISE graphs of this graph would hold attention: wrong for mixed batches, and silent otherwise.
             with _missing_lock:
                 first = (id(self), "no splitting op") not in _missing_logged

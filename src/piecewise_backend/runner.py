@@ -6,11 +6,9 @@ batch into those buffers, so graphs always read the addresses they captured.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,13 +19,13 @@ try:
 except ImportError:  # a bare GPU box may lack it: capture works, without a progress bar
     tqdm = None
 
-from .assembly import effective_mode, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
-from .config import CompilationConfig
+from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
+from .capture import bulk_capture
+from .config import CompilationConfig, effective_mode
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
-from .platforms import cuda as _cuda_platform
 from .platforms import get_platform, resolve_platform_name
 from .static_inputs import (
     StaticInput,
@@ -40,7 +38,6 @@ from .static_inputs import (
     input_names,
     row_count,
 )
-from .wrappers import _GraphWrapper
 
 
 @dataclasses.dataclass
@@ -202,11 +199,8 @@ class GraphRunner:
         return tree_map(lambda o: o[:n] if isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == padded else o, out)
 
     def clear_graphs(self) -> None:
-        """Drop every graph of this runner's wrappers; :meth:`capture` can capture them again."""
-        wrapper = self.model
-        while isinstance(wrapper, _GraphWrapper):
-            wrapper.clear_graphs()
-            wrapper = wrapper.runnable
+        """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
+        clear_graphs(self.model)
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
         """Warm up and capture every descriptor the dispatcher can emit, largest first.
@@ -224,7 +218,7 @@ class GraphRunner:
         for name, buf in self.buffers.items():
             buf.fill_(self.inputs[name].pad)
         start = time.perf_counter()
-        with _bulk_capture_gc(), _progress(total, progress) as bar:
+        with bulk_capture(), _progress(total, progress) as bar:
             for mode, descs in plan:
                 for desc in descs:
                     views = self._views(desc.num_tokens)
@@ -240,31 +234,6 @@ class GraphRunner:
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
         self.capture_closed = disable_after
         return self.report
-
-
-@contextlib.contextmanager
-def _bulk_capture_gc() -> Iterator[None]:
-    """Collect once, keep the collector out of the whole capture, leave gc as the application had it.
-
-    Collecting per graph or segment dominated capture time. ``gc.unfreeze()`` would also
-    thaw objects the application froze itself, so with an application freeze in place the
-    collector is only paused. (To move into capture.py's gc context manager once it lands.)
-    """
-    gc.collect()
-    app_frozen, enabled = gc.get_freeze_count() > 0, gc.isenabled()
-    if app_frozen:
-        gc.disable()
-    else:
-        gc.freeze()
-    _cuda_platform.gc_managed_outside = True
-    try:
-        yield
-    finally:
-        _cuda_platform.gc_managed_outside = False
-        if not app_frozen:
-            gc.unfreeze()
-        elif enabled:
-            gc.enable()
 
 
 class _NoBar:
