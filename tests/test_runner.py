@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend.capture import gc_managed
+from piecewise_backend.inputs import is_persistent
 from tests.helpers import SIM, make_model, token_ids, torch_threads
 
 M = pb.CUDAGraphMode
@@ -454,6 +455,7 @@ def test_per_request_inputs_keep_max_num_reqs_rows_in_every_mode():
         context_fn=lambda v: seen.append({k: t.clone() for k, t in v.items()}) or {},
     )
     assert runner.buffers["scale"].shape == (3, 8) and runner.buffers["ids"].shape == (8,)
+    assert all(is_persistent(b) for b in runner.buffers.values())  # read in place, never staged
     with torch.no_grad():
         runner.capture(progress=False)
         # capture ran with the same padded views and context_fn as a step: request rows all pad

@@ -24,6 +24,7 @@ from .capture import bulk_capture
 from .config import CompilationConfig, effective_mode
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
+from .inputs import mark_persistent
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
 from .platforms import get_platform, resolve_platform_name
@@ -118,6 +119,7 @@ class GraphRunner:
         self.buffers = {
             i.name: torch.full((self._rows(i), *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
         }
+        mark_persistent(*self.buffers.values())  # graphs read them in place: no staging copy per replay
         self._buffer_storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
         self.last_mode = CUDAGraphMode.NONE
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
