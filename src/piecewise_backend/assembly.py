@@ -16,11 +16,33 @@ _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGrap
 
 
 def resolve_cudagraph_mode(
-    mode: CUDAGraphMode | str, support: AttentionGraphSupport | int, *, attention_split: bool = True
+    mode: CUDAGraphMode | str,
+    support: AttentionGraphSupport | int,
+    *,
+    attention_split: bool = True,
+    uniform_decode_query_len: int = 1,
 ) -> CUDAGraphMode:
-    """The strongest mode ``mode`` can keep given what the attention backend supports."""
+    """The strongest mode ``mode`` can keep given what the attention backend supports.
+
+    ``UNIFORM_SINGLE_TOKEN_DECODE`` covers decode batches of one token per request only:
+    with ``uniform_decode_query_len > 1`` (speculative decode) it supports no full graph.
+    """
     mode = CUDAGraphMode.parse(mode)
     support = AttentionGraphSupport(support)
+    if not isinstance(uniform_decode_query_len, int) or isinstance(uniform_decode_query_len, bool) or (
+        uniform_decode_query_len < 1
+    ):
+        raise ValueError(f"uniform_decode_query_len must be a positive int, got {uniform_decode_query_len!r}")
+    if support == AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and uniform_decode_query_len > 1:
+        if mode.max_cudagraph_mode() != _FULL:
+            return mode
+        # no full graph at all: the decode side falls back to what the mixed side does without FULL
+        resolved = _PIECEWISE if attention_split and mode != CUDAGraphMode.FULL_DECODE_ONLY else _NONE
+        logger.info(
+            "cudagraph_mode %s -> %s (attention support %s, uniform_decode_query_len=%d)",
+            mode.name, resolved.name, support.name, uniform_decode_query_len,
+        )
+        return resolved
     if mode.mixed_mode() == _FULL and support < AttentionGraphSupport.ALWAYS:
         if support == AttentionGraphSupport.NEVER:
             raise ValueError(

@@ -107,7 +107,10 @@ class GraphRunner:
                 f"per='request' inputs {per_request} need GraphRunner(max_num_reqs=...) (their row count)"
             )
         self.max_num_reqs = max_num_reqs
-        mode = resolve_cudagraph_mode(effective_mode(config), attention_support, attention_split=attention_split)
+        mode = resolve_cudagraph_mode(
+            effective_mode(config), attention_support, attention_split=attention_split,
+            uniform_decode_query_len=uniform_decode_query_len,
+        )
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.context_fn = context_fn
