@@ -14,31 +14,33 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from collections.abc import Sequence
 
 import torch
-import transformers
 
 import piecewise_backend as pb
-from piecewise_backend.hf import HFEngine, StepInfo
+from piecewise_backend.hf import HFEngine, StepInfo, tiny_random_model
 
-VOCAB = 256
-TINY = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
 PROMPT_LENS = (5, 12, 3, 9, 7)
 NEW_TOKENS = (6, 3, 9, 4, 7)  # per request: they finish at different steps
 
 
-def tiny_model(arch: str, device: str) -> torch.nn.Module:
-    """A seeded random model of type ``arch``: only the sizing fields its config knows are set."""
-    try:
-        defaults = transformers.AutoConfig.for_model(arch)
-    except ValueError as e:
-        raise SystemExit(f"--arch {arch!r} is not a transformers model type: {e}") from None
-    config = transformers.AutoConfig.for_model(arch, **{k: v for k, v in TINY.items() if hasattr(defaults, k)})
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device).eval()
+def check(
+    reference: torch.nn.Module, prompts: list[list[int]], outputs: list[list[int]], new_tokens: Sequence[int], eos: int | None
+) -> list[int]:
+    """Indices of the requests whose tokens differ from ``reference.generate(do_sample=False)``."""
+    bad = []
+    device = next(reference.parameters()).device
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=new_tokens[i], eos_token_id=eos, pad_token_id=eos)
+        expected = full[0, len(prompt):].tolist()
+        if out != expected:
+            bad.append(i)
+            print(f"MISMATCH request {i}: engine {out} != generate {expected}")
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,14 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"arch: {args.arch}, platform: {config.platform}" + ("" if cuda else " (no CUDA device: simulated on the CPU)"))
 
-    model = tiny_model(args.arch, device)
+    try:
+        model = tiny_random_model(args.arch, device=device)
+    except ValueError as e:
+        parser.error(str(e))
     reference = copy.deepcopy(model) if args.check else None  # keeps HF's own SDPA attention
     engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8)
     report = engine.capture()
     print(f"captured {report.graphs} graphs in {report.seconds:.2f} s ({report.stats})")
 
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else None
 
     def show(info: StepInfo) -> None:
@@ -76,16 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"request {i}: prompt {len(prompts[i]):2d} tokens -> {out}")
     if not args.check:
         return 0
-    bad = 0
-    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        ids = torch.tensor([prompt], device=device)
-        with torch.no_grad():
-            full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=NEW_TOKENS[i], eos_token_id=eos, pad_token_id=eos)
-        expected = full[0, len(prompt):].tolist()
-        if out != expected:
-            bad += 1
-            print(f"MISMATCH request {i}: engine {out} != generate {expected}")
+    bad = len(check(reference, prompts, outputs, NEW_TOKENS, eos))
     print(f"check: {len(prompts) - bad}/{len(prompts)} requests match model.generate")
     return 1 if bad else 0
 

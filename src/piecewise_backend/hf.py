@@ -28,6 +28,11 @@ from .modes import CUDAGraphMode
 from .runner import CaptureReport, GraphRunner, StaticInput
 
 ATTN_IMPLEMENTATION = "pb_paged"
+#: Sizes of :func:`tiny_random_model`; a config gets only the fields it knows.
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
 
 
 def _transformers() -> Any:
@@ -91,8 +96,29 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             f"so {ATTN_IMPLEMENTATION} cannot replace it"
         )
+    bidirectional = [name for name, m in model.named_modules() if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        raise ValueError(f"{type(model).__name__} has non-causal attention ({bidirectional[0]}); paged attention is causal only")
     model.set_attn_implementation(register_attention())
     return TokensFirst(model.eval())
+
+
+def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = "cpu", **sizes: Any) -> torch.nn.Module:
+    """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
+
+    ``sizes`` override :data:`TINY`; only fields the model's config has are set (GPT-2 has no
+    ``num_key_value_heads``...). The model uses HF's SDPA attention and is in eval mode.
+    """
+    transformers = _transformers()
+    if arch not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"{arch!r} is not a transformers model type (the keys of transformers.CONFIG_MAPPING, e.g. 'llama')")
+    defaults = transformers.AutoConfig.for_model(arch)
+    if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
+    wanted = {**TINY, **sizes}
+    config = transformers.AutoConfig.for_model(arch, **{k: v for k, v in wanted.items() if hasattr(defaults, k)})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device).eval()
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
