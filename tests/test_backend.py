@@ -206,6 +206,21 @@ def test_op_that_appears_is_not_reported_missing(caplog):
     assert not [r for r in caplog.records if "did not appear" in r.getMessage()]
 
 
+def test_graph_without_splitting_op_warns_when_piecewise_graphs_are_on(caplog):
+    caplog.set_level(logging.DEBUG, logger="piecewise_backend")
+    piecewise = pb.make_backend(eager_config(platform="simulated", cudagraph_mode="PIECEWISE"))
+    torch.compile(lambda x: x.cos() + 1, backend=piecewise)(torch.randn(3))
+    torch.compile(lambda x: x.sin() + 1, backend=piecewise)(torch.randn(3))
+    warned = [r for r in caplog.records if r.name == "piecewise_backend" and "has no splitting op" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING  # once per backend, not per graph
+    assert "scaled_dot_product_attention" in warned[0].getMessage()  # names the registered ops
+    caplog.clear()
+    torch.compile(lambda x: x.tan() + 1, backend=pb.make_backend(eager_config(platform="simulated", cudagraph_mode="NONE")))(
+        torch.randn(3)
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 # ---------------------------------------------------------------- entry point
 
 

@@ -46,6 +46,39 @@ def noisy_factory():
 not_a_factory = 42
 
 
+def raising_factory():
+    raise ValueError("no weights here")
+
+
+def factory_with_arguments(size, layers=2):
+    return make_model(layers)
+
+
+class _NeedsMask(torch.nn.Module):
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return ids * mask
+
+
+def failing_model_factory():
+    return _NeedsMask()  # inspect's default inputs give it one argument, not two
+
+
+def keyword_factory():
+    """Keyword example inputs, passed as ``model(ids=..., mask=...)``."""
+    return _NeedsMask(), {"ids": torch.arange(4), "mask": torch.ones(4, dtype=torch.long)}
+
+
+def hf_factory():
+    """A tiny random-weight Hugging Face Llama (nothing downloaded): 2-D ``input_ids`` as a keyword."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("dump")
@@ -170,3 +203,55 @@ def test_bad_argument_exit_code_in_subprocess():
     assert "error: cannot import module 'no_such_module_pb'" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_inspect_hf_model_gets_2d_keyword_ids(capsys):
+    pytest.importorskip("transformers")
+    assert inspect_cli.main(["inspect", "tests.test_cli:hf_factory", "--tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "model: tests.test_cli:hf_factory (LlamaForCausalLM)" in out
+    assert "inputs: input_ids=torch.randint(0, 64, (1, 5)), use_cache=False" in out
+    assert "splitting ops found: torch.nn.functional.scaled_dot_product_attention\n" in out
+    assert [r[2] for r in _table_rows(out)] == ["compiled", "splitting", "compiled", "splitting", "compiled"]
+    assert "eager check: compiled output matches eager" in out
+
+
+def test_inspect_keyword_example_inputs(capsys):
+    assert inspect_cli.main(["inspect", "tests.test_cli:keyword_factory"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs: example inputs from the factory" in out
+    assert "eager check: compiled output matches eager" in out
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("tests.test_cli:raising_factory", r"error: the factory tests.test_cli:raising_factory raised ValueError: no weights here \(at .*test_cli.py:\d+\)"),
+        ("tests.test_cli:failing_model_factory", r"error: the model on torch.randint\(0, 128, \(8,\)\) raised TypeError: .*'mask'; return \(model, example_inputs\) from the factory"),
+    ],
+)
+def test_failing_factory_or_model_is_one_clean_line(target, message, capsys):
+    assert inspect_cli.main(["inspect", target]) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(message + "\n", err), err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "tests.test_cli:factory_with_arguments"], "tests.test_cli:factory_with_arguments needs arguments (size)"),
+        (["inspect", TOY, "--dump", __file__], f"argument --dump: {__file__!r} is a file; give a directory"),
+    ],
+)
+def test_factory_arguments_and_dump_file_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        inspect_cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_failing_factory_in_subprocess_has_no_traceback():
+    proc = cli("inspect", "tests.test_cli:raising_factory")
+    assert proc.returncode == 1
+    assert "error: the factory tests.test_cli:raising_factory raised ValueError: no weights here" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -387,8 +387,10 @@ def test_drafter_runner_only_dispatches_piecewise():
 
 def test_runner_construction_errors():
     model = LoggingModel()
-    with pytest.raises(ValueError, match="at least one StaticInput"):
+    with pytest.raises(ValueError, match="at least one per='token' StaticInput"):
         pb.GraphRunner(model, cfg(), [])
+    with pytest.raises(ValueError, match="at least one per='token' StaticInput.*'r'"):
+        pb.GraphRunner(model, cfg(), [pb.StaticInput("r", per="request")], max_num_reqs=2)
     with pytest.raises(ValueError, match="unique"):
         pb.GraphRunner(model, cfg(), x_input() * 2)
     with pytest.raises(ValueError, match=r"model_args \['y'\]"):
@@ -414,3 +416,297 @@ def test_padding_rows_hold_the_pad_value_not_the_previous_step():
     assert torch.equal(buf[:3], small)
     assert torch.equal(buf[3:padded], torch.full((padded - 3, 8), -3.0))
     assert_close(out, model(small))
+
+
+# ---------------------------------------------------------------- per-request inputs, keywords, context
+
+
+class ReqModel(torch.nn.Module):
+    """``forward(ids, req_of_token, *, scale)``: token rows scaled by their request's ``scale`` row.
+
+    Logs the shapes it saw; ``scale`` is per request, so it always has ``max_num_reqs`` rows.
+    """
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 8)
+        self.shapes: list[tuple] = []
+
+    def forward(self, ids: torch.Tensor, req_of_token: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        self.shapes.append((ids.shape[0], tuple(scale.shape)))
+        return _halve(self.emb(ids)) * scale[req_of_token]
+
+
+def req_inputs() -> list[pb.StaticInput]:
+    return [
+        pb.StaticInput("ids"),
+        pb.StaticInput("req_of_token"),
+        pb.StaticInput("scale", shape=(8,), dtype=torch.float32, pad=-7.0, per="request"),
+    ]
+
+
+def test_per_request_inputs_keep_max_num_reqs_rows_in_every_mode():
+    model = ReqModel()
+    seen = []
+    runner = pb.GraphRunner(
+        model, cfg(), req_inputs(), model_args=["ids", "req_of_token"], model_kwargs=["scale"], max_num_reqs=3,
+        context_fn=lambda v: seen.append({k: t.clone() for k, t in v.items()}) or {},
+    )
+    assert runner.buffers["scale"].shape == (3, 8) and runner.buffers["ids"].shape == (8,)
+    with torch.no_grad():
+        runner.capture(progress=False)
+        # capture ran with the same padded views and context_fn as a step: request rows all pad
+        assert {s[1] for s in model.shapes} == {(3, 8)}
+        assert seen and all(v["scale"].eq(-7.0).all() for v in seen)
+        seen.clear()
+        scale = rand(2, 8)
+        steps = [  # (ids, request of each token, uniform decode, expected mode)
+            (torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 0, 1, 1, 1]), False, M.PIECEWISE),
+            (torch.tensor([6, 7]), torch.tensor([0, 1]), True, M.FULL),
+            (torch.arange(11), torch.arange(11) % 2, False, M.NONE),
+        ]
+        for ids, req, uniform, mode in steps:
+            with pb.expect(captures=0):
+                out = runner.run(ids=ids, req_of_token=req, scale=scale, uniform_decode=uniform)
+            assert runner.last_mode is mode
+            assert_close(out, (model.emb(ids) * 0.5 + 1) * scale[req])
+            views = seen.pop()
+            assert views["scale"].shape == (3, 8), "per-request views always have max_num_reqs rows"
+            assert_close(views["scale"][:2], scale)
+            assert views["scale"][2].eq(-7.0).all(), "rows past the step's requests hold pad"
+
+
+def test_per_request_errors_name_the_counts():
+    with pytest.raises(ValueError, match=r"per='request' inputs \['scale'\] need GraphRunner\(max_num_reqs"):
+        pb.GraphRunner(ReqModel(), cfg(), req_inputs())
+    with pytest.raises(ValueError, match="max_num_reqs must be a positive int, got 0"):
+        pb.GraphRunner(ReqModel(), cfg(), req_inputs(), max_num_reqs=0)
+    runner = pb.GraphRunner(ReqModel(), cfg(), req_inputs(), model_args=["ids", "req_of_token"], model_kwargs=["scale"], max_num_reqs=2)
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="3 rows, above max_num_reqs=2"):
+        runner.run(ids=ids, req_of_token=ids, scale=rand(3, 8))
+    with pytest.raises(ValueError, match="num_reqs=1 but the per-request inputs have 2 rows"):
+        runner.run(ids=ids, req_of_token=ids, scale=rand(2, 8), num_reqs=1)
+
+
+def test_model_kwargs_bind_by_name():
+    class Positions(torch.nn.Module):
+        def forward(self, ids, attention_mask=None, position_ids=None):
+            assert attention_mask is None
+            return ids * 10 + position_ids
+
+    inputs = [pb.StaticInput("ids"), pb.StaticInput("position_ids")]
+    runner = pb.GraphRunner(Positions(), cfg(M.NONE), inputs, model_args=["ids"], model_kwargs=["position_ids"])
+    out = runner.run(ids=torch.tensor([1, 2]), position_ids=torch.tensor([3, 4]))
+    assert out.tolist() == [13, 24]
+    only_kw = pb.GraphRunner(Positions(), cfg(M.NONE), inputs, model_kwargs=["ids", "position_ids"])
+    assert only_kw.model_args == []
+    assert only_kw.run(ids=torch.tensor([1]), position_ids=torch.tensor([5])).tolist() == [15]
+    with pytest.raises(ValueError, match=r"\['ids'\] are in both model_args and model_kwargs"):
+        pb.GraphRunner(Positions(), cfg(), inputs, model_args=["ids"], model_kwargs=["ids", "position_ids"])
+    with pytest.raises(TypeError, match="model_args must be a list of input names, got 'ids'"):
+        pb.GraphRunner(Positions(), cfg(), inputs, model_args="ids")
+    with pytest.raises(ValueError, match=r"model_kwargs \['mask'\] are not among the inputs"):
+        pb.GraphRunner(Positions(), cfg(), inputs, model_kwargs=["mask"])
+
+
+class _Cache:
+    """Stands in for a transformers DynamicCache: state a graph cannot see change."""
+
+    def __init__(self):
+        self.layers = [torch.zeros(2)]
+
+
+def test_opaque_objects_are_refused_as_inputs_and_context():
+    model = LoggingModel()
+    runner = pb.GraphRunner(model, cfg(), x_input())
+    with pytest.raises(TypeError, match=r"input 'x' must be a torch.Tensor of shape \(tokens, 8\), got _Cache"):
+        runner.run(x=_Cache())
+    with pytest.raises(TypeError, match=r"context 'past\[0\]' is a _Cache"):
+        runner.run(x=rand(3, 8), context={"past": [_Cache()]})
+    # plain values, tensors and dataclasses of them are fine
+    meta = pb.BatchDescriptor(3)
+    with torch.no_grad():
+        runner.run(x=rand(3, 8), context={"tag": "ok", "meta": meta, "t": torch.ones(1)})
+    assert model.log[-1]["tag"] == "ok"
+    # context_fn results are checked when capture() runs
+    bad = pb.GraphRunner(LoggingModel(), cfg(), x_input(), context_fn=lambda v: {"cache": _Cache()})
+    with pytest.raises(TypeError, match="context_fn returned 'cache' is a _Cache"), torch.no_grad():
+        bad.capture(progress=False)
+    # a runner that never replays graphs passes whatever the model takes
+    eager = pb.GraphRunner(LoggingModel(), cfg(M.NONE), x_input())
+    eager.run(x=rand(3, 8), context={"cache": _Cache()})
+
+
+def test_full_step_refuses_context_tensors_outside_the_buffers():
+    class ReadsScale(torch.nn.Module):
+        def forward(self, x):
+            return x * pb.get_forward_context().scale
+
+    inputs = x_input() + [pb.StaticInput("s", dtype=torch.float32, per="request")]
+    runner = pb.GraphRunner(
+        ReadsScale(), cfg(M.FULL), inputs, model_args=["x"], max_num_reqs=8, context_fn=lambda v: {"scale": v["s"][0]}
+    )
+    x = rand(2, 8)
+    with torch.no_grad():
+        runner.capture(progress=False)
+        with pytest.raises(ValueError, match="context 'scale' is a tensor outside the runner's buffers on a FULL step"):
+            runner.run(x=x, s=torch.tensor([2.0, 2.0]), context={"scale": torch.tensor(3.0)}, uniform_decode=True)
+        # the same per-step value through a StaticInput and context_fn reaches the FULL graph
+        for scale in (2.0, 5.0):
+            out = runner.run(x=x, s=torch.tensor([scale, scale]), uniform_decode=True)
+            assert runner.last_mode is M.FULL
+            assert_close(out, x * scale)
+
+
+def test_context_fn_applies_during_capture_like_a_step():
+    model = LoggingModel()
+    runner = pb.GraphRunner(model, cfg(M.PIECEWISE), x_input(), context_fn=lambda v: {"tag": ("fn", v["x"].shape[0])})
+    with torch.no_grad():
+        runner.capture(progress=False)
+    assert [e["tag"] for e in model.log] == [("fn", n) for n in (8, 8, 4, 4, 2, 2, 1, 1)]
+
+
+# ---------------------------------------------------------------- padding never touches real state
+
+
+class SlotWriter(torch.nn.Module):
+    """Writes each token's value into ``cache[slot]`` through a break; slot -1 (padding) is skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = torch.zeros(4)
+
+    def forward(self, vals: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        _write_slots(self.cache, vals, slots)
+        return vals * 2
+
+
+@pb.eager_break
+def _write_slots(cache: torch.Tensor, vals: torch.Tensor, slots: torch.Tensor) -> None:
+    keep = slots >= 0  # a host sync: fine in a break, which runs eagerly on replay
+    cache[slots[keep]] = vals[keep]
+
+
+def test_capture_after_steps_never_replays_a_previous_steps_slots():
+    model = SlotWriter()
+    inputs = [pb.StaticInput("vals", dtype=torch.float32), pb.StaticInput("slots", pad=-1)]
+    runner = pb.GraphRunner(model, cfg(M.PIECEWISE), inputs)
+    with torch.no_grad():
+        runner.capture(progress=False, disable_after=False)
+        runner.run(vals=torch.tensor([5.0, 6.0, 7.0]), slots=torch.tensor([0, 1, 2]))
+        assert model.cache.tolist() == [5.0, 6.0, 7.0, 0.0]
+        # padding rows of a step hold pad: slot 3 is never written by padding tokens
+        runner.run(vals=torch.tensor([9.0]), slots=torch.tensor([0]))
+        assert model.cache.tolist() == [9.0, 6.0, 7.0, 0.0]
+        runner.clear_graphs()
+        runner.capture(progress=False)  # warm-ups and captures run on pad, not on the last step's slots
+        assert model.cache.tolist() == [9.0, 6.0, 7.0, 0.0]
+
+
+# ---------------------------------------------------------------- issue 10: recapture, gc, dtypes, widths
+
+
+def test_runner_captures_again_after_clear_graphs():
+    model = LoggingModel()
+    runner = pb.GraphRunner(model, cfg(), x_input())
+    with torch.no_grad():
+        first = runner.capture(progress=False)
+        runner.clear_graphs()
+        assert runner.model.entries == {} and runner.model.runnable.entries == {}
+        with pb.expect(captures=8):
+            second = runner.capture(progress=False)
+        assert second.graphs == first.graphs == 8
+        assert runner.capture_closed  # closed again after the second capture
+        x = rand(3, 8)
+        with pb.expect(captures=0, replays=1):
+            assert_close(runner.run(x=x), model(x))
+        # the wrapper's own clear_graphs() works the same way
+        runner.model.runnable.clear_graphs()
+        with pb.expect(captures=4):
+            runner.capture(progress=False)
+
+
+def test_capture_keeps_the_applications_gc_freeze():
+    mine = [[i] for i in range(3)]  # tracked objects the application froze
+    gc.freeze()
+    try:
+        enabled = gc.isenabled()
+        model = LoggingModel()
+        with torch.no_grad():
+            pb.GraphRunner(model, cfg(M.PIECEWISE), x_input()).capture(progress=False)
+        alive = {id(o) for o in gc.get_objects()}  # generations 0-2: frozen objects are not listed
+        assert not any(id(o) in alive for o in mine), "capture() thawed the application's frozen objects"
+        assert gc.get_freeze_count() > 0 and gc.isenabled() is enabled
+        assert all(e["gc_outside"] for e in model.log)
+    finally:
+        gc.unfreeze()
+
+
+class DtypeWidth(torch.nn.Module):
+    """Returns what it was given: the dtype and width the model saw are visible in the output."""
+
+    def forward(self, table: torch.Tensor) -> torch.Tensor:
+        return _halve(table) * 2
+
+
+@pytest.mark.parametrize("n", [3, 11])  # 3: a graph step; 11: above the largest size, eager
+def test_dtype_and_narrow_width_are_the_same_in_graph_and_eager_steps(n):
+    runner = pb.GraphRunner(DtypeWidth(), cfg(M.PIECEWISE), [pb.StaticInput("table", shape=(4,), dtype=torch.float32, pad=0.0)])
+    table = rand(n, 2).double()
+    with torch.no_grad():
+        runner.capture(progress=False)
+        out = runner.run(table=table)
+    assert runner.last_mode is (M.PIECEWISE if n == 3 else M.NONE)
+    assert out.dtype == torch.float32 and out.shape == (n, 4)
+    expected = torch.cat([table.float() + 2, torch.full((n, 2), 2.0)], dim=1)
+    assert_close(out, expected)
+
+
+def test_wrong_rank_or_non_tensor_step_inputs_raise():
+    runner = pb.GraphRunner(LoggingModel(), cfg(), x_input())
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(\), its StaticInput wants \(tokens, 8\)"):
+        runner.run(x=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="input 'x' must be a torch.Tensor of shape \\(tokens, 8\\), got list"):
+        runner.run(x=[[1.0] * 8])
+    with pytest.raises(TypeError, match="context must be a dict"):
+        runner.run(x=rand(2, 8), context=["tag"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(name=5), ValueError, r"name must be a str that is a Python identifier, got 5 \(int\)"),
+        (dict(name="x", shape=4), ValueError, r"shape .* a tuple of positive ints such as \(\) or \(4,\); got 4"),
+        (dict(name="x", shape=(2, True)), ValueError, r"got \(2, True\)"),
+        (dict(name="x", dtype="float32"), TypeError, r"dtype must be a torch.dtype such as torch.float32, got 'float32'"),
+        (dict(name="x", dtype=torch.float32, pad=float("nan")), ValueError, r"pad nan must be finite"),
+        (dict(name="x", pad=2**70), ValueError, r"pad 1180591620717411303424 does not fit torch.int64: use an integer in \[-9223372036854775808"),
+        (dict(name="x", pad=1.5), ValueError, r"pad 1.5 does not fit torch.int64"),
+        (dict(name="x", pad="0"), TypeError, r"pad '0' must be a Python int or float"),
+        (dict(name="x", dtype=torch.float16, pad=1e6), ValueError, r"within \+-65504"),
+        (dict(name="x", per="sequence"), ValueError, r"per must be 'token' or 'request', got 'sequence'"),
+    ],
+)
+def test_static_input_errors_name_the_bad_value(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        pb.StaticInput(**kwargs)
+
+
+def test_static_input_accepts_lists_and_integral_float_pads():
+    spec = pb.StaticInput("x", shape=[2, 3], pad=-1.0)
+    assert spec.shape == (2, 3) and hash(spec)
+    assert pb.StaticInput("m", dtype=torch.bool, pad=True).pad is True
+
+
+def test_runner_config_none_is_the_default_config_and_other_types_raise():
+    runner = pb.GraphRunner(LoggingModel(), None, x_input())
+    assert runner.config.replace(cudagraph_mode=pb.CompilationConfig().cudagraph_mode) == pb.CompilationConfig()
+    x = rand(2, 8)
+    with torch.no_grad():
+        assert_close(runner.run(x=x), runner.model(x) if runner.mode is M.NONE else x)
+    with pytest.raises(TypeError, match="config must be a CompilationConfig or None, got dict"):
+        pb.GraphRunner(LoggingModel(), {"cudagraph_mode": "NONE"}, x_input())
+    with pytest.raises(TypeError, match="inputs must be StaticInputs, got 'x'"):
+        pb.GraphRunner(LoggingModel(), None, ["x"])

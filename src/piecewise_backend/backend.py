@@ -138,6 +138,19 @@ class PiecewiseBackend:
         return fn
 
     def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
+        if ops and not split.found_ops and _effective_mode(self.config).has_piecewise_cudagraphs():
+            # PIECEWISE graphs of this graph would hold attention: wrong for mixed batches, and silent otherwise.
+            with _missing_lock:
+                first = (id(self), "no splitting op") not in _missing_logged
+                _missing_logged.add((id(self), "no splitting op"))
+            if first:
+                names = [op if isinstance(op, str) else getattr(op, "__name__", None) or repr(op) for op in ops]
+                logger.warning(
+                    "graph %d has no splitting op, so its PIECEWISE graphs capture it whole, attention included; "
+                    "register the model's attention op with pb.register_splitting_op (looked for: %s)",
+                    graph_index, ", ".join(names),
+                )
+            return
         for op in ops:
             if any(op is f or op == f for f in split.found_ops):
                 continue

@@ -1,10 +1,14 @@
 """``python -m piecewise_backend inspect MODULE:FACTORY``: show how the backend splits a model.
 
-The factory is called with no arguments and returns a model, or ``(model, example_inputs)``.
-Without example inputs the model runs once on ``torch.randint(0, vocab, (tokens,))``, where
-``vocab`` is ``model.cfg.vocab_size`` or ``model.config.vocab_size`` (else 128). Pieces are
-compiled eagerly (no Inductor), so inspecting is fast; ``--dump DIR`` writes the split graph
-and every piece as readable Python.
+The factory is called with no arguments and returns a model, or ``(model, example_inputs)``
+where ``example_inputs`` is a tensor, a tuple of positional inputs or a dict of keyword inputs.
+Without example inputs the model runs once on random token ids of ``vocab`` =
+``model.cfg.vocab_size`` or ``model.config.vocab_size`` (else 128): a Hugging Face style model
+(a ``config`` and a ``forward(input_ids=...)``) gets ``input_ids`` of shape ``(1, tokens)`` as
+a keyword (and ``use_cache=False`` when it takes one), any other model ``(tokens,)``
+positionally. Pieces are compiled eagerly (no Inductor), so inspecting is fast; ``--dump DIR``
+writes the split graph and every piece as readable Python. A factory or model that raises
+ends the command with a one-line error (exit 1), not a traceback.
 
 Table columns: ``nodes`` counts a piece's operations (placeholders and the output node
 excluded), ``inputs`` its placeholders, ``outputs`` the values it returns; ``splitting op``
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect as pyinspect
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,7 +83,60 @@ def _load_factory(parser: argparse.ArgumentParser, target: str) -> Any:
         obj = getattr(obj, part)
     if not callable(obj):
         parser.error(f"{target!r} is not callable (got {type(obj).__name__})")
+    try:
+        required = [
+            p.name for p in pyinspect.signature(obj).parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # no signature (some builtins): find out by calling it
+        required = []
+    if required:
+        parser.error(
+            f"{target} needs arguments ({', '.join(required)}); inspect calls the factory with none: "
+            "point it at a function without required arguments that builds the model"
+        )
     return obj
+
+
+class CommandError(Exception):
+    """A failure in the user's factory or model: reported in one line, exit status 1."""
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame outside torch and this package: where the user's code failed."""
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _attempt(what: str, fn: Any, *args: Any, hint: str = "", **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CommandError(f"{what} raised {type(e).__name__}: {message}{_where(e)}{hint}") from e
+
+
+def _takes(model: Any, name: str) -> bool:
+    try:
+        return name in pyinspect.signature(model.forward if isinstance(model, torch.nn.Module) else model).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def default_inputs(model: Any, tokens: int) -> tuple[tuple[Any, ...], dict[str, Any], str]:
+    """Random token ids for ``model``: ``(args, kwargs, description)``."""
+    vocab = vocab_size(model)
+    param = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+    device = param.device if param is not None else "cpu"
+    if getattr(model, "config", None) is not None and _takes(model, "input_ids"):  # Hugging Face style
+        kwargs: dict[str, Any] = {"input_ids": torch.randint(0, vocab, (1, tokens), device=device)}
+        text = f"input_ids=torch.randint(0, {vocab}, (1, {tokens}))"
+        if _takes(model, "use_cache"):
+            kwargs["use_cache"] = False  # a returned DynamicCache cannot be compared with eager's
+            text += ", use_cache=False"
+        return (), kwargs, text
+    return (torch.randint(0, vocab, (tokens,), device=device),), {}, f"torch.randint(0, {vocab}, ({tokens},))"
 
 
 def vocab_size(model: Any) -> int:
@@ -132,26 +191,27 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 def run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import piecewise_backend as pb
 
+    if args.dump is not None and Path(args.dump).exists() and not Path(args.dump).is_dir():
+        parser.error(f"argument --dump: {args.dump!r} is a file; give a directory (created if missing)")
     factory = _load_factory(parser, args.target)
-    made = factory()
-    example: tuple[Any, ...] | None = None
+    made = _attempt(f"the factory {args.target}", factory)
+    ex_args: tuple[Any, ...] | None = None
+    ex_kwargs: dict[str, Any] = {}
     if isinstance(made, tuple):
         if len(made) != 2:
             parser.error(f"{args.target} returned a tuple of {len(made)}; expected a model or (model, example_inputs)")
         made, example = made
-        example = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+        if isinstance(example, dict):
+            ex_args, ex_kwargs = (), dict(example)
+        else:
+            ex_args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     model = made
     if not callable(model):
         parser.error(f"{args.target} returned {type(model).__name__}, which is not a callable model")
     if isinstance(model, torch.nn.Module):
         model.eval()
-    if example is None:
-        vocab = vocab_size(model)
-        tokens = args.tokens or DEFAULT_TOKENS
-        param = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
-        device = param.device if param is not None else "cpu"
-        example = (torch.randint(0, vocab, (tokens,), device=device),)
-        source = f"torch.randint(0, {vocab}, ({tokens},))"
+    if ex_args is None:
+        ex_args, ex_kwargs, source = default_inputs(model, args.tokens or DEFAULT_TOKENS)
     else:
         source = "example inputs from the factory" + (" (--tokens ignored)" if args.tokens else "")
 
@@ -159,8 +219,10 @@ def run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     config = pb.CompilationConfig(compile_pieces="eager", debug_dump_dir=args.dump)
     backend = pb.make_backend(config)
     with torch.no_grad():
-        expected = model(*example)
-        got = torch.compile(model, backend=backend)(*example)
+        hint = "" if source.startswith("example") else "; return (model, example_inputs) from the factory"
+        expected = _attempt(f"the model on {source}", model, *ex_args, hint=hint, **ex_kwargs)
+        compiled = torch.compile(model, backend=backend)
+        got = _attempt("the model compiled with piecewise_breakable", compiled, *ex_args, **ex_kwargs)
     try:
         torch.testing.assert_close(got, expected)
         check, status = "compiled output matches eager", 0
@@ -199,7 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "inspect":
-        return run_inspect(args, args.parser)
+        try:
+            return run_inspect(args, args.parser)
+        except CommandError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse checks choices
     return 2
 

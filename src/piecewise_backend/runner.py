@@ -1,15 +1,16 @@
 """GraphRunner: the engine-facing object that pads, dispatches, captures and replays.
 
-It owns one persistent buffer per input, sized for the largest capture; every step
-copies the batch into those buffers, so graphs always read the addresses they captured.
+It owns one persistent buffer per input (see :mod:`static_inputs`); every step copies the
+batch into those buffers, so graphs always read the addresses they captured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,22 +29,8 @@ from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
 from .platforms import cuda as _cuda_platform
 from .platforms import get_platform, resolve_platform_name
-
-
-@dataclasses.dataclass(frozen=True)
-class StaticInput:
-    """One per-token input of the model: ``(tokens, *shape)`` of ``dtype``; padding rows hold ``pad``."""
-
-    name: str
-    shape: tuple[int, ...] = ()
-    dtype: torch.dtype = torch.long
-    pad: int | float = 0
-
-    def __post_init__(self) -> None:
-        if not self.name.isidentifier():
-            raise ValueError(f"StaticInput.name must be an identifier, got {self.name!r}")
-        if any(not isinstance(d, int) or d < 1 for d in self.shape):
-            raise ValueError(f"StaticInput {self.name!r}: shape must hold positive ints, got {self.shape!r}")
+from .static_inputs import StaticInput, check_plain, check_tensor, context_leaves, eager_tensor, fill, fits
+from .wrappers import _GraphWrapper
 
 
 @dataclasses.dataclass
@@ -56,35 +43,58 @@ class CaptureReport:
 class GraphRunner:
     """Run ``model`` step by step under the CUDA graphs ``config`` asks for.
 
-    ``inputs`` describe the per-token tensors; ``model_args`` name those passed to the model
-    positionally (default: all, in order); ``context_fn`` turns the step's (padded) input
-    views into forward-context attributes such as attention metadata.
+    ``inputs`` describe the model's tensors (per token or per request); ``model_args`` name
+    those passed positionally and ``model_kwargs`` those passed as keywords (both None: all
+    positionally, in order); ``context_fn`` turns the step's padded views into
+    forward-context attributes such as attention metadata, during capture as on every step.
     """
 
     def __init__(
         self,
         model: Any,
-        config: CompilationConfig,
+        config: CompilationConfig | None,
         inputs: Sequence[StaticInput],
         *,
         model_args: Sequence[str] | None = None,
+        model_kwargs: Sequence[str] | None = None,
         context_fn: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+        max_num_reqs: int | None = None,
         attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
         attention_split: bool = True,
         uniform_decode_query_len: int = 1,
         drafter: bool = False,
         device: torch.device | str | None = None,
     ):
-        if not inputs:
-            raise ValueError("GraphRunner needs at least one StaticInput (the token dimension comes from it)")
+        if config is None:
+            config = CompilationConfig()
+        elif not isinstance(config, CompilationConfig):
+            raise TypeError(f"GraphRunner config must be a CompilationConfig or None, got {type(config).__name__}")
+        inputs = list(inputs)
+        bad = [i for i in inputs if not isinstance(i, StaticInput)]
+        if bad:
+            raise TypeError(f"GraphRunner inputs must be StaticInputs, got {bad[0]!r}")
         names = [i.name for i in inputs]
+        if not any(i.per == "token" for i in inputs):
+            raise ValueError(
+                f"GraphRunner needs at least one per='token' StaticInput (the token count comes from it), got {names}"
+            )
         if len(set(names)) != len(names):
             raise ValueError(f"GraphRunner input names must be unique, got {names}")
         self.inputs = {i.name: i for i in inputs}
-        self.model_args = list(model_args) if model_args is not None else names
-        unknown = [a for a in self.model_args if a not in self.inputs]
-        if unknown:
-            raise ValueError(f"model_args {unknown} are not among the inputs {names}")
+        positional = model_kwargs is None and model_args is None
+        self.model_args = _names("model_args", model_args, names, names if positional else [])
+        self.model_kwargs = _names("model_kwargs", model_kwargs, names, [])
+        both = sorted(set(self.model_args) & set(self.model_kwargs))
+        if both:
+            raise ValueError(f"inputs {both} are in both model_args and model_kwargs; pass each one way")
+        if context_fn is not None and not callable(context_fn):
+            raise TypeError(f"context_fn must be callable(views) -> dict, got {type(context_fn).__name__}")
+        per_request = [i.name for i in inputs if i.per == "request"]
+        if max_num_reqs is not None and (not isinstance(max_num_reqs, int) or isinstance(max_num_reqs, bool) or max_num_reqs < 1):
+            raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
+        if per_request and max_num_reqs is None:
+            raise ValueError(f"per='request' inputs {per_request} need GraphRunner(max_num_reqs=...) (their row count)")
+        self.max_num_reqs = max_num_reqs
         mode = resolve_cudagraph_mode(effective_mode(config), attention_support, attention_split=attention_split)
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
@@ -94,10 +104,10 @@ class GraphRunner:
         self.dispatcher.initialize_keys(_drafter_mode(mode) if drafter else mode, uniform_decode_query_len)
         validate_capture_coverage(self.model, self.dispatcher)
         self.device = torch.device(device) if device is not None else _model_device(model)
-        n = self.dispatcher.max_size
         self.buffers = {
-            i.name: torch.full((n, *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
+            i.name: torch.full((self._rows(i), *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
         }
+        self._buffer_storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
         self.last_mode = CUDAGraphMode.NONE
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
@@ -106,63 +116,86 @@ class GraphRunner:
     def mode(self) -> CUDAGraphMode:
         return self.config.cudagraph_mode
 
-    def _views(self, padded: int) -> dict[str, torch.Tensor]:
-        return {name: buf[:padded] for name, buf in self.buffers.items()}
+    def _rows(self, spec: StaticInput, tokens: int | None = None) -> int:
+        if spec.per == "request":
+            return self.max_num_reqs  # type: ignore[return-value]
+        return self.dispatcher.max_size if tokens is None else tokens
 
-    def _call(self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict) -> Any:
+    def _views(self, padded: int) -> dict[str, torch.Tensor]:
+        return {name: buf[: self._rows(self.inputs[name], padded)] for name, buf in self.buffers.items()}
+
+    def _call(self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict, capturing: bool = False) -> Any:
         attrs = dict(self.context_fn(dict(views)) if self.context_fn else {}, **extra)
-        if self.capture_closed:
+        if capturing:
+            check_plain(attrs, "context_fn returned")
+            attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
+        elif self.capture_closed:
             attrs.setdefault("allow_capture", False)
         with set_forward_context(mode, desc, **attrs):
-            return self.model(*(views[a] for a in self.model_args))
-
-    def _fits(self, batch: Mapping[str, torch.Tensor]) -> bool:
-        """True when every non-token dimension fits the static buffers (else: eager)."""
-        for name, t in batch.items():
-            spec = self.inputs[name]
-            if t.is_floating_point() != spec.dtype.is_floating_point:
-                raise ValueError(f"GraphRunner.run: input {name!r} is {t.dtype}, its StaticInput is {spec.dtype}")
-            if t.dim() != len(spec.shape) + 1 or any(a > b for a, b in zip(t.shape[1:], spec.shape)):
-                return False
-        return True
+            return self.model(*(views[a] for a in self.model_args), **{k: views[k] for k in self.model_kwargs})
 
     def run(self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None, **batch: torch.Tensor) -> Any:
         """Run one step; returns outputs sliced to the real token count.
 
         Replayed outputs live in graph memory: valid until the next step. ``context`` adds
-        forward-context attributes on top of ``context_fn``'s.
+        forward-context attributes for this step only, on top of ``context_fn``'s; graphs
+        never saw it at capture, so only eager code reads it (breaks of PIECEWISE steps,
+        NONE steps): on a FULL step its tensors must be views of this runner's buffers.
         """
         missing = sorted(set(self.inputs) - set(batch))
         extra = sorted(set(batch) - set(self.inputs))
         if missing or extra:
             raise ValueError(f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(self.inputs)}")
-        counts = {name: t.shape[0] for name, t in batch.items()}
-        n = next(iter(counts.values()))
-        if any(c != n for c in counts.values()):
-            raise ValueError(f"GraphRunner.run: inputs disagree on the token count: {counts}")
+        batch = {name: check_tensor(self.inputs[name], t) for name, t in batch.items()}
+        n = _count(batch, self.inputs, "token", "the token count")
+        reqs = _count(batch, self.inputs, "request", "the request count")
+        if reqs is not None:
+            if reqs > self.max_num_reqs:  # type: ignore[operator]
+                raise ValueError(f"GraphRunner.run: per-request inputs have {reqs} rows, above max_num_reqs={self.max_num_reqs}")
+            if num_reqs is None:
+                num_reqs = reqs
+            elif num_reqs != reqs:
+                raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
+        context = _check_context(context, self.mode)
         mode, desc = self.dispatcher.dispatch(n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter)
-        if mode != CUDAGraphMode.NONE and not self._fits(batch):
+        if mode != CUDAGraphMode.NONE and not all(fits(self.inputs[k], t) for k, t in batch.items()):
             logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
             mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
+        if mode == CUDAGraphMode.FULL:
+            self._check_full_context(context)
         self.last_mode = mode
         if mode == CUDAGraphMode.NONE:
-            return self._call(batch, mode, desc, context or {})
+            views = {k: eager_tensor(self.inputs[k], t, self._rows(self.inputs[k], n), self.device) for k, t in batch.items()}
+            return self._call(views, mode, desc, context)
         padded = desc.num_tokens
         for name, t in batch.items():
-            buf, spec = self.buffers[name], self.inputs[name]
-            if t.shape[1:] == spec.shape:  # the common case: one copy, pad only the padding rows
-                buf[:n].copy_(t)
-                if padded > n:
-                    buf[n:padded].fill_(spec.pad)
-            else:
-                buf[:padded].fill_(spec.pad)
-                buf[(slice(0, n), *(slice(0, d) for d in t.shape[1:]))].copy_(t)
-        out = self._call(self._views(padded), mode, desc, context or {})
+            spec = self.inputs[name]
+            fill(self.buffers[name], t, self._rows(spec, padded), spec.pad)
+        out = self._call(self._views(padded), mode, desc, context)
         return tree_map(lambda o: o[:n] if isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == padded else o, out)
+
+    def _check_full_context(self, context: dict) -> None:
+        for key, value in context.items():
+            for path, leaf in context_leaves(value, key):
+                if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in self._buffer_storages:
+                    raise ValueError(
+                        f"GraphRunner.run: context {path!r} is a tensor outside the runner's buffers on a FULL step; "
+                        "a FULL graph replays the tensors it read at capture and would ignore it. Make it a "
+                        "StaticInput and build it in context_fn from the step's views"
+                    )
+
+    def clear_graphs(self) -> None:
+        """Drop every graph of this runner's wrappers; :meth:`capture` can capture them again."""
+        wrapper = self.model
+        while isinstance(wrapper, _GraphWrapper):
+            wrapper.clear_graphs()
+            wrapper = wrapper.runnable
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
         """Warm up and capture every descriptor the dispatcher can emit, largest first.
 
+        Every buffer is reset to its ``pad`` first, so warm-ups and captures never run on a
+        previous step's data, and ``context_fn`` gets the same padded views as on a step.
         With ``disable_after`` (default) later steps of this runner never capture: an
         unseen descriptor raises :class:`CaptureDisabledError` instead of capturing mid-serving.
         """
@@ -171,30 +204,78 @@ class GraphRunner:
         platform_name = resolve_platform_name(self.config.platform)
         platform = get_platform(platform_name) if platform_name and total else None
         before = platform.memory() if platform else 0
+        for name, buf in self.buffers.items():
+            buf.fill_(self.inputs[name].pad)
         start = time.perf_counter()
-        gc.collect()  # once for the whole capture, then frozen: collecting per graph dominated capture time
-        gc.freeze()
-        _cuda_platform.gc_managed_outside = True
-        try:
-            with _progress(total, progress) as bar:
-                for mode, descs in plan:
-                    for desc in descs:
-                        views = self._views(desc.num_tokens)
-                        for _ in range(self.config.num_warmups):
-                            for v in views.values():
-                                torch._dynamo.maybe_mark_dynamic(v, 0)
-                            self._call(views, CUDAGraphMode.NONE, desc, {})
-                        self._call(views, mode, desc, {})
-                        bar.update(1)
-                        bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
-        finally:
-            _cuda_platform.gc_managed_outside = False
-            gc.unfreeze()
+        with _bulk_capture_gc(), _progress(total, progress) as bar:
+            for mode, descs in plan:
+                for desc in descs:
+                    views = self._views(desc.num_tokens)
+                    for _ in range(self.config.num_warmups):
+                        for v in views.values():
+                            torch._dynamo.maybe_mark_dynamic(v, 0)
+                        self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
+                    self._call(views, mode, desc, {}, capturing=True)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
         stats = platform.describe(platform.memory() - before) if platform else "no graphs"
         self.report = CaptureReport(total, time.perf_counter() - start, stats)
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
         self.capture_closed = disable_after
         return self.report
+
+
+@contextlib.contextmanager
+def _bulk_capture_gc() -> Iterator[None]:
+    """Collect once, keep the collector out of the whole capture, leave gc as the application had it.
+
+    Collecting per graph or segment dominated capture time. ``gc.unfreeze()`` would also
+    thaw objects the application froze itself, so with an application freeze in place the
+    collector is only paused. (To move into capture.py's gc context manager once it lands.)
+    """
+    gc.collect()
+    app_frozen, enabled = gc.get_freeze_count() > 0, gc.isenabled()
+    if app_frozen:
+        gc.disable()
+    else:
+        gc.freeze()
+    _cuda_platform.gc_managed_outside = True
+    try:
+        yield
+    finally:
+        _cuda_platform.gc_managed_outside = False
+        if not app_frozen:
+            gc.unfreeze()
+        elif enabled:
+            gc.enable()
+
+
+def _names(field: str, given: Sequence[str] | None, names: list[str], default: list[str]) -> list[str]:
+    if given is None:
+        return list(default)
+    if isinstance(given, str) or not all(isinstance(a, str) for a in given):
+        raise TypeError(f"{field} must be a list of input names, got {given!r}")
+    unknown = [a for a in given if a not in names]
+    if unknown:
+        raise ValueError(f"{field} {unknown} are not among the inputs {names}")
+    return list(given)
+
+
+def _count(batch: Mapping[str, torch.Tensor], specs: Mapping[str, StaticInput], per: str, what: str) -> int | None:
+    counts = {name: t.shape[0] for name, t in batch.items() if specs[name].per == per}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"GraphRunner.run: per-{per} inputs disagree on {what}: {counts}")
+    return next(iter(counts.values()), None)
+
+
+def _check_context(context: Any, mode: CUDAGraphMode) -> dict:
+    if context is None:
+        return {}
+    if not isinstance(context, Mapping) or not all(isinstance(k, str) for k in context):
+        raise TypeError(f"GraphRunner.run: context must be a dict of attribute names to values, got {context!r}")
+    if mode != CUDAGraphMode.NONE:
+        check_plain(context, "context")
+    return dict(context)
 
 
 class _NoBar:

@@ -1,0 +1,156 @@
+"""StaticInput, and how a step's tensors reach a GraphRunner's persistent buffers.
+
+A graph reads fixed addresses, so every input lives in a buffer allocated once: per-token
+inputs have one row per token of the largest capture size, per-request inputs one row per
+request (``max_num_reqs``). A step copies its tensors into the buffers' leading corner and
+fills everything else with the input's ``pad``: the model sees the declared shape on every
+step, graph or eager, and never a previous step's data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+PER_VALUES = ("token", "request")
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInput:
+    """One model input: ``(rows, *shape)`` of ``dtype``; rows and columns without data hold ``pad``.
+
+    ``per="token"``: one row per token (padded to the captured size). ``per="request"``:
+    one row per request, always ``max_num_reqs`` rows. A tensor narrower than ``shape`` is
+    padded with ``pad`` in every mode; a wider one cannot fit and the step runs eagerly.
+    """
+
+    name: str
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.long
+    pad: int | float = 0
+    per: str = "token"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(
+                f"StaticInput.name must be a str that is a Python identifier, got {self.name!r} ({type(self.name).__name__})"
+            )
+        shape = self.shape
+        if not isinstance(shape, (tuple, list)) or any(
+            not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape
+        ):
+            raise ValueError(
+                f"StaticInput {self.name!r}: shape is the dims after the token (or request) dim, a tuple of "
+                f"positive ints such as () or (4,); got {shape!r}"
+            )
+        object.__setattr__(self, "shape", tuple(shape))
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(
+                f"StaticInput {self.name!r}: dtype must be a torch.dtype such as torch.float32, got {self.dtype!r}"
+            )
+        if self.per not in PER_VALUES:
+            raise ValueError(f"StaticInput {self.name!r}: per must be 'token' or 'request', got {self.per!r}")
+        _check_pad(self.name, self.pad, self.dtype)
+
+
+def _check_pad(name: str, pad: Any, dtype: torch.dtype) -> None:
+    where = f"StaticInput {name!r}: pad {pad!r}"
+    if not isinstance(pad, (int, float)):
+        raise TypeError(f"{where} must be a Python int or float that {dtype} can hold")
+    if dtype == torch.bool:
+        if pad not in (0, 1):
+            raise ValueError(f"{where} does not fit torch.bool: use False/True (0/1)")
+    elif dtype.is_floating_point:
+        if not math.isfinite(pad) or abs(pad) > torch.finfo(dtype).max:
+            raise ValueError(f"{where} must be finite and within +-{torch.finfo(dtype).max:g} for {dtype}")
+    elif not dtype.is_complex:
+        info = torch.iinfo(dtype)
+        if isinstance(pad, float) and not pad.is_integer() or not info.min <= pad <= info.max:
+            raise ValueError(f"{where} does not fit {dtype}: use an integer in [{info.min}, {info.max}]")
+
+
+def check_tensor(spec: StaticInput, value: Any) -> torch.Tensor:
+    """``value`` as a step tensor for ``spec``, or a clear error."""
+    rows = "tokens" if spec.per == "token" else "requests"
+    want = f"({rows}{''.join(f', {d}' for d in spec.shape)})"
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"GraphRunner.run: input {spec.name!r} must be a torch.Tensor of shape {want}, got "
+            f"{type(value).__name__}; a graph replays tensors at fixed addresses, so opaque objects (lists, "
+            "caches) cannot be inputs: keep their tensors in StaticInputs"
+        )
+    if value.dim() != len(spec.shape) + 1:
+        raise ValueError(
+            f"GraphRunner.run: input {spec.name!r} has shape {tuple(value.shape)}, its StaticInput wants {want}"
+        )
+    if value.is_floating_point() != spec.dtype.is_floating_point:
+        raise ValueError(f"GraphRunner.run: input {spec.name!r} is {value.dtype}, its StaticInput is {spec.dtype}")
+    return value
+
+
+def fits(spec: StaticInput, value: torch.Tensor) -> bool:
+    """True when ``value``'s non-leading dims fit the static shape."""
+    return all(a <= b for a, b in zip(value.shape[1:], spec.shape))
+
+
+def fill(buf: torch.Tensor, value: torch.Tensor, rows: int, pad: int | float) -> None:
+    """Write ``value`` into the corner of ``buf[:rows]`` and ``pad`` everywhere else in it."""
+    n = value.shape[0]
+    if value.shape[1:] == buf.shape[1:]:  # the common case: one copy, pad only the padding rows
+        buf[:n].copy_(value)
+        if rows > n:
+            buf[n:rows].fill_(pad)
+    else:
+        buf[:rows].fill_(pad)
+        buf[(slice(0, n), *(slice(0, d) for d in value.shape[1:]))].copy_(value)
+
+
+def eager_tensor(spec: StaticInput, value: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """What an eager step passes for ``value``: the same dtype, width and row count a graph step sees."""
+    shape = tuple(max(a, b) for a, b in zip(value.shape[1:], spec.shape))
+    if value.shape == (rows, *shape):
+        return value.to(device=device, dtype=spec.dtype)
+    out = torch.empty((rows, *shape), dtype=spec.dtype, device=device)
+    fill(out, value, rows, spec.pad)
+    return out
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device, torch.Tensor)
+
+
+def context_leaves(value: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """``(path, leaf)`` for every leaf of a forward-context value, through tuples, lists, dicts, dataclasses."""
+    if isinstance(value, (tuple, list)):
+        items: Any = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif type(value) is dict:
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    else:
+        yield path, value
+        return
+    if depth < 8:
+        for sub_path, sub in items:
+            yield from context_leaves(sub, sub_path, depth + 1)
+
+
+def check_plain(attrs: Mapping[str, Any], source: str) -> None:
+    """Refuse objects a graph replay cannot account for (a transformers ``DynamicCache``, a generator).
+
+    Plain: Python scalars, strings, enums, dtypes, devices, tensors, and tuples, lists,
+    dicts and dataclasses of those. Anything else holds state a graph captured once and
+    never sees change.
+    """
+    for key, value in attrs.items():
+        for path, leaf in context_leaves(value, key):
+            if not isinstance(leaf, _PLAIN):
+                raise TypeError(
+                    f"GraphRunner: {source} {path!r} is a {type(leaf).__name__}; a graph replays what it read at "
+                    "capture and cannot see an object's state change. Pass tensors (persistent ones: StaticInputs "
+                    "and context_fn over the step's views), plain Python values, or dataclasses of those"
+                )
