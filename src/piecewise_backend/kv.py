@@ -59,13 +59,18 @@ class BlockAllocator:
 
 @dataclasses.dataclass
 class PagedAttentionMetadata:
-    """One step's attention inputs: views of the runner's persistent buffers, plus the cache."""
+    """One step's attention inputs: views of the runner's persistent buffers, and the cache tensors.
+
+    Only tensors and lists of tensors (no cache object): a graph keeps what it read at capture,
+    and the runner refuses context objects whose state it cannot see.
+    """
 
     positions: torch.Tensor  # (tokens,) long: position of each token in its request
     slot_mapping: torch.Tensor  # (tokens,) long: cache slot to write each token's K/V to, PAD_SLOT for padding
     request_index: torch.Tensor  # (tokens,) long: row of ``block_tables`` of each token's request
     block_tables: torch.Tensor  # (requests, max_blocks_per_req) long: blocks of each request, 0-padded
-    cache: PagedKVCache
+    key_caches: list[torch.Tensor]  # per layer, PagedKVCache.key_caches
+    value_caches: list[torch.Tensor]
 
 
 class PagedKVCache:
@@ -157,7 +162,9 @@ class PagedKVCache:
         return {POSITIONS: t(positions), SLOT_MAPPING: t(slots), REQUEST_INDEX: t(request_index), BLOCK_TABLES: t(rows)}
 
     def metadata(self, views: Mapping[str, torch.Tensor]) -> PagedAttentionMetadata:
-        return PagedAttentionMetadata(views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self)
+        return PagedAttentionMetadata(
+            views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self.key_caches, self.value_caches
+        )
 
     def context_fn(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """A GraphRunner ``context_fn``: the step's forward-context attributes."""
@@ -228,10 +235,9 @@ def paged_attention(
     ``q``/``out``: (tokens, heads, head_dim); ``k``/``v``: (tokens, kv_heads, head_dim).
     """
     meta = current_metadata()
-    cache = meta.cache
-    if not 0 <= layer < len(cache.key_caches):
-        raise ValueError(f"pb_kv::paged_attention: layer {layer} out of range; the cache has {len(cache.key_caches)} layers")
-    key_cache, value_cache = cache.key_caches[layer], cache.value_caches[layer]
+    if not 0 <= layer < len(meta.key_caches):
+        raise ValueError(f"pb_kv::paged_attention: layer {layer} out of range; the cache has {len(meta.key_caches)} layers")
+    key_cache, value_cache = meta.key_caches[layer], meta.value_caches[layer]
     if k.shape[1:] != key_cache.shape[2:] or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"pb_kv::paged_attention: k has (kv_heads, head_dim) {tuple(k.shape[1:])}, the cache holds "
