@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     config = pb.CompilationConfig(
         cudagraph_mode="FULL_AND_PIECEWISE",
-        capture_sizes=[1, 2, 4, 8, 16, 32],
+        capture_sizes=[2, 4, 8, 16, 32],  # no size 1: Dynamo would specialize and trace the model a second time
         platform="cuda" if cuda else "simulated",
         compile_pieces="inductor" if cuda else "eager",  # the simulator records ATen ops, not fused kernels
     )
