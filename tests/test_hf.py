@@ -132,6 +132,19 @@ def test_engine_rejects_bad_requests(llama_engine):
         engine.generate([[1], [2]], [3])
 
 
+def test_engine_frees_blocks_when_a_step_fails(llama_engine):
+    engine, _ = llama_engine
+
+    def stop(info: hf.StepInfo) -> None:
+        if info.step == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[3, 4, 5], [6, 7]], 4, on_step=stop)
+    assert engine.cache.tables == {} and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert [len(o) for o in engine.generate([[3, 4, 5]], 2)] == [2]  # still serves
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_generate_example_checks_against_generate(arch):
     proc = subprocess.run(

@@ -198,31 +198,50 @@ class HFEngine:
                 )
         outputs: list[list[int]] = [[] for _ in prompts]
         waiting, running, step = list(range(len(prompts))), [], 0
-        with torch.inference_mode():
-            while waiting or running:
-                chunks = [(r, len(prompts[r]) + len(outputs[r]) - 1, 1) for r in running]
-                tokens = [outputs[r][-1] for r in running]
-                while waiting and len(running) < self.max_num_reqs:
-                    r = waiting[0]
-                    if chunks and len(tokens) + len(prompts[r]) > self.max_step_tokens:
-                        break
-                    chunks.append((r, 0, len(prompts[r])))
-                    tokens += prompts[r]
-                    running.append(waiting.pop(0))
-                decode = all(n == 1 for _, _, n in chunks)  # one query token per request: FULL-graph shaped
-                meta = self.cache.step_inputs(chunks)
-                ids = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-                logits = self.runner.run(uniform_decode=decode, num_reqs=len(chunks) if decode else None, input_ids=ids, **meta)
-                last = torch.tensor(_ends(chunks), device=logits.device)
-                for (r, _, _), tok in zip(chunks, logits[last].argmax(-1).tolist()):
-                    outputs[r].append(tok)
-                    if len(outputs[r]) >= budgets[r] or tok == eos_token_id:
-                        running.remove(r)
-                        self.cache.free(r)
-                if on_step is not None:
-                    on_step(StepInfo(step, len(tokens), len(chunks), decode, self.runner.last_mode))
-                step += 1
+        try:
+            with torch.inference_mode():
+                while waiting or running:
+                    info = self._step(step, prompts, outputs, budgets, waiting, running, eos_token_id)
+                    if on_step is not None:
+                        on_step(info)
+                    step += 1
+        finally:  # an error mid-way must not leak the blocks of the requests still running
+            for r in running:
+                if r in self.cache.tables:
+                    self.cache.free(r)
         return outputs
+
+    def _step(
+        self,
+        step: int,
+        prompts: Sequence[Sequence[int]],
+        outputs: list[list[int]],
+        budgets: list[int],
+        waiting: list[int],
+        running: list[int],
+        eos_token_id: int | None,
+    ) -> StepInfo:
+        """Schedule, run and sample one step; updates ``outputs``, ``waiting`` and ``running``."""
+        chunks = [(r, len(prompts[r]) + len(outputs[r]) - 1, 1) for r in running]
+        tokens = [outputs[r][-1] for r in running]
+        while waiting and len(running) < self.max_num_reqs:
+            r = waiting[0]
+            if chunks and len(tokens) + len(prompts[r]) > self.max_step_tokens:
+                break
+            chunks.append((r, 0, len(prompts[r])))
+            tokens += prompts[r]
+            running.append(waiting.pop(0))
+        decode = all(n == 1 for _, _, n in chunks)  # one query token per request: FULL-graph shaped
+        meta = self.cache.step_inputs(chunks)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
+        logits = self.runner.run(uniform_decode=decode, num_reqs=len(chunks) if decode else None, input_ids=ids, **meta)
+        last = torch.tensor(_ends(chunks), device=logits.device)
+        for (r, _, _), tok in zip(chunks, logits[last].argmax(-1).tolist()):
+            outputs[r].append(tok)
+            if len(outputs[r]) >= budgets[r] or tok == eos_token_id:
+                running.remove(r)
+                self.cache.free(r)
+        return StepInfo(step, len(tokens), len(chunks), decode, self.runner.last_mode)
 
 
 def _ends(chunks: Sequence[tuple[Any, int, int]]) -> list[int]:
