@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import piecewise_backend as pb
 from piecewise_backend import kv
@@ -138,6 +139,39 @@ def test_paged_attention_matches_sdpa_on_ragged_chunked_batches(window):
         untouched[real] = False
         assert torch.equal(flat[untouched], old_flat[untouched])
         assert cached[-1].isnan().any()  # the garbage did land in scratch
+
+
+class OpLog(TorchDispatchMode):
+    """Records every ATen op run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+def test_op_body_has_no_host_sync_and_static_shapes():
+    """What a CUDA capture forbids: reading device values on the host, or shapes that depend on them."""
+    cache = make_cache()
+    meta = pad_step(cache.step_inputs([("a", 0, 5), ("b", 0, 2)]), 1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
+    with OpLog() as log:
+        kv.write_kv(k, v, cache.key_caches[0], cache.value_caches[0], meta[kv.SLOT_MAPPING])
+        kv.attend(q, cache.key_caches[0], cache.value_caches[0], meta[kv.POSITIONS], meta[kv.REQUEST_INDEX],
+                  meta[kv.BLOCK_TABLES], SCALE, sliding_window=3)
+    names = {op._schema.name for op, _ in log.ops}
+    assert {"aten::index_copy_", "aten::_softmax", "aten::bmm"} <= names, names  # the log saw the body
+    host = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::is_nonzero"}
+    assert not names & host, names & host
+    for op, args in log.ops:
+        if op._schema.name in ("aten::index", "aten::index_put", "aten::index_put_"):  # long indices only: no mask
+            assert all(i is None or i.dtype == torch.long for i in args[1]), args[1]
+        else:
+            assert torch.Tag.dynamic_output_shape not in op.tags, op
 
 
 def test_op_outside_a_context_names_what_it_needs():
