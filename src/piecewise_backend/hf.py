@@ -162,7 +162,8 @@ class HFEngine:
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
             dtype=param.dtype, device=param.device,
         )
-        compiled = torch.compile(adapt(model), backend=make_backend(config))
+        self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
+        compiled = torch.compile(adapt(model), backend=self.backend)
         self.runner = GraphRunner(
             compiled, config, [StaticInput("input_ids"), *self.cache.static_inputs()],
             model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn,
