@@ -215,9 +215,8 @@ def test_graph_without_splitting_op_warns_when_piecewise_graphs_are_on(caplog):
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING  # once per backend, not per graph
     assert "scaled_dot_product_attention" in warned[0].getMessage()  # names the registered ops
     caplog.clear()
-    torch.compile(lambda x: x.tan() + 1, backend=pb.make_backend(eager_config(platform="simulated", cudagraph_mode="NONE")))(
-        torch.randn(3)
-    )
+    no_graphs = pb.make_backend(eager_config(platform="simulated", cudagraph_mode="NONE"))
+    torch.compile(lambda x: x.tan() + 1, backend=no_graphs)(torch.randn(3))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 

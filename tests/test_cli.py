@@ -226,8 +226,16 @@ def test_inspect_keyword_example_inputs(capsys):
 @pytest.mark.parametrize(
     "target, message",
     [
-        ("tests.test_cli:raising_factory", r"error: the factory tests.test_cli:raising_factory raised ValueError: no weights here \(at .*test_cli.py:\d+\)"),
-        ("tests.test_cli:failing_model_factory", r"error: the model on torch.randint\(0, 128, \(8,\)\) raised TypeError: .*'mask'; return \(model, example_inputs\) from the factory"),
+        (
+            "tests.test_cli:raising_factory",
+            r"error: the factory tests.test_cli:raising_factory raised ValueError: no weights here "
+            r"\(at .*test_cli.py:\d+\)",
+        ),
+        (
+            "tests.test_cli:failing_model_factory",
+            r"error: the model on torch.randint\(0, 128, \(8,\)\) raised TypeError: .*'mask'; "
+            r"return \(model, example_inputs\) from the factory",
+        ),
     ],
 )
 def test_failing_factory_or_model_is_one_clean_line(target, message, capsys):
@@ -239,7 +247,10 @@ def test_failing_factory_or_model_is_one_clean_line(target, message, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["inspect", "tests.test_cli:factory_with_arguments"], "tests.test_cli:factory_with_arguments needs arguments (size)"),
+        (
+            ["inspect", "tests.test_cli:factory_with_arguments"],
+            "tests.test_cli:factory_with_arguments needs arguments (size)",
+        ),
         (["inspect", TOY, "--dump", __file__], f"argument --dump: {__file__!r} is a file; give a directory"),
     ],
 )

@@ -6,11 +6,9 @@ batch into those buffers, so graphs always read the addresses they captured.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,16 +19,26 @@ try:
 except ImportError:  # a bare GPU box may lack it: capture works, without a progress bar
     tqdm = None
 
-from .assembly import effective_mode, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
-from .config import CompilationConfig
+from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
+from .capture import bulk_capture
+from .config import CompilationConfig, effective_mode
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
+from .inputs import mark_persistent
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
-from .platforms import cuda as _cuda_platform
 from .platforms import get_platform, resolve_platform_name
-from .static_inputs import StaticInput, check_plain, check_tensor, context_leaves, eager_tensor, fill, fits
-from .wrappers import _GraphWrapper
+from .static_inputs import (
+    StaticInput,
+    check_context,
+    check_full_context,
+    check_tensor,
+    eager_tensor,
+    fill,
+    fits,
+    input_names,
+    row_count,
+)
 
 
 @dataclasses.dataclass
@@ -82,20 +90,27 @@ class GraphRunner:
             raise ValueError(f"GraphRunner input names must be unique, got {names}")
         self.inputs = {i.name: i for i in inputs}
         positional = model_kwargs is None and model_args is None
-        self.model_args = _names("model_args", model_args, names, names if positional else [])
-        self.model_kwargs = _names("model_kwargs", model_kwargs, names, [])
+        self.model_args = input_names("model_args", model_args, names, names if positional else [])
+        self.model_kwargs = input_names("model_kwargs", model_kwargs, names, [])
         both = sorted(set(self.model_args) & set(self.model_kwargs))
         if both:
             raise ValueError(f"inputs {both} are in both model_args and model_kwargs; pass each one way")
         if context_fn is not None and not callable(context_fn):
             raise TypeError(f"context_fn must be callable(views) -> dict, got {type(context_fn).__name__}")
         per_request = [i.name for i in inputs if i.per == "request"]
-        if max_num_reqs is not None and (not isinstance(max_num_reqs, int) or isinstance(max_num_reqs, bool) or max_num_reqs < 1):
+        if max_num_reqs is not None and (
+            not isinstance(max_num_reqs, int) or isinstance(max_num_reqs, bool) or max_num_reqs < 1
+        ):
             raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
         if per_request and max_num_reqs is None:
-            raise ValueError(f"per='request' inputs {per_request} need GraphRunner(max_num_reqs=...) (their row count)")
+            raise ValueError(
+                f"per='request' inputs {per_request} need GraphRunner(max_num_reqs=...) (their row count)"
+            )
         self.max_num_reqs = max_num_reqs
-        mode = resolve_cudagraph_mode(effective_mode(config), attention_support, attention_split=attention_split)
+        mode = resolve_cudagraph_mode(
+            effective_mode(config), attention_support, attention_split=attention_split,
+            uniform_decode_query_len=uniform_decode_query_len,
+        )
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.context_fn = context_fn
@@ -107,6 +122,7 @@ class GraphRunner:
         self.buffers = {
             i.name: torch.full((self._rows(i), *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
         }
+        mark_persistent(*self.buffers.values())  # graphs read them in place: no staging copy per replay
         self._buffer_storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
         self.last_mode = CUDAGraphMode.NONE
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
@@ -124,17 +140,22 @@ class GraphRunner:
     def _views(self, padded: int) -> dict[str, torch.Tensor]:
         return {name: buf[: self._rows(self.inputs[name], padded)] for name, buf in self.buffers.items()}
 
-    def _call(self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict, capturing: bool = False) -> Any:
+    def _call(
+        self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
+        capturing: bool = False,
+    ) -> Any:
         attrs = dict(self.context_fn(dict(views)) if self.context_fn else {}, **extra)
         if capturing:
-            check_plain(attrs, "context_fn returned")
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
         elif self.capture_closed:
             attrs.setdefault("allow_capture", False)
         with set_forward_context(mode, desc, **attrs):
             return self.model(*(views[a] for a in self.model_args), **{k: views[k] for k in self.model_kwargs})
 
-    def run(self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None, **batch: torch.Tensor) -> Any:
+    def run(
+        self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
+        **batch: torch.Tensor,
+    ) -> Any:
         """Run one step; returns outputs sliced to the real token count.
 
         Replayed outputs live in graph memory: valid until the next step. ``context`` adds
@@ -145,27 +166,35 @@ class GraphRunner:
         missing = sorted(set(self.inputs) - set(batch))
         extra = sorted(set(batch) - set(self.inputs))
         if missing or extra:
-            raise ValueError(f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(self.inputs)}")
+            raise ValueError(
+                f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(self.inputs)}"
+            )
         batch = {name: check_tensor(self.inputs[name], t) for name, t in batch.items()}
-        n = _count(batch, self.inputs, "token", "the token count")
-        reqs = _count(batch, self.inputs, "request", "the request count")
+        n = row_count(batch, self.inputs, "token")
+        reqs = row_count(batch, self.inputs, "request")
         if reqs is not None:
             if reqs > self.max_num_reqs:  # type: ignore[operator]
-                raise ValueError(f"GraphRunner.run: per-request inputs have {reqs} rows, above max_num_reqs={self.max_num_reqs}")
+                raise ValueError(
+                    f"GraphRunner.run: per-request inputs have {reqs} rows, above max_num_reqs={self.max_num_reqs}"
+                )
             if num_reqs is None:
                 num_reqs = reqs
             elif num_reqs != reqs:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
-        context = _check_context(context, self.mode)
-        mode, desc = self.dispatcher.dispatch(n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter)
+        context = check_context(context, replays=self.mode != CUDAGraphMode.NONE)
+        mode, desc = self.dispatcher.dispatch(
+            n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter
+        )
         if mode != CUDAGraphMode.NONE and not all(fits(self.inputs[k], t) for k, t in batch.items()):
             logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
             mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
-        if mode == CUDAGraphMode.FULL:
-            self._check_full_context(context)
+        if mode == CUDAGraphMode.FULL and context:
+            check_full_context(context, self._buffer_storages)
         self.last_mode = mode
         if mode == CUDAGraphMode.NONE:
-            views = {k: eager_tensor(self.inputs[k], t, self._rows(self.inputs[k], n), self.device) for k, t in batch.items()}
+            views = {
+                k: eager_tensor(self.inputs[k], t, self._rows(self.inputs[k], n), self.device) for k, t in batch.items()
+            }
             return self._call(views, mode, desc, context)
         padded = desc.num_tokens
         for name, t in batch.items():
@@ -174,22 +203,9 @@ class GraphRunner:
         out = self._call(self._views(padded), mode, desc, context)
         return tree_map(lambda o: o[:n] if isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == padded else o, out)
 
-    def _check_full_context(self, context: dict) -> None:
-        for key, value in context.items():
-            for path, leaf in context_leaves(value, key):
-                if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in self._buffer_storages:
-                    raise ValueError(
-                        f"GraphRunner.run: context {path!r} is a tensor outside the runner's buffers on a FULL step; "
-                        "a FULL graph replays the tensors it read at capture and would ignore it. Make it a "
-                        "StaticInput and build it in context_fn from the step's views"
-                    )
-
     def clear_graphs(self) -> None:
-        """Drop every graph of this runner's wrappers; :meth:`capture` can capture them again."""
-        wrapper = self.model
-        while isinstance(wrapper, _GraphWrapper):
-            wrapper.clear_graphs()
-            wrapper = wrapper.runnable
+        """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
+        clear_graphs(self.model)
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
         """Warm up and capture every descriptor the dispatcher can emit, largest first.
@@ -207,7 +223,7 @@ class GraphRunner:
         for name, buf in self.buffers.items():
             buf.fill_(self.inputs[name].pad)
         start = time.perf_counter()
-        with _bulk_capture_gc(), _progress(total, progress) as bar:
+        with bulk_capture(), _progress(total, progress) as bar:
             for mode, descs in plan:
                 for desc in descs:
                     views = self._views(desc.num_tokens)
@@ -223,59 +239,6 @@ class GraphRunner:
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
         self.capture_closed = disable_after
         return self.report
-
-
-@contextlib.contextmanager
-def _bulk_capture_gc() -> Iterator[None]:
-    """Collect once, keep the collector out of the whole capture, leave gc as the application had it.
-
-    Collecting per graph or segment dominated capture time. ``gc.unfreeze()`` would also
-    thaw objects the application froze itself, so with an application freeze in place the
-    collector is only paused. (To move into capture.py's gc context manager once it lands.)
-    """
-    gc.collect()
-    app_frozen, enabled = gc.get_freeze_count() > 0, gc.isenabled()
-    if app_frozen:
-        gc.disable()
-    else:
-        gc.freeze()
-    _cuda_platform.gc_managed_outside = True
-    try:
-        yield
-    finally:
-        _cuda_platform.gc_managed_outside = False
-        if not app_frozen:
-            gc.unfreeze()
-        elif enabled:
-            gc.enable()
-
-
-def _names(field: str, given: Sequence[str] | None, names: list[str], default: list[str]) -> list[str]:
-    if given is None:
-        return list(default)
-    if isinstance(given, str) or not all(isinstance(a, str) for a in given):
-        raise TypeError(f"{field} must be a list of input names, got {given!r}")
-    unknown = [a for a in given if a not in names]
-    if unknown:
-        raise ValueError(f"{field} {unknown} are not among the inputs {names}")
-    return list(given)
-
-
-def _count(batch: Mapping[str, torch.Tensor], specs: Mapping[str, StaticInput], per: str, what: str) -> int | None:
-    counts = {name: t.shape[0] for name, t in batch.items() if specs[name].per == per}
-    if len(set(counts.values())) > 1:
-        raise ValueError(f"GraphRunner.run: per-{per} inputs disagree on {what}: {counts}")
-    return next(iter(counts.values()), None)
-
-
-def _check_context(context: Any, mode: CUDAGraphMode) -> dict:
-    if context is None:
-        return {}
-    if not isinstance(context, Mapping) or not all(isinstance(k, str) for k in context):
-        raise TypeError(f"GraphRunner.run: context must be a dict of attribute names to values, got {context!r}")
-    if mode != CUDAGraphMode.NONE:
-        check_plain(context, "context")
-    return dict(context)
 
 
 class _NoBar:

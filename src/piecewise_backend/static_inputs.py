@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,8 @@ class StaticInput:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise ValueError(
-                f"StaticInput.name must be a str that is a Python identifier, got {self.name!r} ({type(self.name).__name__})"
+                "StaticInput.name must be a str that is a Python identifier, "
+                f"got {self.name!r} ({type(self.name).__name__})"
             )
         shape = self.shape
         if not isinstance(shape, (tuple, list)) or any(
@@ -154,3 +155,46 @@ def check_plain(attrs: Mapping[str, Any], source: str) -> None:
                     "capture and cannot see an object's state change. Pass tensors (persistent ones: StaticInputs "
                     "and context_fn over the step's views), plain Python values, or dataclasses of those"
                 )
+
+
+def row_count(batch: Mapping[str, torch.Tensor], specs: Mapping[str, StaticInput], per: str) -> int | None:
+    """The row count the ``per`` inputs of a step agree on (None without such inputs)."""
+    counts = {name: t.shape[0] for name, t in batch.items() if specs[name].per == per}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"GraphRunner.run: per-{per} inputs disagree on the {per} count: {counts}")
+    return next(iter(counts.values()), None)
+
+
+def check_context(context: Any, replays: bool) -> dict:
+    """A step's extra forward-context attributes; opaque values refused when graphs may replay."""
+    if context is None:
+        return {}
+    if not isinstance(context, Mapping) or not all(isinstance(k, str) for k in context):
+        raise TypeError(f"GraphRunner.run: context must be a dict of attribute names to values, got {context!r}")
+    if replays:
+        check_plain(context, "context")
+    return dict(context)
+
+
+def check_full_context(context: Mapping[str, Any], buffer_storages: set[int]) -> None:
+    """On a FULL step, refuse per-step tensors the graph never read: it replays its capture-time ones."""
+    for key, value in context.items():
+        for path, leaf in context_leaves(value, key):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in buffer_storages:
+                raise ValueError(
+                    f"GraphRunner.run: context {path!r} is a tensor outside the runner's buffers on a FULL step; "
+                    "a FULL graph replays the tensors it read at capture and would ignore it. Make it a "
+                    "StaticInput and build it in context_fn from the step's views"
+                )
+
+
+def input_names(field: str, given: Sequence[str] | None, names: list[str], default: list[str]) -> list[str]:
+    """The input names a GraphRunner passes as ``field`` (model_args or model_kwargs), checked."""
+    if given is None:
+        return list(default)
+    if isinstance(given, str) or not all(isinstance(a, str) for a in given):
+        raise TypeError(f"{field} must be a list of input names, got {given!r}")
+    unknown = [a for a in given if a not in names]
+    if unknown:
+        raise ValueError(f"{field} {unknown} are not among the inputs {names}")
+    return list(given)
