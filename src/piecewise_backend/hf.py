@@ -1,0 +1,254 @@
+"""Serve a stock Hugging Face decoder-only model on GraphRunner with a paged KV cache.
+
+Needs ``transformers`` (``pip install piecewise_backend[hf]``); importing ``piecewise_backend``
+alone never imports it. Works for any decoder-only model whose attention goes through
+transformers' ``AttentionInterface`` (Llama, Qwen2/3, Mistral, ...):
+
+* :func:`register_attention` adds ``pb_paged`` to the interface: HF's q/k/v (after RoPE) go to
+  ``pb_kv::paged_attention``, which reads the step's metadata from the forward context. HF builds
+  no mask and no cache for an implementation it does not know masks for, and ``use_cache=False``.
+* :class:`TokensFirst` is the runner's layout: all tokens of a step as one row
+  (``input_ids[None]``), with ``position_ids`` per token, so RoPE sees each token's own position.
+* :class:`HFEngine` owns the cache and the runner and runs a continuous-batching greedy loop:
+  steps with prompt tokens replay PIECEWISE graphs, pure decode steps replay one FULL graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import kv
+from .backend import make_backend
+from .config import CompilationConfig
+from .modes import CUDAGraphMode
+from .runner import CaptureReport, GraphRunner, StaticInput
+
+ATTN_IMPLEMENTATION = "pb_paged"
+#: Sizes of :func:`tiny_random_model`; a config gets only the fields it knows.
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:  # the adapter is an optional extra
+        raise ImportError("piecewise_backend.hf needs transformers: pip install 'piecewise_backend[hf]'") from e
+    return transformers
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface entry: ``query`` (1, heads, tokens, dim) -> ((1, tokens, heads, dim), None)."""
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} attention takes the tokens-first layout (batch of 1 row), got batch {query.shape[0]}")
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} attention supports neither logit softcapping nor attention sinks")
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    out = torch.empty_like(q)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    torch.ops.pb_kv.paged_attention(q, k, v, out, module.layer_idx, scale, sliding_window or -1)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register ``pb_paged`` with transformers' AttentionInterface (idempotent); returns the name."""
+    _transformers().AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+class TokensFirst(torch.nn.Module):
+    """``(input_ids (tokens,), position_ids (tokens,)) -> logits (tokens, vocab)`` around a HF causal LM."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
+
+
+def adapt(model: torch.nn.Module) -> TokensFirst:
+    """Switch ``model`` to paged attention and wrap it in the runner's layout (the model is modified)."""
+    transformers = _transformers()
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"adapt() takes a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
+        raise ValueError(f"{type(model).__name__} is not a decoder-only causal LM; adapt() serves those only")
+    if not model._can_set_attn_implementation():
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            f"so {ATTN_IMPLEMENTATION} cannot replace it"
+        )
+    bidirectional = [name for name, m in model.named_modules() if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        raise ValueError(f"{type(model).__name__} has non-causal attention ({bidirectional[0]}); paged attention is causal only")
+    model.set_attn_implementation(register_attention())
+    return TokensFirst(model.eval())
+
+
+def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = "cpu", **sizes: Any) -> torch.nn.Module:
+    """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
+
+    ``sizes`` override :data:`TINY`; only fields the model's config has are set (GPT-2 has no
+    ``num_key_value_heads``...). The model uses HF's SDPA attention and is in eval mode.
+    """
+    transformers = _transformers()
+    if arch not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"{arch!r} is not a transformers model type (the keys of transformers.CONFIG_MAPPING, e.g. 'llama')")
+    defaults = transformers.AutoConfig.for_model(arch)
+    if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
+    wanted = {**TINY, **sizes}
+    config = transformers.AutoConfig.for_model(arch, **{k: v for k, v in wanted.items() if hasattr(defaults, k)})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device).eval()
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a HF text config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What one engine step ran: token and request counts, whether it was pure decode, the mode."""
+
+    step: int
+    num_tokens: int
+    num_reqs: int
+    uniform_decode: bool
+    mode: CUDAGraphMode
+
+
+class HFEngine:
+    """Greedy continuous batching of a HF causal LM on a GraphRunner with a paged KV cache."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: CompilationConfig,
+        *,
+        max_num_reqs: int = 4,
+        max_model_len: int = 128,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+    ):
+        self.model = model
+        layers, kv_heads, head_dim = kv_shape(model.config)
+        param = next(model.parameters())
+        self.cache = kv.PagedKVCache(
+            layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
+            num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
+            dtype=param.dtype, device=param.device,
+        )
+        self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
+        compiled = torch.compile(adapt(model), backend=self.backend)
+        self.runner = GraphRunner(
+            compiled, config, [StaticInput("input_ids"), *self.cache.static_inputs()],
+            model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn,
+            max_num_reqs=max_num_reqs, device=param.device,
+        )
+        self.max_num_reqs = max_num_reqs
+        self.max_step_tokens = self.runner.dispatcher.max_size
+
+    def capture(self, progress: bool = False) -> CaptureReport:
+        with torch.inference_mode():
+            return self.runner.capture(progress=progress)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        eos_token_id: int | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> list[list[int]]:
+        """Greedy completions of ``prompts`` (token ids, without the prompt), in order.
+
+        Each step decodes one token for every running request and admits waiting prompts whole
+        while they fit ``max_num_reqs`` and the largest captured size.
+        """
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != len(prompts) or any(b < 1 for b in budgets):
+            raise ValueError(f"max_new_tokens must be a positive int or one per prompt ({len(prompts)}), got {max_new_tokens!r}")
+        for i, p in enumerate(prompts):
+            if not p or len(p) + budgets[i] > self.cache.max_model_len:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} tokens + {budgets[i]} new must be in 1..max_model_len={self.cache.max_model_len}"
+                )
+        outputs: list[list[int]] = [[] for _ in prompts]
+        waiting, running, step = list(range(len(prompts))), [], 0
+        try:
+            with torch.inference_mode():
+                while waiting or running:
+                    info = self._step(step, prompts, outputs, budgets, waiting, running, eos_token_id)
+                    if on_step is not None:
+                        on_step(info)
+                    step += 1
+        finally:  # an error mid-way must not leak the blocks of the requests still running
+            for r in running:
+                if r in self.cache.tables:
+                    self.cache.free(r)
+        return outputs
+
+    def _step(
+        self,
+        step: int,
+        prompts: Sequence[Sequence[int]],
+        outputs: list[list[int]],
+        budgets: list[int],
+        waiting: list[int],
+        running: list[int],
+        eos_token_id: int | None,
+    ) -> StepInfo:
+        """Schedule, run and sample one step; updates ``outputs``, ``waiting`` and ``running``."""
+        chunks = [(r, len(prompts[r]) + len(outputs[r]) - 1, 1) for r in running]
+        tokens = [outputs[r][-1] for r in running]
+        while waiting and len(running) < self.max_num_reqs:
+            r = waiting[0]
+            if chunks and len(tokens) + len(prompts[r]) > self.max_step_tokens:
+                break
+            chunks.append((r, 0, len(prompts[r])))
+            tokens += prompts[r]
+            running.append(waiting.pop(0))
+        decode = all(n == 1 for _, _, n in chunks)  # one query token per request: FULL-graph shaped
+        meta = self.cache.step_inputs(chunks)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
+        logits = self.runner.run(uniform_decode=decode, num_reqs=len(chunks) if decode else None, input_ids=ids, **meta)
+        last = torch.tensor(_ends(chunks), device=logits.device)
+        for (r, _, _), tok in zip(chunks, logits[last].argmax(-1).tolist()):
+            outputs[r].append(tok)
+            if len(outputs[r]) >= budgets[r] or tok == eos_token_id:
+                running.remove(r)
+                self.cache.free(r)
+        return StepInfo(step, len(tokens), len(chunks), decode, self.runner.last_mode)
+
+
+def _ends(chunks: Sequence[tuple[Any, int, int]]) -> list[int]:
+    """Row of each chunk's last token in the step's token layout."""
+    ends, total = [], 0
+    for _, _, n in chunks:
+        total += n
+        ends.append(total - 1)
+    return ends

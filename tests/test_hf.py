@@ -1,0 +1,163 @@
+"""The transformers adapter (hf.py) and examples/hf_generate.py, on the simulated platform."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import piecewise_backend as pb
+from piecewise_backend import kv
+
+transformers = pytest.importorskip("transformers")
+from piecewise_backend import hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("hf_generate", ROOT / "examples" / "hf_generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_importing_the_package_does_not_import_transformers():
+    code = "import sys, piecewise_backend, piecewise_backend.kv; assert 'transformers' not in sys.modules, 'imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_adapted_model_matches_hf_sdpa_on_a_ragged_batch(arch):
+    """Two prompts in one tokens-first step give HF's own logits, each with its own positions."""
+    model = hf.tiny_random_model(arch)
+    reference = copy.deepcopy(model)
+    adapted = hf.adapt(model)
+    assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+    assert hf.ATTN_IMPLEMENTATION in transformers.AttentionInterface()
+    cache = kv.PagedKVCache(*hf.kv_shape(model.config), num_blocks=8, block_size=4, max_model_len=16)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g) for n in (7, 3)]
+    meta = cache.step_inputs([(0, 0, 7), (1, 0, 3)])
+    with torch.no_grad():
+        with pb.set_forward_context(attn_metadata=cache.metadata(meta)):
+            got = adapted(torch.cat(prompts), meta[kv.POSITIONS])
+        expected = torch.cat([reference(p[None]).logits[0] for p in prompts])
+        assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        # one decode token for request 1: it reads the 3 cached tokens through its block table
+        nxt = torch.tensor([5])
+        meta = cache.step_inputs([(1, 3, 1)])
+        with pb.set_forward_context(attn_metadata=cache.metadata(meta)):
+            step = adapted(nxt, meta[kv.POSITIONS])
+        assert_close(step, reference(torch.cat([prompts[1], nxt])[None]).logits[0, -1:], atol=1e-5, rtol=1e-5)
+
+
+def test_adapt_refuses_what_it_cannot_serve():
+    with pytest.raises(TypeError, match="takes a transformers PreTrainedModel, got Linear"):
+        hf.adapt(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="non-causal attention"):
+        hf.adapt(hf.tiny_random_model("bert"))
+    with pytest.raises(ValueError, match="'t5' has no causal LM class"):
+        hf.tiny_random_model("t5")
+    with pytest.raises(ValueError, match="'nope' is not a transformers model type"):
+        hf.tiny_random_model("nope")
+
+
+def test_attention_refuses_softcap_and_other_layouts():
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        hf.paged_attention_forward(module, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="batch of 1 row.*got batch 2"):
+        hf.paged_attention_forward(module, q.expand(2, -1, -1, -1), q, q, None)
+
+
+@pytest.fixture(scope="module")
+def llama_engine():
+    """One llama engine with small capture sizes, shared by the engine tests."""
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[1, 2, 4, 8])
+    model = hf.tiny_random_model("llama")
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, config, max_num_reqs=3, max_model_len=32, block_size=4)
+    engine.capture()
+    return engine, reference
+
+
+def test_engine_serves_every_mode_and_matches_generate(llama_engine):
+    """A prompt longer than the largest capture runs eagerly, prompts join mid-decode (PIECEWISE),
+    pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
+    engine, reference = llama_engine
+    # each Dynamo graph (one per compile; size 1 specializes) holds the whole model, no graph break,
+    # and splits at each layer's paged attention
+    assert engine.backend.splits
+    for split in engine.backend.splits:
+        assert split.found_ops == ["pb_kv::paged_attention"]
+        assert [p.is_splitting for p in split.pieces] == [False, True, False, True, False]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 11, 1, 4)]
+    budgets = [5, 2, 6, 3]
+    steps: list[hf.StepInfo] = []
+    with pb.expect(captures=0):  # everything was captured up front
+        outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    modes = {s.mode for s in steps}
+    assert modes == {pb.CUDAGraphMode.NONE, pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}, steps
+    assert all((s.mode == pb.CUDAGraphMode.FULL) == (s.uniform_decode and s.num_tokens <= 8) for s in steps), steps
+    assert [len(o) for o in outputs] == budgets
+    assert load_example().check(reference, prompts, outputs, budgets, eos=None) == []
+    assert engine.cache.tables == {} and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+
+
+def test_example_check_reports_a_difference(llama_engine, capsys):
+    _, reference = llama_engine
+    example = load_example()
+    prompt = [5, 6, 7]
+    good = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=3, eos_token_id=None,
+                              attention_mask=torch.ones(1, 3, dtype=torch.long))[0, 3:].tolist()
+    assert example.check(reference, [prompt], [good], [3], eos=None) == []
+    wrong = good[:-1] + [(good[-1] + 1) % 256]
+    assert example.check(reference, [prompt, prompt], [good, wrong], [3, 3], eos=None) == [1]
+    assert "MISMATCH request 1" in capsys.readouterr().out
+
+
+def test_engine_rejects_bad_requests(llama_engine):
+    engine, _ = llama_engine
+    with pytest.raises(ValueError, match=r"prompt 0: 30 tokens \+ 5 new must be in 1..max_model_len=32"):
+        engine.generate([[1] * 30], 5)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
+        engine.generate([[1], [2]], [3])
+
+
+def test_engine_frees_blocks_when_a_step_fails(llama_engine):
+    engine, _ = llama_engine
+
+    def stop(info: hf.StepInfo) -> None:
+        if info.step == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[3, 4, 5], [6, 7]], 4, on_step=stop)
+    assert engine.cache.tables == {} and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert [len(o) for o in engine.generate([[3, 4, 5]], 2)] == [2]  # still serves
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_generate_example_checks_against_generate(arch):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", arch, "--check"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    steps = re.findall(r"^step\s+\d+:\s+(\d+) tokens, (\d) reqs, (decode|mixed)\s* -> (\w+)$", proc.stdout, re.M)
+    assert {(kind, mode) for _, _, kind, mode in steps} == {("mixed", "PIECEWISE"), ("decode", "FULL")}, proc.stdout
+    assert "check: 5/5 requests match model.generate" in proc.stdout
