@@ -17,7 +17,7 @@ from .config import CompilationConfig
 from .context import _CONTEXT, BatchDescriptor, ForwardContext
 from .modes import CUDAGraphMode
 from .observability import counters, eager_counts, logger
-from .platforms import Graph, Platform, get_platform, resolve_platform_name
+from .platforms import Graph, Platform, get_platform, resolve_platform_name, warm_up
 
 _NONE = CUDAGraphMode.NONE
 
@@ -160,6 +160,7 @@ class _GraphWrapper:
                 f"(captured: {sorted(self.entries, key=lambda d: d.num_tokens) or 'none'}); capture this "
                 "descriptor at startup or dispatch it to a captured size"
             )
+        warm_up(self.platform, self.runnable, args, kwargs, self.config.num_warmups)  # CUDA only; see CudaPlatform.warm_up
         # Under FULL nothing breaks: attention is part of the one graph.
         session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
         output = run_session(session, self.runnable, args, kwargs)
