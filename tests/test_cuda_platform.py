@@ -330,3 +330,84 @@ def test_platform_is_keyed_by_device(fake):
         assert platform() is p1
     assert p0 is not p1 and (p0.device, p1.device) == (0, 1)
     assert p1.stream.device_index == 1 and p0.pool_id != p1.pool_id
+
+
+# ---------------------------------------------------------------- the double's rules on a real GPU
+# Run by scripts/gpu_check.sh in a process of their own (they leave the allocator as CUDA does).
+# If one fails, the double is wrong about that rule: fix the double, then the platform.
+
+
+@pytest.mark.cuda
+def test_gpu_rule_dead_pool_cannot_be_captured_into():
+    pool, s = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    a = torch.randn(64, 64, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool)
+        kept = a @ a  # a block of the pool outlives the graph
+        g.capture_end()
+    g.reset()  # the pool's last use
+    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="use_count"):
+        torch.cuda.CUDAGraph().capture_begin(pool=pool)
+    del kept
+
+
+@pytest.mark.cuda
+def test_gpu_rule_invalidated_capture_keeps_routing_until_ended():
+    pool, s = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    x = torch.randn(8, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool)
+        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            x.sum().item()
+        with pytest.raises(RuntimeError):
+            g.capture_end()
+    g.reset()
+    assert not torch.cuda.is_current_stream_capturing()
+    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="already recording"):
+        torch.cuda.CUDAGraph().capture_begin(pool=pool)
+    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)  # what the platform does
+    torch.cuda.empty_cache()  # would assert while a capture still routed to a pool
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g2.capture_begin(pool=torch.cuda.graph_pool_handle())
+        y = x * 2
+        g2.capture_end()
+    g2.replay()
+    torch.testing.assert_close(y, x * 2)
+
+
+@pytest.mark.cuda
+def test_gpu_rule_another_threads_sync_invalidates_a_capture():
+    pool, s, x, errors = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.randn(8, device="cuda"), []
+
+    def sync():
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors.append(e)
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool)
+        x.mul_(2)
+        t = threading.Thread(target=sync)
+        t.start()
+        t.join()
+        with pytest.raises(RuntimeError):
+            g.capture_end()
+    assert errors and "capturing" in str(errors[0])
+    g.reset()
+    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+
+
+@pytest.mark.cuda
+def test_gpu_rule_an_empty_capture_warns():
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g.capture_begin(pool=torch.cuda.graph_pool_handle())
+        g.capture_end()
+    assert any(cuda_platform._EMPTY_WARNING in str(c.message) for c in caught)
