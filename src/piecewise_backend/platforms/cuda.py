@@ -14,8 +14,9 @@ The rules it keeps (each one checked on the CPU against ``tests/cuda_double.py``
   capture with an error that says so, instead of failing obscurely.
 * Warm-ups run on the capture stream (cuBLAS workspaces are per stream), and a lazy capture
   warms up first (Inductor/Triton autotuning syncs, which a capture forbids).
-* One capture at a time per process (global capture mode); ``memory()`` is the bytes held
-  by the platform's pools, measured on the pools themselves.
+* One capture at a time per process (global capture mode): captures, warm-ups on the capture
+  stream and ``memory()`` (a device sync) wait for an open capture of another thread.
+* ``memory()`` is the bytes held by the platform's pools, measured on the pools themselves.
 """
 
 from __future__ import annotations
