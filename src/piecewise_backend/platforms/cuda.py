@@ -39,15 +39,31 @@ gc_managed_outside = False
 
 _platforms: dict[int, CudaPlatform] = {}
 _platforms_lock = threading.Lock()
-# Held (never waited on) while a CUDA capture is open: a second one in the process fails fast
-# and clearly instead of invalidating the first. Serializing captures is capture.py's lock.
-_capturing = threading.Lock()
+# CUDA's capture mode is per process and the capture stream is shared: a capture, a warm-up on
+# that stream and memory()'s device sync each hold this, so another thread's warm-up (run on the
+# stream being captured) or sync waits instead of joining or invalidating an open capture.
+_device_lock = threading.RLock()
+_WAIT_S = 600.0
+_open = threading.local()  # .captures: captures open on this thread
 
 _EMPTY_WARNING = "CUDA Graph is empty"
 _RULES = (
     "keep host syncs (.item(), nonzero, torch.cuda.synchronize), other threads' GPU work and unjoined "
     "side streams out of a capture (see 'CUDA rules' in docs/troubleshooting.md)"
 )
+
+
+@contextlib.contextmanager
+def _exclusive(what: str) -> Iterator[None]:
+    if not _device_lock.acquire(timeout=_WAIT_S):
+        raise RuntimeError(
+            f"waited {_WAIT_S:.0f} s for another thread's CUDA graph capture before {what}: CUDA allows one capture "
+            "at a time per process; capture from one thread, or make sure the other capture can finish"
+        )
+    try:
+        yield
+    finally:
+        _device_lock.release()
 
 
 def platform_for(device: int) -> CudaPlatform:
@@ -81,12 +97,16 @@ class _CudaRecorder:
             platform._recover(self.graph, self.pool, e)
             raise
 
+    def _capture_end(self) -> None:
+        with torch.cuda.stream(self.platform.stream):  # capture must end on the stream it began on
+            self.graph.capture_end()
+
     def end(self) -> torch.cuda.CUDAGraph | _EmptyGraph:
         self.done = True
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                self.graph.capture_end()
+                self._capture_end()
         except BaseException as e:
             self.platform._recover(self.graph, self.pool, e)
             raise CaptureInvalidatedError(
@@ -109,8 +129,7 @@ class _CudaRecorder:
             return
         self.done = True
         try:
-            with torch.cuda.stream(self.platform.stream):  # capture_end must run where capture began
-                self.graph.capture_end()
+            self._capture_end()
         except Exception as e:  # the capture was invalidated (the usual cause of the abort)
             self.platform._recover(self.graph, self.pool, e)
         else:
@@ -143,33 +162,35 @@ class CudaPlatform:
     @contextlib.contextmanager
     def capture_scope(self) -> Iterator[None]:
         self._usable()
-        if not _capturing.acquire(blocking=False):
-            raise RuntimeError(
-                "another CUDA graph capture is underway in this process; CUDA allows one capture at a time per "
-                "process (a second one, or its device sync, invalidates the first): capture from one thread"
-            )
-        try:
-            if not gc_managed_outside:
-                gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
-            with torch.cuda.device(self.device):
-                torch.cuda.synchronize()
-                current = torch.cuda.current_stream()
-                self.stream.wait_stream(current)
-                try:
-                    with torch.cuda.stream(self.stream):
-                        yield
-                finally:
-                    current.wait_stream(self.stream)  # order the capture stream's eager work before what follows
-        finally:
-            self._local.warmed = False
-            _capturing.release()
+        with _exclusive("capturing"):
+            _open.captures = getattr(_open, "captures", 0) + 1
+            try:
+                with self._capture_stream():
+                    yield
+            finally:
+                _open.captures -= 1
+                self._local.warmed = False
+
+    @contextlib.contextmanager
+    def _capture_stream(self) -> Iterator[None]:
+        if not gc_managed_outside:
+            gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            current = torch.cuda.current_stream()
+            self.stream.wait_stream(current)
+            try:
+                with torch.cuda.stream(self.stream):
+                    yield
+            finally:
+                current.wait_stream(self.stream)  # order the capture stream's eager work before what follows
 
     @contextlib.contextmanager
     def warmup_scope(self) -> Iterator[None]:
         """Run eager warm-up work on the capture stream, so per-stream state (the cuBLAS
         workspace, lazily initialized handles) exists before the capture, outside the pool."""
         self._usable()
-        with torch.cuda.device(self.device):
+        with _exclusive("warming up"), torch.cuda.device(self.device):
             current = torch.cuda.current_stream()
             self.stream.wait_stream(current)
             try:
@@ -207,7 +228,7 @@ class CudaPlatform:
         problems = []
         try:
             torch._C._cuda_endAllocateToPool(self.device, pool)
-        except RuntimeError as e:
+        except Exception as e:  # RuntimeError, or AttributeError from a torch without the binding
             if "not currently recording" not in str(e):
                 problems.append(f"ending the allocator's routing to pool {pool} failed ({e})")
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -225,12 +246,12 @@ class CudaPlatform:
     def memory(self) -> int:
         """Bytes of the platform's graph pools, after a synchronize (warm-up activations, the
         default pool's cache and other runners' pools are not counted)."""
-        if _capturing.locked():
-            raise RuntimeError("CudaPlatform.memory() synchronizes the device, which invalidates an open capture; call it outside captures")
-        ids = {tuple(p.id) for p in self.pools}
-        with torch.cuda.device(self.device):
+        with _exclusive("measuring memory"), torch.cuda.device(self.device):
+            if getattr(_open, "captures", 0):
+                raise RuntimeError("CudaPlatform.memory() synchronizes the device, which invalidates an open capture; call it outside captures")
             torch.cuda.synchronize()
             segments = torch.cuda.memory_snapshot()
+        ids = {tuple(p.id) for p in self.pools}
         return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) in ids)
 
     def describe(self, amount: int) -> str:
