@@ -30,12 +30,10 @@ from typing import Any
 
 import torch
 
+from ..capture import gc_managed  # capture.bulk_capture() owns gc during a bulk capture
 from ..context import _CONTEXT, set_forward_context
 from ..modes import CUDAGraphMode
 from ..observability import logger
-
-# Set by bulk capture (capture.py's orchestration), which collects once and freezes gc itself.
-gc_managed_outside = False
 
 _platforms: dict[int, CudaPlatform] = {}
 _platforms_lock = threading.Lock()
@@ -173,7 +171,7 @@ class CudaPlatform:
 
     @contextlib.contextmanager
     def _capture_stream(self) -> Iterator[None]:
-        if not gc_managed_outside:
+        if not gc_managed():
             gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
