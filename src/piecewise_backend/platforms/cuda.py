@@ -105,7 +105,7 @@ class _CudaRecorder:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 self._capture_end()
-        except BaseException as e:
+        except Exception as e:
             self.platform._recover(self.graph, self.pool, e)
             raise CaptureInvalidatedError(
                 f"CUDA invalidated this graph capture ({e}); an illegal operation ran while it was open. "
