@@ -89,8 +89,8 @@ class CachingAllocator:
                 if not seg.allocated and seg.pool == pool and seg.size >= nbytes and (pool != (0, 0) or seg.stream is stream):
                     seg.allocated = True
                     return seg
-            # CCA mallocMaybeCapturing: the capturing thread's cudaMalloc is made legal (relaxed
-            # mode); CUDA: any other thread's cudaMalloc is unsafe during a global capture.
+            # CCA cudaMallocMaybeCapturing: a cudaMalloc on a *capturing* stream runs under a relaxed
+            # capture-mode guard; elsewhere it is a plain cudaMalloc, unsafe during a global capture.
             others = [c for c in self.captures.values() if c is not cap and c.mode == "global"]
             if others:
                 for c in others:
