@@ -111,9 +111,11 @@ class FakeCUDAGraph:
             if stream.capture is not None:
                 raise RuntimeError(NOT_PERMITTED)
             # torch/cuda/graphs.py (graph.__init__): "only one capture may be underway at a time in
-            # the process"; in global mode the other one's unsafe calls would invalidate this one.
-            for other in list(fake.captures.values()):
-                fake._invalidate(other, "a second capture began in the process")
+            # the process". Stricter than CUDA itself, which lets the second begin and then fails
+            # on the unsafe calls (sync, cudaMalloc) either one makes: both count as invalidated.
+            if fake.captures:
+                for other in fake.captures.values():
+                    fake._invalidate(other, "a second capture began in the process")
                 raise RuntimeError(f"{NOT_PERMITTED} (a second capture began while another is underway)")
             stream.capture = cap
             fake.captures[cap.id] = cap
