@@ -373,6 +373,71 @@ def test_platform_is_keyed_by_device(fake):
     assert p1.stream.device_index == 1 and p0.pool_id != p1.pool_id
 
 
+# ---------------------------------------------------------------- the double's rules, raw (twins below)
+
+
+def test_double_rule_dead_pool_cannot_be_captured_into(fake):
+    pool, s = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool)
+        fake.malloc(1 << 20)  # a block of the pool outlives the graph
+        fake.launch()
+        g.capture_end()
+    g.reset()
+    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="use_count"):
+        torch.cuda.CUDAGraph().capture_begin(pool=pool)
+
+
+def test_double_rule_invalidated_capture_keeps_routing_until_ended(fake):
+    pool, s = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=pool)
+        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            fake.host_sync()
+        with pytest.raises(RuntimeError):
+            g.capture_end()
+    g.reset()
+    assert not torch.cuda.is_current_stream_capturing()
+    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="already recording"):
+        torch.cuda.CUDAGraph().capture_begin(pool=pool)
+    with pytest.raises(RuntimeError, match="captures_underway.empty"):
+        torch.cuda.empty_cache()
+    torch._C._cuda_endAllocateToPool(0, pool)
+    torch.cuda.empty_cache()
+
+
+def test_double_rule_another_threads_sync_invalidates_a_capture(fake):
+    s, errors = torch.cuda.Stream(), []
+
+    def sync():
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            errors.append(e)
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin(pool=torch.cuda.graph_pool_handle())
+        fake.launch()
+        t = threading.Thread(target=sync)
+        t.start()
+        t.join()
+        with pytest.raises(RuntimeError):
+            g.capture_end()
+    assert errors and "capturing" in str(errors[0])
+
+
+def test_double_rule_an_empty_capture_warns(fake):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g.capture_begin(pool=torch.cuda.graph_pool_handle())
+        g.capture_end()
+    assert any(cuda_platform._EMPTY_WARNING in str(c.message) for c in caught)
+
+
 # ---------------------------------------------------------------- the double's rules on a real GPU
 # Run by scripts/gpu_check.sh in a process of their own (they leave the allocator as CUDA does).
 # If one fails, the double is wrong about that rule: fix the double, then the platform.
@@ -408,8 +473,10 @@ def test_gpu_rule_invalidated_capture_keeps_routing_until_ended():
     assert not torch.cuda.is_current_stream_capturing()
     with torch.cuda.stream(s), pytest.raises(RuntimeError, match="already recording"):
         torch.cuda.CUDAGraph().capture_begin(pool=pool)
+    with pytest.raises(RuntimeError, match="captures_underway"):
+        torch.cuda.empty_cache()
     torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)  # what the platform does
-    torch.cuda.empty_cache()  # would assert while a capture still routed to a pool
+    torch.cuda.empty_cache()
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
         g2.capture_begin(pool=torch.cuda.graph_pool_handle())
