@@ -5,7 +5,7 @@
 #
 # For a CUDA machine with torch (2.11+) and pytest already installed: installs nothing from
 # the network (the package itself goes in with pip --no-deps --no-build-isolation, else
-# PYTHONPATH=src), and needs no expecttest (only tests/test_cuda_platform.py and tests/test_cuda.py run).
+# PYTHONPATH=src), and needs no expecttest (only tests/test_cuda_double.py and tests/test_cuda.py run).
 # Everything is bounded by `timeout` to finish within 8 minutes (GPU_CHECK_SECONDS).
 # It rewrites the GPU section of DOC (date, torch, GPU, test summary, tables). When $OUT is
 # set (the device runner's output folder), DOC and the logs are copied there too.
@@ -41,7 +41,7 @@ echo "== CUDA tests (-m cuda: the CPU double's rules on this GPU, then tests/tes
 TEST_RC=0
 if "$PY" -c "import pytest" 2>/dev/null; then
   # The rule checks leave the allocator as CUDA does after a failure: a process of their own.
-  timeout -k 10 60 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda_platform.py \
+  timeout -k 10 60 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda_double.py \
     2>&1 | tee "$LOGS/cuda_tests.log"
   RULES_RC=${PIPESTATUS[0]}
   timeout -k 10 "$(( $(left) / 2 ))" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda.py \

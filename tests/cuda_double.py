@@ -6,7 +6,8 @@ rules, not values (CPU tensors compute eagerly; a fake replay re-runs nothing; t
 simulated platform checks values). Test models act on the "device" through ``launch``,
 ``malloc``, ``host_sync``, ``gemm`` and ``autotune`` of :func:`current`.
 
-The double is only as good as its fidelity: each rule names its source. CG is
+The double is only as good as its fidelity: each rule names its source, and
+tests/test_cuda_double.py runs the same rule steps on the double and on a real GPU. CG is
 aten/src/ATen/cuda/CUDAGraph.cpp, CCA c10/cuda/CUDACachingAllocator.cpp, MP
 aten/src/ATen/cuda/MemPool.cpp; "CUDA" is the runtime's stream-capture rules
 (cudaStreamCaptureModeGlobal: a potentially unsafe call from any thread fails and
