@@ -173,10 +173,9 @@ class _GraphWrapper:
         output = run_session(session, self.runnable, bound_args, bound_kwargs)
         entry = GraphEntry(session.segments, spec, output)
         entry.run()  # a capture does not execute: replay once so this call returns real values
-        spec.note_writes()
-        written = [(s, s.captured) for s in spec._written]
-        if written:
-            spec.copy_back(written)
+        leaves = spec.leaves(args, kwargs)
+        spec.note_writes(leaves)
+        spec.copy_back([(s, leaves[s.index]) for s in spec._written])
         if self.config.debug_checks:
             _check_finite(entry, type(self).__name__, desc)
         entries[desc] = entry
