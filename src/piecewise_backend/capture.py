@@ -186,6 +186,11 @@ def eager_break(fn: F) -> F:
 
     The compile-free path: decorate a model's attention function, wrap the model in a
     ``BreakableCUDAGraphWrapper``, and no torch.compile is needed.
+
+    Rules for ``fn`` (see :class:`EagerSegment`): it runs twice on the capturing step, the
+    first time on garbage, and replays with the Python arguments of its capture, so it
+    must be an idempotent write (``out.copy_(...)``, a KV-cache write at given slots), not
+    an accumulation; if it returns one of its inputs, it must return that same one each call.
     """
 
     @functools.wraps(fn)
