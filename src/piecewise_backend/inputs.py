@@ -186,10 +186,10 @@ class InputSpec:
                 f"{self.nargs} positional and {sorted(self.kw_set)} (missing {missing}, unexpected {extra}); "
                 "call with the captured signature or clear_graphs()"
             )
+        if self.flat:  # keywords match by name, not by position
+            return (*args, *[kwargs[k] for k in self.kw_names]) if self.kw_names else args
         if self.kw_names:
-            kwargs = {k: kwargs[k] for k in self.kw_names}  # keywords match by name, not by position
-        if self.flat:
-            return (*args, *kwargs.values()) if kwargs else args
+            kwargs = {k: kwargs[k] for k in self.kw_names}
         leaves, spec = tree_flatten((args, kwargs))
         if spec != self.treespec:
             raise ValueError(
