@@ -401,7 +401,7 @@ def test_cuda_two_threads_capture_one_at_a_time():
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(120)
     assert not errors, errors
     for m, x, out in zip(models, inputs, outs):
         assert_close(out, m(x), **TOL)
@@ -429,7 +429,7 @@ def test_cuda_sync_from_another_thread_during_a_capture():
 
                 t = threading.Thread(target=sync)
                 t.start()
-                t.join()
+                t.join(60)  # a sync that blocked instead of failing would show as an empty `seen`
             return out
 
     m = Model().cuda()

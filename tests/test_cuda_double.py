@@ -150,7 +150,7 @@ def test_gpu_rule_another_threads_sync_invalidates_a_capture():
         x.mul_(2)
         t = threading.Thread(target=sync)
         t.start()
-        t.join()
+        t.join(60)
         with pytest.raises(RuntimeError):
             g.capture_end()
     assert errors and "capturing" in str(errors[0])
