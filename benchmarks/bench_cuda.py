@@ -305,8 +305,8 @@ def capture_report(setup: Setup, deadline: float | None) -> Section:
     body = (
         f"Default ladder: {len(sizes)} sizes ({sizes[0]}..{sizes[-1]}); `GraphRunner.capture()` report: graphs, "
         "seconds (eager warm-up of every size included; the first warm-ups also run Dynamo/Inductor on "
-        "a cold process cache) and the memory the capture reserved. All graphs share one pool, so a later "
-        "row can reuse memory an earlier row reserved.\n\n"
+        "a cold process cache) and the bytes the capture added to the graph pool. All graphs share one pool, "
+        "so a later row can reuse memory an earlier row added.\n\n"
         + table(["mode", "graphs", "capture s (report)", "wall s", "graph memory (report)"], rows)
     )
     return Section("Capture time and graph memory, default ladder (CUDA)", body)

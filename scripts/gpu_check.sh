@@ -5,7 +5,7 @@
 #
 # For a CUDA machine with torch (2.11+) and pytest already installed: installs nothing from
 # the network (the package itself goes in with pip --no-deps --no-build-isolation, else
-# PYTHONPATH=src), and needs no expecttest (only tests/test_cuda.py is collected).
+# PYTHONPATH=src), and needs no expecttest (only tests/test_cuda_double.py and tests/test_cuda.py run).
 # Everything is bounded by `timeout` to finish within 8 minutes (GPU_CHECK_SECONDS).
 # It rewrites the GPU section of DOC (date, torch, GPU, test summary, tables). When $OUT is
 # set (the device runner's output folder), DOC and the logs are copied there too.
@@ -37,13 +37,18 @@ else
   echo "pip install -e . failed (see $LOGS/pip.log); running from PYTHONPATH=src"
 fi
 
-echo "== CUDA tests (tests/test_cuda.py, -m cuda)"
+echo "== CUDA tests (-m cuda: the CPU double's rules on this GPU, then tests/test_cuda.py)"
 TEST_RC=0
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout -k 10 "$(( $(left) / 2 ))" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda.py \
+  # The rule checks leave the allocator as CUDA does after a failure: a process of their own.
+  timeout -k 10 60 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda_double.py \
     2>&1 | tee "$LOGS/cuda_tests.log"
+  RULES_RC=${PIPESTATUS[0]}
+  timeout -k 10 "$(( $(left) / 2 ))" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda.py \
+    2>&1 | tee -a "$LOGS/cuda_tests.log"
   TEST_RC=${PIPESTATUS[0]}
   [ "$TEST_RC" = 124 ] && echo "CUDA tests: killed by timeout" | tee -a "$LOGS/cuda_tests.log"
+  [ "$TEST_RC" = 0 ] && TEST_RC=$RULES_RC
 else
   TEST_RC=127
   echo "pytest is not installed: CUDA tests not run" | tee "$LOGS/cuda_tests.log"

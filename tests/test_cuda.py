@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend.capture import EagerSegment, capture_active
+from piecewise_backend.platforms import get_platform, warmup_scope
 from tests.helpers import (
     BREAK_CALLS,
     CountingMLP,
@@ -53,7 +54,9 @@ def breakable(m, mode=None, config=CFG):
 
 
 def warm(w, *args):
-    out = run(w, M.NONE, None, *args)
+    # On the capture stream, as GraphRunner.capture() warms up: the next capture skips its lazy warm-up.
+    with warmup_scope(get_platform("cuda")):
+        out = run(w, M.NONE, None, *args)
     torch.cuda.synchronize()
     return out
 
@@ -444,3 +447,199 @@ def test_cuda_item_of_a_device_scalar_raises():
         with pytest.raises(RuntimeError, match="capturing"):
             run(w, M.FULL, D4, x)
         assert w.entries == {} and not torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------- platform hardening (issue 15)
+# Twins of tests/test_cuda_platform.py, which checks the same rules on the CPU double.
+
+
+def test_cuda_clear_graphs_then_capture_again():
+    m = CountingMLP().cuda()
+    w = full(m)
+    x = xc()
+    warm(w, x)
+    run(w, M.FULL, D8, x)
+    platform = get_platform("cuda")
+    pool = w.entries[D8].segments[0].pool()
+    w.clear_graphs()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert platform.pools[-1].use_count() >= 1  # the platform's MemPool keeps the pool alive
+    with pb.expect(captures=1):
+        assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
+    assert w.entries[D8].segments[0].pool() == pool
+    x.copy_(xc(3))
+    assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
+
+
+def test_cuda_retry_after_aborted_capture():
+    m = FlakyBreakModel().cuda()
+    w = pb.CUDAGraphWrapper(m, M.FULL, config=CFG)  # FULL: the failing break runs inside the graph's capture
+    x = xc()
+    m.fail = False
+    warm(w, x)
+    m.fail = True
+    with pytest.raises(ValueError, match="break failed"):
+        run(w, M.FULL, D8, x)
+    assert not torch.cuda.is_current_stream_capturing()
+    m.fail = False
+    with pb.expect(captures=1):
+        assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
+
+
+def test_cuda_sync_inside_a_capture_then_a_normal_capture():
+    state = {"sync": True}
+
+    class Syncing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            if state["sync"] and capture_active():
+                h = h * h.sum().item()  # a host sync: CUDA invalidates the capture
+            return h * 2
+
+    m = Syncing().cuda()
+    w = full(m)
+    x = xc()
+    warm(w, x)
+    with pytest.raises(RuntimeError):
+        run(w, M.FULL, D8, x)
+    assert w.entries == {} and not capture_active() and not torch.cuda.is_current_stream_capturing()
+    torch.cuda.empty_cache()  # asserts inside the allocator if a capture still routed to a pool
+    state["sync"] = False
+    with pb.expect(captures=1):
+        assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
+    x.copy_(xc(5))
+    assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
+
+
+def test_cuda_lazy_capture_of_an_inductor_model():
+    # No warm-up by the test: the first PIECEWISE call compiles and warms up (on the capture
+    # stream) before capturing, so Inductor/Triton never compile or autotune inside a capture.
+    torch._dynamo.reset()
+    config = pb.CompilationConfig(platform="cuda", compile_pieces="inductor")
+    model = make_model(2, "inplace", device="cuda")
+    compiled, _ = compile_model(model, config)
+    w = breakable(compiled, config=config)
+    static = torch.randint(0, 128, (8,), device="cuda")
+    with pb.expect(captures=1, breaks=2):
+        assert_close(run(w, M.PIECEWISE, D8, static), model(static), **TOL)
+    static.copy_(torch.randint(0, 128, (8,), device="cuda"))
+    assert_close(run(w, M.PIECEWISE, D8, static), model(static), **TOL)
+
+
+def test_cuda_two_threads_capture_one_at_a_time():
+    import threading
+
+    models = [CountingMLP(seed=i).cuda() for i in range(2)]
+    wrappers = [full(m) for m in models]
+    inputs = [xc(i) for i in range(2)]
+    for w, x in zip(wrappers, inputs):
+        warm(w, x)
+    errors: list[BaseException] = []
+    outs: list = [None, None]
+
+    def capture(i: int) -> None:
+        try:
+            outs[i] = run(wrappers[i], M.FULL, D8, inputs[i]).clone()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=capture, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for m, x, out in zip(models, inputs, outs):
+        assert_close(out, m(x), **TOL)
+
+
+def test_cuda_sync_from_another_thread_during_a_capture():
+    import threading
+
+    seen: list[str] = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.disturb = True
+
+        def forward(self, x):
+            out = self.lin(x) * 2
+            if self.disturb and capture_active():
+                def sync():
+                    try:
+                        torch.cuda.synchronize()
+                    except RuntimeError as e:
+                        seen.append(str(e))
+
+                t = threading.Thread(target=sync)
+                t.start()
+                t.join(60)  # a sync that blocked instead of failing would show as an empty `seen`
+            return out
+
+    m = Model().cuda()
+    w = full(m)
+    x = xc()
+    warm(w, x)
+    try:
+        run(w, M.FULL, D8, x)
+    except RuntimeError as e:  # CUDA invalidated the capture: the platform says so and recovers
+        assert "invalidated this graph capture" in str(e)
+        assert seen, "the capture failed but the other thread's sync did not"
+    assert seen and "capturing" in seen[0]  # global capture mode refuses the other thread's sync
+    m.disturb = False
+    w.clear_graphs()
+    with pb.expect(captures=1):
+        assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
+
+
+def test_cuda_memory_is_the_pool():
+    platform = get_platform("cuda")
+    m = CountingMLP().cuda()
+    w = full(m)
+    x = xc()
+    warm(w, x)
+    before = platform.memory()
+    big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # not graph memory
+    run(w, M.FULL, D8, x)
+    grown = platform.memory() - before
+    assert 0 <= grown < 64 << 20
+    ids = {tuple(p.id) for p in platform.pools}
+    assert platform.memory() == sum(
+        s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) in ids
+    )
+    del big
+
+
+def test_cuda_empty_segment_between_breaks_is_skipped():
+    import warnings
+
+    @pb.eager_break
+    def ident(h):
+        return h
+
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = ident(self.lin(x))[:, :4]  # only a view before the next break
+            return ident(h) * 2
+
+    m = Views().cuda()
+    w = breakable(m)
+    x = xc()
+    warm(w, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(w, M.PIECEWISE, D8, x)
+    assert not [c for c in caught if "empty" in str(c.message)]
+    assert_close(out, m(x), **TOL)
+    assert sum(isinstance(s, torch.cuda.CUDAGraph) for s in w.entries[D8].segments) == 2

@@ -46,8 +46,9 @@ def _rebuild_needed(output: Any) -> bool:
 class GraphEntry:
     """Segments to replay (graphs and breaks), the input spec with its static buffers, the output.
 
-    Stored tensors: ``spec.tensors[i].captured`` (the caller's capture-time inputs),
-    ``static_inputs`` (wrapper-owned buffers of staged inputs), ``output`` / ``output_leaves``.
+    Stored tensors: ``spec.tensors[i].captured`` (persistent inputs the graph reads in place),
+    ``spec.tensors[i].static`` / ``static_inputs`` (wrapper-owned buffers of staged inputs),
+    ``output`` / ``output_leaves`` (what a replay returns).
     """
 
     __slots__ = ("segments", "spec", "output", "output_leaves", "output_spec", "_rebuild", "inference",
@@ -73,8 +74,8 @@ class GraphEntry:
 
     @property
     def inputs(self) -> list[torch.Tensor]:
-        """The caller's capture-time input tensors, in leaf order."""
-        return [s.captured for s in self.spec.tensors]
+        """The tensors the graph reads, in leaf order: static copies of staged inputs, persistent buffers as they are."""
+        return [s.static if s.static is not None else s.captured for s in self.spec.tensors]
 
     @property
     def static_inputs(self) -> list[torch.Tensor]:

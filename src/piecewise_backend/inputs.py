@@ -94,8 +94,9 @@ class _Tensor:
         self.index, self.name = index, name
         self.ptr, self.shape, self.stride = t.data_ptr(), t.shape, t.stride()
         self.dtype, self.device = t.dtype, t.device
-        self.captured = t  # the caller's capture-time tensor (the graph reads it when not staged)
-        self.static = static  # wrapper-owned buffer the graph reads, for a staged input
+        # what the graph reads: the caller's buffer in place (``captured``), or a wrapper-owned copy (``static``)
+        self.captured: torch.Tensor | None = t
+        self.static = static
         self.written = False  # set when the capture showed that the model writes into this input
 
 
@@ -137,10 +138,13 @@ class InputSpec:
                 static = self.tensors[root].static  # the same tensor passed twice: one static buffer
             else:  # overlapping views cannot be staged apart: the whole group is read in place
                 static = None
-                for s in self.tensors[root:]:
-                    if self.groups[self.tensors.index(s)] == root:
-                        s.static = None
+                for j in range(root, k):
+                    if self.groups[j] == root:
+                        self.tensors[j].static = None
             self.tensors.append(_Tensor(i, name, t, static))
+        for slot in self.tensors:
+            if slot.static is not None:
+                slot.captured = None  # the graph reads the static copy: do not keep the caller's tensor alive
         self.values = [(i, n, v) for i, (n, v) in enumerate(named) if not isinstance(v, torch.Tensor)]
         # every (index, name, ptr, shape) for the cheap check of an unmoved call
         self._fast = [(s.index, s.ptr, s.shape, s.stride, s.dtype) for s in self.tensors]
@@ -149,8 +153,8 @@ class InputSpec:
 
     @property
     def static_inputs(self) -> list[torch.Tensor]:
-        """The wrapper-owned buffers staged inputs are copied into (what the graph reads)."""
-        return [s.static for s in self._staged if s.static is not None]
+        """The wrapper-owned buffers staged inputs are copied into (what the graph reads), once each."""
+        return list({id(s.static): s.static for s in self._staged}.values())
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with every staged tensor replaced by its static buffer (for the capture)."""
@@ -161,10 +165,11 @@ class InputSpec:
             leaves[s.index] = s.static
         return tree_unflatten(leaves, spec)
 
-    def note_writes(self) -> None:
-        """After the first replay: mark staged inputs the model wrote into (their writes are copied back)."""
+    def note_writes(self, leaves: Any) -> None:
+        """After the capture's replay on the call's ``leaves``: mark staged inputs the model wrote into
+        (from then on their writes are copied back to the caller, as eager makes them)."""
         for s in self._staged:
-            t, static = s.captured, s.static
+            t, static = leaves[s.index], s.static
             same = torch.equal(t, static) if not t.is_floating_point() else bool(
                 torch.isclose(t, static, rtol=0, atol=0, equal_nan=True).all()
             )
@@ -181,10 +186,10 @@ class InputSpec:
                 f"{self.nargs} positional and {sorted(self.kw_set)} (missing {missing}, unexpected {extra}); "
                 "call with the captured signature or clear_graphs()"
             )
+        if self.flat:  # keywords match by name, not by position
+            return (*args, *[kwargs[k] for k in self.kw_names]) if self.kw_names else args
         if self.kw_names:
-            kwargs = {k: kwargs[k] for k in self.kw_names}  # keywords match by name, not by position
-        if self.flat:
-            return (*args, *kwargs.values()) if kwargs else args
+            kwargs = {k: kwargs[k] for k in self.kw_names}
         leaves, spec = tree_flatten((args, kwargs))
         if spec != self.treespec:
             raise ValueError(

@@ -27,7 +27,7 @@ from .dispatch import CudagraphDispatcher
 from .inputs import mark_persistent
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
-from .platforms import get_platform, resolve_platform_name
+from .platforms import get_platform, resolve_platform_name, warmup_scope
 from .static_inputs import (
     StaticInput,
     check_context,
@@ -230,7 +230,8 @@ class GraphRunner:
                     for _ in range(self.config.num_warmups):
                         for v in views.values():
                             torch._dynamo.maybe_mark_dynamic(v, 0)
-                        self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
+                        with warmup_scope(platform):  # on the capture stream (CUDA)
+                            self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
                     self._call(views, mode, desc, {}, capturing=True)
                     bar.update(1)
                     bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")

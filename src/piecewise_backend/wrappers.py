@@ -22,7 +22,7 @@ from .entry import GraphEntry
 from .inputs import InputSpec
 from .modes import CUDAGraphMode
 from .observability import counters, eager_counts, logger
-from .platforms import Platform, get_platform, resolve_platform_name
+from .platforms import Platform, get_platform, resolve_platform_name, warm_up
 
 __all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "unwrap_model"]
 
@@ -166,6 +166,7 @@ class _GraphWrapper:
                 f"(captured: {sorted(entries, key=lambda d: d.num_tokens) or 'none'}); capture this "
                 "descriptor at startup or dispatch it to a captured size"
             )
+        warm_up(self.platform, self.runnable, args, kwargs, self.config.num_warmups)  # CUDA only; see CudaPlatform.warm_up
         spec = InputSpec(args, kwargs)  # stages non-persistent inputs: the capture reads static buffers
         bound_args, bound_kwargs = spec.bind(args, kwargs)
         # Under FULL nothing breaks: attention is part of the one graph.
@@ -173,10 +174,9 @@ class _GraphWrapper:
         output = run_session(session, self.runnable, bound_args, bound_kwargs)
         entry = GraphEntry(session.segments, spec, output)
         entry.run()  # a capture does not execute: replay once so this call returns real values
-        spec.note_writes()
-        written = [(s, s.captured) for s in spec._written]
-        if written:
-            spec.copy_back(written)
+        leaves = spec.leaves(args, kwargs)
+        spec.note_writes(leaves)
+        spec.copy_back([(s, leaves[s.index]) for s in spec._written])
         if self.config.debug_checks:
             _check_finite(entry, type(self).__name__, desc)
         entries[desc] = entry

@@ -6,6 +6,7 @@ records *segments* inside them; a finished segment is a graph with ``replay()``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Protocol
 
@@ -49,19 +50,36 @@ def resolve_platform_name(name: str) -> str | None:
     return name
 
 
-@functools.cache
 def get_platform(name: str) -> Platform:
-    if name == "simulated":
-        from .simulated import SimulatedPlatform
-
-        return SimulatedPlatform()
-    if name == "cuda":
+    if name == "cuda":  # one per device: the current one
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "platform='cuda' was asked for but torch.cuda.is_available() is False; "
                 "use platform='simulated' (with compile_pieces='eager') to run graph capture on the CPU"
             )
-        from .cuda import CudaPlatform
+        from .cuda import platform_for
 
-        return CudaPlatform()
+        return platform_for(torch.cuda.current_device())
+    return _named_platform(name)
+
+
+@functools.cache
+def _named_platform(name: str) -> Platform:
+    if name == "simulated":
+        from .simulated import SimulatedPlatform
+
+        return SimulatedPlatform()
     raise ValueError(f"unknown platform {name!r}; valid: 'cuda', 'simulated'")
+
+
+def warmup_scope(platform: Platform | None) -> contextlib.AbstractContextManager[None]:
+    """Where eager warm-ups for ``platform``'s captures run (CUDA: its capture stream)."""
+    scope = getattr(platform, "warmup_scope", None)
+    return contextlib.nullcontext() if scope is None else scope()
+
+
+def warm_up(platform: Platform, fn: Any, args: tuple, kwargs: dict, times: int) -> None:
+    """Before a lazy capture, warm ``fn`` up ``times`` times where ``platform`` needs it (CUDA)."""
+    hook = getattr(platform, "warm_up", None)
+    if hook is not None:
+        hook(fn, args, kwargs, times)
