@@ -106,6 +106,10 @@ def test_step_inputs_layout():
     assert meta[kv.SLOT_MAPPING].tolist() == [a[0] * BLOCK, a[0] * BLOCK + 1, a[0] * BLOCK + 2, b[1] * BLOCK + 2]
     assert meta[kv.BLOCK_TABLES].shape == (2, cache.max_blocks_per_req)
     assert meta[kv.BLOCK_TABLES][1].tolist()[:2] == b and meta[kv.BLOCK_TABLES][1, 2:].eq(0).all()
+    with pytest.raises(ValueError, match=r"one chunk per scheduled request, at least one; got requests \['a', 'a'\]"):
+        cache.step_inputs([("a", 3, 1), ("a", 4, 1)])
+    with pytest.raises(ValueError, match="got requests \\[\\]"):
+        cache.step_inputs([])
 
 
 @pytest.mark.parametrize("window", [-1, 3])
