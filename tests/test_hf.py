@@ -67,6 +67,10 @@ def test_adapt_refuses_what_it_cannot_serve():
         hf.adapt(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="non-causal attention"):
         hf.adapt(hf.tiny_random_model("bert"))
+    gemma2 = hf.tiny_random_model("gemma2")  # no SDPA support in HF: built with eager attention
+    assert gemma2.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM soft-caps attention logits"):
+        hf.adapt(gemma2)
     with pytest.raises(ValueError, match="'t5' has no causal LM class"):
         hf.tiny_random_model("t5")
     with pytest.raises(ValueError, match="'nope' is not a transformers model type"):
