@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     reference = copy.deepcopy(model) if args.check else None  # keeps HF's own SDPA attention
-    engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8)
+    try:
+        engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8)
+    except ValueError as e:  # an architecture the paged attention cannot serve, and why
+        parser.error(str(e))
     report = engine.capture()
     print(f"captured {report.graphs} graphs in {report.seconds:.2f} s ({report.stats})")
 

@@ -67,6 +67,10 @@ def test_adapt_refuses_what_it_cannot_serve():
         hf.adapt(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="non-causal attention"):
         hf.adapt(hf.tiny_random_model("bert"))
+    gemma2 = hf.tiny_random_model("gemma2")  # no SDPA support in HF: built with eager attention
+    assert gemma2.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM soft-caps attention logits"):
+        hf.adapt(gemma2)
     with pytest.raises(ValueError, match="'t5' has no causal LM class"):
         hf.tiny_random_model("t5")
     with pytest.raises(ValueError, match="'nope' is not a transformers model type"):
@@ -153,6 +157,7 @@ def test_engine_frees_blocks_when_a_step_fails(llama_engine):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_generate_example_checks_against_generate(arch):
+    """On the simulator here; on a GPU machine the example itself picks CUDA (see the cuda twin)."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", arch, "--check"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
@@ -161,3 +166,13 @@ def test_hf_generate_example_checks_against_generate(arch):
     steps = re.findall(r"^step\s+\d+:\s+(\d+) tokens, (\d) reqs, (decode|mixed)\s* -> (\w+)$", proc.stdout, re.M)
     assert {(kind, mode) for _, _, kind, mode in steps} == {("mixed", "PIECEWISE"), ("decode", "FULL")}, proc.stdout
     assert "check: 5/5 requests match model.generate" in proc.stdout
+
+
+@pytest.mark.cuda
+def test_hf_generate_example_on_cuda():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama", "--check"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "platform: cuda" in proc.stdout and "check: 5/5 requests match model.generate" in proc.stdout

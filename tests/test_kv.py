@@ -16,8 +16,10 @@ HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 SCALE = DIM**-0.5
 
 
-def make_cache(num_blocks: int = 32, max_model_len: int = 32, layers: int = 1) -> kv.PagedKVCache:
-    return kv.PagedKVCache(layers, KV_HEADS, DIM, num_blocks=num_blocks, block_size=BLOCK, max_model_len=max_model_len)
+def make_cache(num_blocks: int = 32, max_model_len: int = 32, layers: int = 1, device: str = "cpu") -> kv.PagedKVCache:
+    return kv.PagedKVCache(
+        layers, KV_HEADS, DIM, num_blocks=num_blocks, block_size=BLOCK, max_model_len=max_model_len, device=device
+    )
 
 
 def fragment(cache: kv.PagedKVCache) -> None:
@@ -104,6 +106,10 @@ def test_step_inputs_layout():
     assert meta[kv.SLOT_MAPPING].tolist() == [a[0] * BLOCK, a[0] * BLOCK + 1, a[0] * BLOCK + 2, b[1] * BLOCK + 2]
     assert meta[kv.BLOCK_TABLES].shape == (2, cache.max_blocks_per_req)
     assert meta[kv.BLOCK_TABLES][1].tolist()[:2] == b and meta[kv.BLOCK_TABLES][1, 2:].eq(0).all()
+    with pytest.raises(ValueError, match=r"one chunk per scheduled request, at least one; got requests \['a', 'a'\]"):
+        cache.step_inputs([("a", 3, 1), ("a", 4, 1)])
+    with pytest.raises(ValueError, match="got requests \\[\\]"):
+        cache.step_inputs([])
 
 
 @pytest.mark.parametrize("window", [-1, 3])
@@ -205,38 +211,42 @@ class PagedAttnModel(torch.nn.Module):
         n = x.shape[0]
         for i, (qkv, proj) in enumerate(zip(self.qkv, self.proj)):
             q, k, v = qkv(x).split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
-            out = torch.empty(n, HEADS, DIM)
+            out = torch.empty(n, HEADS, DIM, device=x.device)
             torch.ops.pb_kv.paged_attention(q.reshape(n, HEADS, DIM), k.reshape(n, KV_HEADS, DIM),
                                             v.reshape(n, KV_HEADS, DIM), out, i, SCALE, -1)
             x = x + proj(out.reshape(n, HEADS * DIM))
         return x
 
 
-def test_full_graph_replays_later_decode_steps_from_persistent_buffers():
+@pytest.mark.parametrize("platform", ["simulated", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_full_graph_replays_later_decode_steps_from_persistent_buffers(platform):
     """Capture one FULL decode graph, then replay it for later steps whose metadata changed in place.
 
     A real CUDA graph replays the kernels on the capture-time addresses: the op must read every
     per-step value from the persistent buffers, and new blocks must show up through them.
     """
-    model = PagedAttnModel()
-    cache, ref_cache = make_cache(layers=2), make_cache(layers=2)
+    device = "cuda" if platform == "cuda" else "cpu"
+    model = PagedAttnModel().to(device)
+    cache, ref_cache = make_cache(layers=2, device=device), make_cache(layers=2, device=device)
     fragment(cache), fragment(ref_cache)
     g = torch.Generator().manual_seed(1)
     prompts = {"a": 3, "b": 6}  # prefilled eagerly; then 4 decode steps of 2 tokens (b crosses a block edge)
     pads = {i.name: i.pad for i in cache.static_inputs()}
-    buffers = {name: torch.full((2,), pads[name], dtype=torch.long) for name in (kv.POSITIONS, kv.SLOT_MAPPING, kv.REQUEST_INDEX)}
-    buffers[kv.BLOCK_TABLES] = torch.zeros(4, cache.max_blocks_per_req, dtype=torch.long)  # max_num_reqs rows
-    x_static = torch.zeros(2, HEADS * DIM)
+    names = (kv.POSITIONS, kv.SLOT_MAPPING, kv.REQUEST_INDEX)
+    buffers = {name: torch.full((2,), pads[name], dtype=torch.long, device=device) for name in names}
+    buffers[kv.BLOCK_TABLES] = torch.zeros(4, cache.max_blocks_per_req, dtype=torch.long, device=device)  # max_num_reqs rows
+    x_static = torch.zeros(2, HEADS * DIM, device=device)
     with torch.no_grad():
         for c in (cache, ref_cache):
             meta = c.step_inputs([(r, 0, n) for r, n in prompts.items()])
             with pb.set_forward_context(attn_metadata=c.metadata(meta)):
-                model(torch.randn(sum(prompts.values()), HEADS * DIM, generator=torch.Generator().manual_seed(0)))
-        wrapper = pb.CUDAGraphWrapper(model, pb.CUDAGraphMode.FULL, config=SIM)
+                model(torch.randn(sum(prompts.values()), HEADS * DIM, generator=torch.Generator().manual_seed(0)).to(device))
+        config = SIM if platform == "simulated" else pb.CompilationConfig(platform="cuda")
+        wrapper = pb.CUDAGraphWrapper(model, pb.CUDAGraphMode.FULL, config=config)
         desc = pb.BatchDescriptor(2, num_reqs=2, uniform=True)
         for step in range(4):
             chunks = [(r, n + step, 1) for r, n in prompts.items()]
-            x = torch.randn(2, HEADS * DIM, generator=g)
+            x = torch.randn(2, HEADS * DIM, generator=g).to(device)
             meta = cache.step_inputs(chunks)
             for name, t in meta.items():
                 buffers[name][: t.shape[0]].copy_(t)  # in place: the graph keeps these addresses

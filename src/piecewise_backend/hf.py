@@ -96,6 +96,9 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             f"so {ATTN_IMPLEMENTATION} cannot replace it"
         )
+    text_config = model.config.get_text_config()
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{type(model).__name__} soft-caps attention logits; {ATTN_IMPLEMENTATION} attention does not")
     bidirectional = [name for name, m in model.named_modules() if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False]
     if bidirectional:
         raise ValueError(f"{type(model).__name__} has non-causal attention ({bidirectional[0]}); paged attention is causal only")
@@ -107,7 +110,8 @@ def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = 
     """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
 
     ``sizes`` override :data:`TINY`; only fields the model's config has are set (GPT-2 has no
-    ``num_key_value_heads``...). The model uses HF's SDPA attention and is in eval mode.
+    ``num_key_value_heads``...). The model uses HF's SDPA attention (eager where a model has no
+    SDPA support) and is in eval mode.
     """
     transformers = _transformers()
     if arch not in transformers.CONFIG_MAPPING:
@@ -118,7 +122,12 @@ def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = 
     wanted = {**TINY, **sizes}
     config = transformers.AutoConfig.for_model(arch, **{k: v for k, v in wanted.items() if hasattr(defaults, k)})
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device).eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # a model without SDPA support (Gemma2...): HF's eager attention
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.to(device).eval()
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:

@@ -125,16 +125,17 @@ class PagedKVCache:
         self.allocator.free(self.tables.pop(request))
 
     def slot(self, request: Hashable, position: int) -> int:
+        """Flat cache slot (block * block_size + offset) of ``request``'s token at ``position``."""
         table = self.tables[request]
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def static_inputs(self, position_pad: int = 0) -> list[StaticInput]:
+    def static_inputs(self) -> list[StaticInput]:
         """The metadata inputs for a GraphRunner, with pads that never touch a real request.
 
         Padding tokens write K/V to the scratch slot and read (and discard) request row 0.
         """
         return [
-            StaticInput(POSITIONS, pad=position_pad),
+            StaticInput(POSITIONS, pad=0),
             StaticInput(SLOT_MAPPING, pad=PAD_SLOT),
             StaticInput(REQUEST_INDEX, pad=0),
             StaticInput(BLOCK_TABLES, shape=(self.max_blocks_per_req,), pad=0, per="request"),
@@ -145,6 +146,9 @@ class PagedKVCache:
 
         Tokens are laid out request after request, in ``chunks`` order; blocks are reserved as needed.
         """
+        requests = [c[0] for c in chunks]
+        if not requests or len(set(requests)) != len(requests):
+            raise ValueError(f"a step needs one chunk per scheduled request, at least one; got requests {requests}")
         positions: list[int] = []
         slots: list[int] = []
         request_index: list[int] = []
@@ -162,6 +166,7 @@ class PagedKVCache:
         return {POSITIONS: t(positions), SLOT_MAPPING: t(slots), REQUEST_INDEX: t(request_index), BLOCK_TABLES: t(rows)}
 
     def metadata(self, views: Mapping[str, torch.Tensor]) -> PagedAttentionMetadata:
+        """The attention metadata over ``views`` (a runner's views, or :meth:`step_inputs` for eager use)."""
         return PagedAttentionMetadata(
             views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self.key_caches, self.value_caches
         )
