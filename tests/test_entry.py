@@ -171,3 +171,20 @@ def test_each_break_replays_in_the_grad_mode_it_ran_in():
         run(w, M.PIECEWISE, D8, x)
         assert m.modes == [True, True]  # eager: the second break runs after the model re-enabled grad
         assert torch.is_grad_enabled()
+
+
+def test_quickstart_pattern_capture_under_inference_mode_serve_under_no_grad():
+    from tests.helpers import make_model
+
+    torch.manual_seed(0)
+    model = make_model(2, "break")
+    config = SIM.replace(capture_sizes=[1, 2, 4, 8])
+    runner = pb.GraphRunner(model, config, [pb.StaticInput("ids")])
+    with torch.inference_mode():
+        runner.capture(progress=False)
+    with torch.no_grad():
+        for n, uniform in ((5, False), (4, True)):
+            ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n))
+            assert_close(runner.run(ids=ids, uniform_decode=uniform), model(ids))
+            assert runner.last_mode is (M.FULL if uniform else M.PIECEWISE)
+            assert torch.is_grad_enabled() is False and torch.is_inference_mode_enabled() is False
