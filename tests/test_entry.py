@@ -188,3 +188,24 @@ def test_quickstart_pattern_capture_under_inference_mode_serve_under_no_grad():
             assert_close(runner.run(ids=ids, uniform_decode=uniform), model(ids))
             assert runner.last_mode is (M.FULL if uniform else M.PIECEWISE)
             assert torch.is_grad_enabled() is False and torch.is_inference_mode_enabled() is False
+
+
+@pb.eager_break
+def plain_attention(h: torch.Tensor) -> torch.Tensor:
+    return h * 2
+
+
+def test_grad_mode_set_by_a_segment_around_a_break_does_not_leak():
+    # the switches sit in graph segments (skipped on replay); the break only runs in the mode they set
+    def model(x):
+        torch._C._set_grad_enabled(False)
+        h = plain_attention(x + 1)
+        torch._C._set_grad_enabled(True)
+        return h - 1
+
+    w = pb.BreakableCUDAGraphWrapper(model, M.PIECEWISE, config=SIM)
+    x = x8()
+    with torch.enable_grad():
+        for _ in range(3):
+            assert_close(run(w, M.PIECEWISE, D8, x), (x + 1) * 2 - 1)
+            assert torch.is_grad_enabled()
