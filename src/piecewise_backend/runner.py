@@ -37,7 +37,7 @@ from .static_inputs import (
     fill,
     fits,
     input_names,
-    row_count,
+    step_counts,
 )
 
 
@@ -107,6 +107,7 @@ class GraphRunner:
                 f"per='request' inputs {per_request} need GraphRunner(max_num_reqs=...) (their row count)"
             )
         self.max_num_reqs = max_num_reqs
+        self._per_request = frozenset(per_request)
         mode = resolve_cudagraph_mode(
             effective_mode(config), attention_support, attention_split=attention_split,
             uniform_decode_query_len=uniform_decode_query_len,
@@ -138,7 +139,7 @@ class GraphRunner:
         return self.dispatcher.max_size if tokens is None else tokens
 
     def _views(self, padded: int) -> dict[str, torch.Tensor]:
-        return {name: buf[: self._rows(self.inputs[name], padded)] for name, buf in self.buffers.items()}
+        return {name: buf if name in self._per_request else buf[:padded] for name, buf in self.buffers.items()}
 
     def _call(
         self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
@@ -163,15 +164,18 @@ class GraphRunner:
         never saw it at capture, so only eager code reads it (breaks of PIECEWISE steps,
         NONE steps): on a FULL step its tensors must be views of this runner's buffers.
         """
-        missing = sorted(set(self.inputs) - set(batch))
-        extra = sorted(set(batch) - set(self.inputs))
-        if missing or extra:
+        if batch.keys() != self.inputs.keys():
+            missing, extra = sorted(set(self.inputs) - set(batch)), sorted(set(batch) - set(self.inputs))
             raise ValueError(
                 f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(self.inputs)}"
             )
-        batch = {name: check_tensor(self.inputs[name], t) for name, t in batch.items()}
-        n = row_count(batch, self.inputs, "token")
-        reqs = row_count(batch, self.inputs, "request")
+        fit = True  # every non-leading dim fits the buffers (else: an eager step)
+        for name, t in batch.items():
+            spec = self.inputs[name]
+            check_tensor(spec, t)
+            if fit and t.shape[1:] != spec.shape:
+                fit = fits(spec, t)
+        n, reqs = step_counts(batch, self.inputs)
         if reqs is not None:
             if reqs > self.max_num_reqs:  # type: ignore[operator]
                 raise ValueError(
@@ -185,7 +189,7 @@ class GraphRunner:
         mode, desc = self.dispatcher.dispatch(
             n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter
         )
-        if mode != CUDAGraphMode.NONE and not all(fits(self.inputs[k], t) for k, t in batch.items()):
+        if mode != CUDAGraphMode.NONE and not fit:
             logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
             mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
         if mode == CUDAGraphMode.FULL and context:

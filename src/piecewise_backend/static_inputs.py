@@ -77,6 +77,16 @@ def _check_pad(name: str, pad: Any, dtype: torch.dtype) -> None:
 
 def check_tensor(spec: StaticInput, value: Any) -> torch.Tensor:
     """``value`` as a step tensor for ``spec``, or a clear error."""
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dim() != len(spec.shape) + 1
+        or value.is_floating_point() != spec.dtype.is_floating_point
+    ):
+        _bad_tensor(spec, value)
+    return value
+
+
+def _bad_tensor(spec: StaticInput, value: Any) -> None:
     rows = "tokens" if spec.per == "token" else "requests"
     want = f"({rows}{''.join(f', {d}' for d in spec.shape)})"
     if not isinstance(value, torch.Tensor):
@@ -89,9 +99,7 @@ def check_tensor(spec: StaticInput, value: Any) -> torch.Tensor:
         raise ValueError(
             f"GraphRunner.run: input {spec.name!r} has shape {tuple(value.shape)}, its StaticInput wants {want}"
         )
-    if value.is_floating_point() != spec.dtype.is_floating_point:
-        raise ValueError(f"GraphRunner.run: input {spec.name!r} is {value.dtype}, its StaticInput is {spec.dtype}")
-    return value
+    raise ValueError(f"GraphRunner.run: input {spec.name!r} is {value.dtype}, its StaticInput is {spec.dtype}")
 
 
 def fits(spec: StaticInput, value: torch.Tensor) -> bool:
@@ -113,9 +121,11 @@ def fill(buf: torch.Tensor, value: torch.Tensor, rows: int, pad: int | float) ->
 
 def eager_tensor(spec: StaticInput, value: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     """What an eager step passes for ``value``: the same dtype, width and row count a graph step sees."""
-    shape = tuple(max(a, b) for a, b in zip(value.shape[1:], spec.shape))
-    if value.shape == (rows, *shape):
+    if value.shape[0] == rows and value.shape[1:] == spec.shape:
+        if value.dtype == spec.dtype and value.device == device:
+            return value  # the common case: the caller's tensor as it is, as an eager call would get it
         return value.to(device=device, dtype=spec.dtype)
+    shape = tuple(max(a, b) for a, b in zip(value.shape[1:], spec.shape))
     out = torch.empty((rows, *shape), dtype=spec.dtype, device=device)
     fill(out, value, rows, spec.pad)
     return out
@@ -157,12 +167,26 @@ def check_plain(attrs: Mapping[str, Any], source: str) -> None:
                 )
 
 
-def row_count(batch: Mapping[str, torch.Tensor], specs: Mapping[str, StaticInput], per: str) -> int | None:
-    """The row count the ``per`` inputs of a step agree on (None without such inputs)."""
+def step_counts(batch: Mapping[str, torch.Tensor], specs: Mapping[str, StaticInput]) -> tuple[int, int | None]:
+    """The token count and the request count (None without per-request inputs) a step's inputs agree on."""
+    tokens = reqs = None
+    for name, t in batch.items():
+        rows = t.shape[0]
+        if specs[name].per == "token":
+            if tokens is None:
+                tokens = rows
+            elif rows != tokens:
+                _disagree(batch, specs, "token")
+        elif reqs is None:
+            reqs = rows
+        elif rows != reqs:
+            _disagree(batch, specs, "request")
+    return tokens, reqs  # type: ignore[return-value]  # a runner has at least one per-token input
+
+
+def _disagree(batch: Mapping[str, torch.Tensor], specs: Mapping[str, StaticInput], per: str) -> None:
     counts = {name: t.shape[0] for name, t in batch.items() if specs[name].per == per}
-    if len(set(counts.values())) > 1:
-        raise ValueError(f"GraphRunner.run: per-{per} inputs disagree on the {per} count: {counts}")
-    return next(iter(counts.values()), None)
+    raise ValueError(f"GraphRunner.run: per-{per} inputs disagree on the {per} count: {counts}")
 
 
 def check_context(context: Any, replays: bool) -> dict:

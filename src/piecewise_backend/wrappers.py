@@ -172,7 +172,7 @@ class _GraphWrapper:
         # Under FULL nothing breaks: attention is part of the one graph.
         session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
         output = run_session(session, self.runnable, bound_args, bound_kwargs)
-        entry = GraphEntry(session.segments, spec, output)
+        entry = GraphEntry(session.segments, spec, output, grad_touched=session.grad_touched)
         entry.run()  # a capture does not execute: replay once so this call returns real values
         leaves = spec.leaves(args, kwargs)
         spec.note_writes(leaves)
