@@ -1,0 +1,219 @@
+"""Graph memory: entries that pin nothing, stale-output poisoning, clearing, the capture estimate.
+
+Every graph of a process shares one pool and graphs never replay concurrently, so memory a
+capture allocated may be reused by the next capture once nothing owns it. After a capture an
+entry therefore keeps the tensors that capture created (its output, break arguments and
+fresh break results, inputs that an earlier graph produced) only as weak views; what existed
+before the capture (inputs, parameters, KV caches) stays strongly held. Captured largest
+first, the whole ladder then costs about what its largest size costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .weak import is_weak, weak_ref_tensor
+
+if TYPE_CHECKING:
+    from .platforms import Platform
+    from .runner import GraphRunner
+
+# Wrappers holding entries; debug poisoning and the estimate walk them (weak: no leak).
+_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
+_graphs_created = [0]  # graph segments of every entry captured so far (CaptureReport reads it)
+_retired_pools: list[Any] = []  # scratch pools a weak view may still read (see scratch_pool)
+
+
+def graphs_created() -> int:
+    """Graph segments (one CUDA graph each) created by captures in this process."""
+    return _graphs_created[0]
+
+
+def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
+    """A test "was this tensor allocated in ``platform``'s graph pool?" (a capture-time tensor)."""
+    owns = getattr(platform, "owns", None)
+    if owns is not None:
+        return owns
+    if getattr(platform, "name", None) == "cuda":
+        return _cuda_pool_owner(platform)
+    return lambda t: False
+
+
+def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
+    # Address ranges of the pool's segments; one snapshot per capture, not per tensor.
+    pool = tuple(getattr(platform, "pool", ()))
+    ranges = [
+        (s["address"], s["address"] + s["total_size"])
+        for s in torch.cuda.memory_snapshot()
+        if tuple(s.get("segment_pool_id", ())) == pool
+    ]
+
+    def owns(t: torch.Tensor) -> bool:
+        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(lo <= ptr < hi for lo, hi in ranges)
+
+    return owns
+
+
+def _weakener(platform: Platform) -> Callable[[Any], Any]:
+    owns = owner_test(platform)
+    pool = getattr(platform, "pool", None)
+    make_weak = getattr(pool, "weak", weak_ref_tensor)
+
+    def weaken(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not is_weak(x) and owns(x):
+            return make_weak(x)
+        return x
+
+    return weaken
+
+
+def release_capture_memory(wrapper: Any, entry: Any) -> None:
+    """After ``entry`` was captured: hold its capture-time tensors weakly (see module docstring)."""
+    from .capture import EagerSegment
+
+    weaken = _weakener(wrapper.platform)
+    entry.output = tree_map(weaken, entry.output)
+    for seg in entry.segments:
+        if isinstance(seg, EagerSegment):
+            seg.args, seg.kwargs = tree_map(weaken, seg.args), tree_map(weaken, seg.kwargs)
+            seg.fresh = [(i, weaken(t)) for i, t in seg.fresh]
+    weaken_inputs = getattr(entry, "weaken_inputs", None)
+    if weaken_inputs is not None:
+        weaken_inputs(weaken)
+    _wrappers.add(wrapper)
+    _graphs_created[0] += entry.num_graphs
+
+
+# ------------------------------------------------------------------ debug: poison stale outputs
+
+
+def _entries(wrapper: Any) -> Iterator[tuple[Any, Any]]:
+    """(key, entry) of every entry of ``wrapper``, however its entries are grouped."""
+    stack = [wrapper.entries]
+    while stack:
+        entries = stack.pop()
+        for key, value in list(entries.items()):
+            if isinstance(value, dict):
+                stack.append(value)
+            else:
+                yield key, value
+
+
+def _ranges(tree: Any) -> list[tuple[int, int]]:
+    return [
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fill ``t`` with a value no computation returns by chance: NaN, or -1 (max for unsigned)."""
+    if t.is_floating_point() or t.is_complex():
+        value: Any = float("nan")
+    elif t.dtype == torch.bool:
+        value = True
+    elif t.dtype == torch.uint8:
+        value = 255
+    else:
+        value = -1
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        t.fill_(value)
+
+
+def poison_stale_outputs(wrapper: Any, key: Any, entry: Any, inputs: Any) -> None:
+    """``debug_checks``: before ``entry`` (captured for ``key``) replays, poison the outputs of
+    every entry captured for another key, except memory ``entry`` reads (``inputs``).
+
+    A real GPU overwrites an old output only where a later graph's memory overlaps it, which
+    depends on the pool's layout; poisoning makes any read of a stale output fail loudly.
+    Entries of the same key are one forward (per-piece wrappers chain their outputs).
+    """
+    platform = wrapper._platform
+    keep = _ranges(inputs)
+    for other_wrapper in list(_wrappers):
+        if other_wrapper._platform is not platform:
+            continue
+        for other_key, other in _entries(other_wrapper):
+            if other is entry or other_key == key:
+                continue
+            for t in tree_leaves(other.output):
+                if is_weak(t) and t.numel():
+                    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+                    if not any(a < hi and lo < b for a, b in keep):
+                        poison(t)
+
+
+# ------------------------------------------------------------------ clearing and the estimate
+
+
+def release_cached(platform: Platform | None) -> int:
+    """Give free pool memory back (after entries were dropped); returns the bytes released."""
+    if platform is None:
+        return 0
+    pool = getattr(platform, "pool", None)
+    if hasattr(pool, "release_cached"):
+        released = pool.release_cached()
+        for retired in list(_retired_pools):
+            retired.release_cached()
+            if not retired.segments:
+                _retired_pools.remove(retired)
+        return released
+    if getattr(platform, "name", None) == "cuda":
+        before = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        return before - torch.cuda.memory_reserved()
+    return 0
+
+
+@contextlib.contextmanager
+def scratch_pool(platform: Platform) -> Iterator[None]:
+    """Capture into a fresh pool for the duration, then release it (and the entries made in it)."""
+    saved_pool = platform.pool  # type: ignore[attr-defined]
+    scratch = type(saved_pool)() if hasattr(saved_pool, "release_cached") else torch.cuda.graph_pool_handle()
+    saved = {w: w.entries for w in list(_wrappers)}
+    for w in saved:
+        w.entries = type(w.entries)()
+    platform.pool = scratch  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        platform.pool = saved_pool  # type: ignore[attr-defined]
+        for w in list(_wrappers):
+            if w in saved:
+                w.entries = saved[w]
+            else:
+                w.entries.clear()
+        if hasattr(scratch, "release_cached"):
+            scratch.release_cached()
+            if scratch.segments:  # a weak view of it is still alive somewhere: keep its memory
+                _retired_pools.append(scratch)
+        else:
+            release_cached(platform)
+
+
+def estimate_capture_memory(runner: GraphRunner, capture_one: Callable[[Any, Any], None]) -> int:
+    """Bytes ``runner.capture()`` will add to the pool: the largest descriptor of each mode,
+    captured into a scratch pool in capture order and released. Smaller sizes reuse that
+    memory, so this is close to the real total (not a sum over sizes)."""
+    from .platforms import get_platform, resolve_platform_name
+
+    plan = [(mode, descs[0]) for mode, descs in runner.dispatcher.capture_descriptors() if descs]
+    name = resolve_platform_name(runner.config.platform)
+    if not plan or name is None:
+        return 0
+    platform = get_platform(name)
+    with scratch_pool(platform):
+        before = platform.memory()
+        for mode, desc in plan:
+            capture_one(mode, desc)
+        return platform.memory() - before
