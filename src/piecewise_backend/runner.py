@@ -24,6 +24,7 @@ from .assembly import effective_mode, resolve_cudagraph_mode, validate_capture_c
 from .config import CompilationConfig
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
+from .memory import estimate_capture_memory, graphs_created
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
 from .platforms import cuda as _cuda_platform
@@ -48,9 +49,15 @@ class StaticInput:
 
 @dataclasses.dataclass
 class CaptureReport:
-    graphs: int
+    graphs: int  # (mode, descriptor) entries captured; ``descriptors`` names it plainly
     seconds: float
     stats: str
+    memory_bytes: int = 0  # graph pool bytes this capture added
+    graph_segments: int = 0  # graphs the platform made: a breakable entry has one per segment
+
+    @property
+    def descriptors(self) -> int:
+        return self.graphs
 
 
 class GraphRunner:
@@ -171,6 +178,7 @@ class GraphRunner:
         platform_name = resolve_platform_name(self.config.platform)
         platform = get_platform(platform_name) if platform_name and total else None
         before = platform.memory() if platform else 0
+        segments_before = graphs_created()
         start = time.perf_counter()
         gc.collect()  # once for the whole capture, then frozen: collecting per graph dominated capture time
         gc.freeze()
@@ -190,11 +198,24 @@ class GraphRunner:
         finally:
             _cuda_platform.gc_managed_outside = False
             gc.unfreeze()
-        stats = platform.describe(platform.memory() - before) if platform else "no graphs"
-        self.report = CaptureReport(total, time.perf_counter() - start, stats)
+        added = platform.memory() - before if platform else 0
+        stats = platform.describe(added) if platform else "no graphs"
+        self.report = CaptureReport(total, time.perf_counter() - start, stats, added, graphs_created() - segments_before)
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
         self.capture_closed = disable_after
         return self.report
+
+    def estimate_capture_memory(self) -> int:
+        """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the
+        largest descriptor of each mode is captured into a scratch pool, which is then released."""
+
+        def capture_one(mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+            views = self._views(desc.num_tokens)
+            for _ in range(self.config.num_warmups):
+                self._call(views, CUDAGraphMode.NONE, desc, {})
+            self._call(views, mode, desc, {"allow_capture": True})
+
+        return estimate_capture_memory(self, capture_one)
 
 
 class _NoBar:

@@ -15,6 +15,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from .capture import CaptureDisabledError, CaptureSession, EagerSegment, capture_active, capture_enabled, run_session
 from .config import CompilationConfig
 from .context import _CONTEXT, BatchDescriptor, ForwardContext
+from .memory import poison_stale_outputs, release_cached, release_capture_memory
 from .modes import CUDAGraphMode
 from .observability import counters, eager_counts, logger
 from .platforms import Graph, Platform, get_platform, resolve_platform_name
@@ -132,12 +133,18 @@ class _GraphWrapper:
         if capture_active():  # inside another wrapper's capture: become part of its graph
             return self.runnable(*args, **kwargs)
         entry = self.entries.get(ctx.batch_descriptor)
-        if entry is None:
+        captured = entry is None
+        if captured:
             entry = self._capture(ctx, mode, args, kwargs)
         else:
             entry.check_inputs(args, kwargs)
+        if self.config.debug_checks:
+            poison_stale_outputs(self, ctx.batch_descriptor, entry, (args, kwargs))
         counters["replays"] += 1
-        return entry.replay()
+        out = entry.replay()
+        if captured:  # the caller gets the capture-time tensors (alive while it uses them);
+            release_capture_memory(self, entry)  # the entry keeps them only weakly
+        return out
 
     @property
     def platform(self) -> Platform:
@@ -175,8 +182,9 @@ class _GraphWrapper:
         return inner.unwrap() if isinstance(inner, _GraphWrapper) else inner
 
     def clear_graphs(self) -> None:
-        """Drop every captured entry (and its graph memory)."""
+        """Drop every captured entry and give the pool memory no graph uses back."""
         self.entries.clear()
+        release_cached(self._platform)
 
     def __repr__(self) -> str:
         mode = "any" if self.runtime_mode is None else self.runtime_mode.name

@@ -174,8 +174,29 @@ class SimPool:
         weak_storage = torch._C._construct_storage_from_data_pointer(ptr, _CPU, storage.nbytes())
         segment = self._segment_of(ptr)
         if segment is not None:
-            self._views.setdefault(segment, []).append(StorageWeakRef(weak_storage))
+            views = self._views.setdefault(segment, [])
+            if len(views) >= 256 and len(views) & (len(views) - 1) == 0:  # prune now and then
+                views[:] = [w for w in views if not w.expired()]
+            views.append(StorageWeakRef(weak_storage))
         return mark_weak(_tensor_on(weak_storage, t))
+
+
+    def weaken_ops(self, ops: list[Any]) -> list[Any]:
+        """Recorded ops (``args``, ``kwargs``, ``fresh``) with their pool tensors held weakly."""
+
+        made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its weak view)
+
+        def weaken(x: Any) -> Any:
+            if not self.owns(x):
+                return x
+            if id(x) not in made:
+                made[id(x)] = (x, self.weak(x))
+            return made[id(x)][1]
+
+        for op in ops:
+            op.args, op.kwargs = tree_map(weaken, op.args), tree_map(weaken, op.kwargs)
+            op.fresh = [(i, weaken(t)) for i, t in op.fresh]
+        return ops
 
 
 def _tensor_on(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ A segment records the ATen ops run while it is open (a TorchDispatchMode) and re
 them into the same tensors. Like a real capture, recording does not count as running:
 when a segment ends, in-place writes to tensors that existed before it are undone and
 tensors it allocated are filled with garbage (NaN bits), so only a replay produces values.
-Host syncs raise as CUDA does while a stream is capturing.
+Host syncs raise as CUDA does while a stream is capturing. Tensors created during a capture
+come from one shared pool (:mod:`.sim_pool`); a finished graph holds them only weakly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import fresh_outputs
+from .sim_pool import PoolMode, SimPool
 
 _HOST_SYNC = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
@@ -121,7 +123,7 @@ class _SimRecorder:
             storage.copy_(saved)  # a capture does not execute: undo writes to older tensors
         for t in self.mode.allocated.values():
             t.untyped_storage().fill_(0xFF)  # NaN for floats, -1 for ints: memory holds garbage
-        graph = SimulatedGraph(self.mode.ops)
+        graph = SimulatedGraph(self.platform.pool.weaken_ops(self.mode.ops))
         self.platform.recorded_ops += len(graph)
         return graph
 
@@ -141,16 +143,21 @@ class SimulatedPlatform:
 
     def __init__(self) -> None:
         self.recorded_ops = 0
+        self.pool = SimPool()  # every graph shares it, as on CUDA
 
     @contextlib.contextmanager
     def capture_scope(self) -> Iterator[None]:
-        yield
+        with PoolMode(self.pool):  # segments and the breaks between them allocate in the pool
+            yield
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self.pool.owns(t)
 
     def begin(self) -> _SimRecorder:
         return _SimRecorder(self)
 
     def memory(self) -> int:
-        return self.recorded_ops
+        return self.pool.reserved()
 
     def describe(self, amount: int) -> str:
-        return f"{amount} ATen ops recorded"
+        return f"{amount / 2**20:.2f} MiB of simulated graph pool ({self.recorded_ops} ATen ops recorded in all)"
