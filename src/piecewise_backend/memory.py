@@ -30,6 +30,11 @@ _graphs_created = [0]  # graph segments of every entry captured so far (CaptureR
 _retired_pools: list[Any] = []  # scratch pools a weak view may still read (see scratch_pool)
 
 
+def captured_wrappers() -> list[Any]:
+    """Every live wrapper that has captured (per-piece wrappers inside a backend included)."""
+    return list(_wrappers)
+
+
 def graphs_created() -> int:
     """Graph segments (one CUDA graph each) created by captures in this process."""
     return _graphs_created[0]
