@@ -220,12 +220,15 @@ class PoolMode(TorchDispatchMode):
     def __init__(self, pool: SimPool):
         super().__init__()
         self.pool = pool
+        self.paused = False  # the simulator's own work (a validation replay) is not the program's
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(t is not torch.Tensor for t in types):
             return NotImplemented  # subclasses (DTensor) desugar first; their plain parts come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         inputs = _input_storages(args, kwargs)
         moved: dict[int, torch.UntypedStorage] = {}
 
