@@ -219,3 +219,35 @@ def test_coverage_use_breakable_false_needs_per_piece_backend():
         with pb.expect(captures=1, replays=1):
             out = run(wrapped, M.FULL, BD(8, 8, True), ids)
         assert_close(out, ref)
+
+
+# ---------------------------------------------------------------- clear_graphs (issue 10.12)
+
+
+def test_clear_graphs_reaches_per_piece_wrappers_inside_the_compiled_model():
+    torch._dynamo.reset()
+    config = cfg(M.PIECEWISE, use_breakable=False)
+    model = make_model(2, "fresh")
+    backend = pb.make_backend(config)
+    compiled = torch.compile(model, backend=backend)
+    static = token_ids(8)
+    compiled(static)
+    with pb.expect(captures=3):
+        run(compiled, M.PIECEWISE, BD(8), static)
+    assert len(backend.piece_wrappers) == 3 and all(w.entries for w in backend.piece_wrappers)
+    pb.clear_graphs(compiled)
+    assert all(w.entries == {} for w in backend.piece_wrappers)
+    with pb.expect(captures=3):  # and they capture again
+        assert_close(run(compiled, M.PIECEWISE, BD(8), static), model(static))
+    torch._dynamo.reset()
+
+
+def test_clear_graphs_clears_a_wrapper_stack():
+    model = TwoBreakModel()
+    w = pb.wrap_model(model, cfg(M.FULL_AND_PIECEWISE))
+    x = torch.randn(8, 8)
+    run(w, M.FULL, BD(8, 8, True), x)
+    run(w, M.PIECEWISE, BD(8), x)
+    assert w.entries and w.runnable.entries
+    pb.clear_graphs(w)
+    assert w.entries == {} and w.runnable.entries == {}

@@ -463,3 +463,118 @@ def test_use_breakable_false_wraps_each_piece(fresh_dynamo):
     with pb.expect(captures=0, replays=1, eager_FULL=0):
         out = run(outer, M.FULL, full_desc, static)
     assert_close(out, model(static))
+
+
+# ---------------------------------------------------------------- replay contract (issue 10.8), capture lock, gc
+
+
+def test_break_returning_another_input_than_at_capture_raises():
+    state = {"which": 0}
+
+    @pb.eager_break
+    def pick(a, b):
+        return (a, b)[state["which"]]
+
+    w = breakable(lambda x: pick(x * 2, x * 3) + 1)
+    x = x8()
+    assert_close(run(w, M.PIECEWISE, D8, x), x * 2 + 1)
+    state["which"] = 1  # the segment after the break reads the captured object: the result would be lost
+    with pytest.raises(RuntimeError, match="returned its input tensor .* at capture and another tensor now"):
+        run(w, M.PIECEWISE, D8, x)
+
+
+def test_failed_segment_end_leaves_no_recorder_open():
+    from piecewise_backend.capture import CaptureSession, run_session
+
+    class Recorder:
+        def __init__(self):
+            self.aborted = False
+
+        def end(self):
+            raise RuntimeError("capture_end failed")
+
+        def abort(self):
+            self.aborted = True
+
+    rec = Recorder()
+
+    class Platform:
+        name = "fake"
+
+        def capture_scope(self):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+        def begin(self):
+            return rec
+
+    session = CaptureSession(Platform(), breakable=False)
+    with pytest.raises(RuntimeError, match="capture_end failed"):
+        run_session(session, lambda: None, (), {})
+    assert rec.aborted and session._recorder is None and session.segments == []
+    assert not capture_active()
+
+
+def test_captures_on_two_threads_run_one_at_a_time():
+    inside, release = threading.Event(), threading.Event()
+    active = []
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            active.append(threading.current_thread().name)
+            if threading.current_thread().name == "first":
+                inside.set()
+                assert release.wait(20)
+            return x * 2
+
+    w1, w2 = breakable(Slow()), breakable(Slow())
+    errors = []
+
+    def first():
+        try:
+            run(w1, M.PIECEWISE, D8, x8())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def second():
+        try:
+            run(w2, M.PIECEWISE, D8, x8())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t1 = threading.Thread(target=first, name="first")
+    t1.start()
+    assert inside.wait(20)
+    t2 = threading.Thread(target=second, name="second")
+    t2.start()
+    t2.join(0.5)
+    assert t2.is_alive() and active == ["first"]  # the second capture waits for the first
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert errors == [] and active == ["first", "second"]
+    assert list(w1.entries) == [D8] and list(w2.entries) == [D8]
+
+
+def test_bulk_capture_collects_once_and_keeps_the_applications_freeze():
+    import gc
+
+    from piecewise_backend.capture import bulk_capture, gc_managed
+
+    assert not gc_managed()
+    gc.unfreeze()
+    with bulk_capture():
+        assert gc_managed() and gc.get_freeze_count() > 0
+        with bulk_capture():  # nested: a no-op
+            assert gc_managed()
+        assert gc_managed()
+    assert not gc_managed() and gc.get_freeze_count() == 0
+    gc.freeze()  # the application froze its own objects
+    try:
+        frozen = gc.get_freeze_count()
+        with bulk_capture():
+            pass
+        assert gc.get_freeze_count() >= frozen  # not unfrozen behind the application's back
+    finally:
+        gc.unfreeze()

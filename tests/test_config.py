@@ -103,12 +103,13 @@ BAD = [
     ("capture_sizes", [True]),
     ("capture_sizes", 8),
     ("capture_sizes", "8"),
-    ("capture_sizes", [1024]),  # above max_capture_size=512
+    ("capture_sizes", [1 << 17]),  # above the size limit
     ("max_capture_size", 0),
     ("max_capture_size", -4),
     ("max_capture_size", 8.0),
     ("max_capture_size", "512"),
     ("max_capture_size", True),
+    ("max_capture_size", 10**9),  # would build a multi-GB padding table
     ("compile_pieces", "tvm"),
     ("compile_pieces", None),
     ("compile_pieces", "Inductor "),
@@ -166,7 +167,7 @@ def test_frozen_and_replace_revalidates():
         c.max_capture_size = 8
     d = c.replace(max_capture_size=4, cudagraph_mode="piecewise")
     assert (d.max_capture_size, d.cudagraph_mode, d.capture_sizes) == (4, M.PIECEWISE, (1, 4))
-    assert c.max_capture_size == 512  # original untouched
+    assert c.max_capture_size == 4  # original untouched (derived from capture_sizes)
     with pytest.raises(ValueError, match="capture_sizes"):
         c.replace(max_capture_size=2)  # 4 no longer fits
     with pytest.raises(ValueError, match="num_warmups"):
@@ -179,3 +180,35 @@ def test_config_is_hashable_and_comparable():
     assert a == b and hash(a) == hash(b)
     assert a != a.replace(num_warmups=2)
     assert pb.CompilationConfig(debug_dump_dir=pathlib.Path("/tmp")) != pb.CompilationConfig()
+
+
+# ---------------------------------------------------------------- issue 10.19: vLLM-compatible sizes
+
+
+def test_max_capture_size_follows_capture_sizes_unless_given():
+    assert pb.CompilationConfig().max_capture_size == 512
+    c = pb.CompilationConfig(capture_sizes=[1024, 8])
+    assert (c.max_capture_size, c.sizes) == (1024, (8, 1024))
+    assert c.replace(capture_sizes=[2048]).max_capture_size == 2048  # derived again, not frozen at 1024
+    assert pb.CompilationConfig(capture_sizes=[8], max_capture_size=64).max_capture_size == 64
+
+
+def test_explicit_max_capture_size_below_largest_capture_size_names_both():
+    with pytest.raises(ValueError, match=r"capture_sizes \[1024\] exceed max_capture_size=512"):
+        pb.CompilationConfig(capture_sizes=[8, 1024], max_capture_size=512)
+
+
+def test_no_sizes_accepted_for_mode_none_only():
+    for kwargs in (dict(capture_sizes=[]), dict(max_capture_size=0), dict(capture_sizes=[], max_capture_size=0)):
+        c = pb.CompilationConfig(cudagraph_mode="NONE", **kwargs)
+        assert c.sizes == ()
+        d = pb.CudagraphDispatcher(c)
+        d.initialize_keys(c.cudagraph_mode)
+        assert d.dispatch(5) == (M.NONE, pb.BatchDescriptor(5))
+        with pytest.raises(ValueError, match="capture_sizes|max_capture_size"):
+            pb.CompilationConfig(cudagraph_mode="PIECEWISE", **kwargs)
+
+
+def test_huge_max_capture_size_is_refused_quickly():
+    with pytest.raises(ValueError, match=r"max_capture_size must be an int in \[1, 65536\].*1000000000"):
+        pb.CompilationConfig(max_capture_size=10**9)

@@ -232,3 +232,65 @@ def test_every_dispatch_result_is_a_captured_key():
                         assert got[1] == BD(n)
                     else:
                         assert got in planned, (mode, q, n, uniform, got)
+
+
+# ---------------------------------------------------------------- issue 10.17-19
+
+
+@pytest.mark.parametrize("mode, split, expected", [
+    (M.FULL_AND_PIECEWISE, True, M.PIECEWISE), (M.FULL, True, M.PIECEWISE), (M.FULL_DECODE_ONLY, True, M.NONE),
+    (M.FULL_AND_PIECEWISE, False, M.NONE), (M.PIECEWISE, True, M.PIECEWISE),
+])
+def test_single_token_decode_support_with_longer_queries_dispatches_no_full(mode, split, expected):
+    q = 4
+    resolved = pb.resolve_cudagraph_mode(mode, S.UNIFORM_SINGLE_TOKEN_DECODE, attention_split=split,
+                                         uniform_decode_query_len=q)
+    assert resolved is expected
+    d = dispatcher(resolved, sizes=(4, 8), q=q)
+    assert all(d.dispatch(n, uniform_decode=True)[0] is not M.FULL for n in (4, 8))
+
+
+def test_single_token_decode_support_keeps_full_decode_for_one_token_queries():
+    for q in (1, None):
+        kw = {} if q is None else dict(uniform_decode_query_len=q)
+        assert pb.resolve_cudagraph_mode(M.FULL_AND_PIECEWISE, S.UNIFORM_SINGLE_TOKEN_DECODE, **kw) is M.FULL_AND_PIECEWISE
+    with pytest.raises(ValueError, match="uniform_decode_query_len must be a positive int, got 0"):
+        pb.resolve_cudagraph_mode(M.FULL, S.ALWAYS, uniform_decode_query_len=0)
+
+
+def test_graph_runner_honours_single_token_decode_support():
+    import torch
+
+    runner = pb.GraphRunner(torch.nn.Linear(8, 8), SIM, [pb.StaticInput("x", (8,), torch.float32)],
+                            attention_support=S.UNIFORM_SINGLE_TOKEN_DECODE, uniform_decode_query_len=4)
+    assert runner.mode is M.PIECEWISE
+    assert not runner.dispatcher.keys[M.FULL]
+
+
+def test_max_num_seqs_keys_full_mixed_batches_by_request_count():
+    d = pb.CudagraphDispatcher(SIM.replace(cudagraph_mode="FULL", capture_sizes=[4, 16], max_num_seqs=8))
+    d.initialize_keys(M.FULL)
+    assert d.dispatch(3) == (M.FULL, BD(4, num_reqs=4))
+    assert d.dispatch(10) == (M.FULL, BD(16, num_reqs=8))
+    assert {k.num_reqs for k in d.keys[M.FULL]} == {4, 8}
+    # PIECEWISE keys and uniform decode keys are unchanged
+    d = pb.CudagraphDispatcher(SIM.replace(capture_sizes=[4, 16], max_num_seqs=8))
+    d.initialize_keys(M.FULL_AND_PIECEWISE)
+    assert d.dispatch(10) == (M.PIECEWISE, BD(16))
+    assert d.dispatch(16, uniform_decode=True) == (M.FULL, BD(16, num_reqs=16, uniform=True))
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 2.0, True, "3"])
+def test_pad_rejects_non_positive_counts(bad):
+    d = dispatcher(M.PIECEWISE)
+    with pytest.raises(ValueError, match=rf"num_tokens must be a positive int, got {bad!r}"):
+        d.pad(bad)
+    assert d.pad(3) == 8 and d.pad(9) == 9
+
+
+@pytest.mark.parametrize("field, bad", [("uniform_decode", "yes"), ("uniform_decode", 1), ("disable_full", None),
+                                        ("num_reqs", 0), ("num_reqs", 2.5)])
+def test_dispatch_rejects_bad_flags(field, bad):
+    d = dispatcher(M.FULL_AND_PIECEWISE)
+    with pytest.raises(ValueError, match=rf"{field} must be .*, got {bad!r}"):
+        d.dispatch(2, **{field: bad})

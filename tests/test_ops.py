@@ -206,3 +206,11 @@ def test_matcher_callables_by_identity_only():
     assert m.match(torch.nn.functional.scaled_dot_product_attention) is SDPA
     assert m.match(attn_twin) is None
     assert m.match("attn") is None and m.match(torch.sin) is None
+
+
+def test_module_instance_is_not_a_splitting_op(registry):
+    # issue 10.18: an nn.Module is callable, but Dynamo inlines it: no node would ever match
+    with pytest.raises(TypeError, match=r"nn.Module instance Linear .*register the function or custom op"):
+        pb.register_splitting_op(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="splitting_ops.*nn.Module instance"):
+        pb.CompilationConfig(splitting_ops=[torch.nn.ReLU()])

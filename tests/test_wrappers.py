@@ -240,17 +240,22 @@ def test_replay_output_lives_in_graph_memory():
     assert_close(out1, m(x8(1)))
 
 
-def test_moved_input_same_shape_is_copied_into_captured_buffer():
+def test_moved_input_same_shape_replays_without_touching_the_callers_tensor():
     m = CountingMLP()
     w = full(m)
-    static = x8(0)
-    run(w, M.FULL, D8, static)
+    mine = x8(0)
+    kept = mine.clone()
+    run(w, M.FULL, D8, mine)
     other = x8(5)
-    assert other.data_ptr() != static.data_ptr()
+    assert other.data_ptr() != mine.data_ptr()
     with pb.expect(captures=0, replays=1):
         out = run(w, M.FULL, D8, other)
     assert_close(out, m(x8(5)))
-    assert_close(static, other)  # the captured buffer now holds the new data
+    assert torch.equal(mine, kept)  # issue 10.9: the capture-time tensor is the caller's, never written
+    # the graph reads a wrapper-owned static buffer: a real CUDA graph reads fixed addresses
+    (static,) = w.entries[D8].static_inputs
+    assert static.data_ptr() not in (mine.data_ptr(), other.data_ptr())
+    assert_close(static, other)
 
 
 def test_moved_input_different_shape_raises_naming_argument():
@@ -397,3 +402,118 @@ def test_changing_runtime_mode_after_construction_moves_the_gate():
         run(w, M.FULL, pb.BatchDescriptor(2), x)
     with pytest.raises(ValueError, match="PIECEWISE or FULL"):
         w.runtime_mode = M.NONE
+
+
+# ---------------------------------------------------------------- replay contract (issue 10)
+
+
+def test_any_mode_wrapper_keeps_full_and_piecewise_entries_apart():
+    # issue 10.5: a PIECEWISE step of a descriptor captured under FULL replayed the FULL graph
+    m = TwoBreakModel()
+    w = breakable(m)
+    static = x8()
+    run(w, M.FULL, D8, static)
+    with pb.expect(captures=1, breaks=2):
+        run(w, M.PIECEWISE, D8, static)
+    by_mode = w.entries_by_mode
+    assert segment_kinds(by_mode[M.FULL][D8]) == "G" and segment_kinds(by_mode[M.PIECEWISE][D8]) == "G E G E G"
+    from tests.helpers import BREAK_CALLS
+
+    calls = BREAK_CALLS["fresh"]
+    static.copy_(x8(2))
+    assert_close(run(w, M.PIECEWISE, D8, static), m(static))
+    assert BREAK_CALLS["fresh"] == calls + 2 + 2  # the replay's breaks ran, then the reference's
+    assert list(w.entries) == [D8] and w.entries[D8] is by_mode[M.FULL][D8]
+    w.clear_graphs()
+    assert w.entries == {} and all(d == {} for d in w.entries_by_mode.values())
+
+
+def test_single_mode_entries_is_the_live_dict():
+    w = full(CountingMLP())
+    run(w, M.FULL, D8, x8())
+    assert type(w.entries) is dict and w.entries is w.entries and list(w.entries) == [D8]
+    assert list(w.entries_by_mode) == [M.FULL]
+
+
+def test_concurrent_replay_of_one_wrapper_raises():
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    @pb.eager_break
+    def waiting(h):
+        if threading.current_thread().name == "first":
+            inside.set()
+            assert release.wait(20)
+        return h + 1
+
+    w = breakable(lambda x: waiting(x * 2) * 3)
+    x = x8()
+    run(w, M.PIECEWISE, D8, x)  # capture on this thread
+    errors = []
+
+    def first():
+        try:
+            run(w, M.PIECEWISE, D8, x)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=first, name="first")
+    t.start()
+    assert inside.wait(20)
+    with pytest.raises(RuntimeError, match="already running"):
+        run(w, M.PIECEWISE, D8, x)
+    release.set()
+    t.join(20)
+    assert errors == []
+    assert_close(run(w, M.PIECEWISE, D8, x), (x * 2 + 1) * 3)  # the flag was released
+
+
+@pytest.mark.parametrize("method, args", [("eval", ()), ("train", (False,)), ("to", (torch.float64,)),
+                                          ("double", ()), ("requires_grad_", (False,))])
+def test_module_methods_return_the_wrapper(method, args):
+    m = CountingMLP()
+    w = pb.wrap_model(m, SIM.replace(cudagraph_mode="FULL_AND_PIECEWISE"))
+    assert getattr(w, method)(*args) is w
+    assert isinstance(w.runnable, pb.BreakableCUDAGraphWrapper)
+
+
+def test_dtype_change_through_the_wrapper_drops_stale_graphs():
+    m = CountingMLP().eval()
+    w = full(m)
+    run(w, M.FULL, D8, x8())
+    assert w.eval() is w
+    assert list(w.entries) == [D8]  # an eval() that changes nothing keeps the graphs
+    assert w.to(torch.float64) is w
+    assert w.entries == {}  # the graph read the float32 weights
+    x = x8().double()
+    assert_close(run(w, M.FULL, D8, x), m(x))
+
+
+def test_accumulating_break_is_reported_under_debug_checks():
+    # issue 10.10: a break runs on garbage during the capture; cache += h keeps the NaN
+    cache = torch.zeros(8, 8)
+
+    @pb.eager_break
+    def accumulate(h):
+        cache.add_(h)
+        return cache
+
+    def model(x):
+        return accumulate(x * 2) + 1
+
+    w = pb.BreakableCUDAGraphWrapper(model, config=SIM.replace(debug_checks=True))
+    with pytest.raises(RuntimeError, match="idempotent"):
+        run(w, M.PIECEWISE, D8, x8())
+    assert w.entries == {}
+    cache.zero_()
+
+    @pb.eager_break  # an idempotent write is fine
+    def write(h, out):
+        out.copy_(h)
+        return out
+
+    w2 = pb.BreakableCUDAGraphWrapper(lambda x: write(x * 2, torch.empty_like(x)) + 1,
+                                      config=SIM.replace(debug_checks=True))
+    x = x8()
+    assert_close(run(w2, M.PIECEWISE, D8, x), x * 2 + 1)

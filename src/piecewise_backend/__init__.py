@@ -15,3 +15,5 @@ from .split import Piece, SplitGraph, split_graph
 from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, GraphEntry, unwrap_model
 
 __version__ = "0.1.0"
+from .assembly import clear_graphs
+from .inputs import mark_persistent

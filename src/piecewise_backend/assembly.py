@@ -4,23 +4,45 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import CompilationConfig
+from .backend import PiecewiseBackend
+from .config import CompilationConfig, effective_mode
 from .context import BatchDescriptor
 from .dispatch import CudagraphDispatcher
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
-from .platforms import resolve_platform_name
 from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, _GraphWrapper
 
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 
 
 def resolve_cudagraph_mode(
-    mode: CUDAGraphMode | str, support: AttentionGraphSupport | int, *, attention_split: bool = True
+    mode: CUDAGraphMode | str,
+    support: AttentionGraphSupport | int,
+    *,
+    attention_split: bool = True,
+    uniform_decode_query_len: int = 1,
 ) -> CUDAGraphMode:
-    """The strongest mode ``mode`` can keep given what the attention backend supports."""
+    """The strongest mode ``mode`` can keep given what the attention backend supports.
+
+    ``UNIFORM_SINGLE_TOKEN_DECODE`` covers decode batches of one token per request only:
+    with ``uniform_decode_query_len > 1`` (speculative decode) it supports no full graph.
+    """
     mode = CUDAGraphMode.parse(mode)
     support = AttentionGraphSupport(support)
+    if not isinstance(uniform_decode_query_len, int) or isinstance(uniform_decode_query_len, bool) or (
+        uniform_decode_query_len < 1
+    ):
+        raise ValueError(f"uniform_decode_query_len must be a positive int, got {uniform_decode_query_len!r}")
+    if support == AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and uniform_decode_query_len > 1:
+        if mode.max_cudagraph_mode() != _FULL:
+            return mode
+        # no full graph at all: the decode side falls back to what the mixed side does without FULL
+        resolved = _PIECEWISE if attention_split and mode != CUDAGraphMode.FULL_DECODE_ONLY else _NONE
+        logger.info(
+            "cudagraph_mode %s -> %s (attention support %s, uniform_decode_query_len=%d)",
+            mode.name, resolved.name, support.name, uniform_decode_query_len,
+        )
+        return resolved
     if mode.mixed_mode() == _FULL and support < AttentionGraphSupport.ALWAYS:
         if support == AttentionGraphSupport.NEVER:
             raise ValueError(
@@ -34,13 +56,6 @@ def resolve_cudagraph_mode(
         return mode
     logger.info("cudagraph_mode %s -> %s (attention support %s)", mode.name, resolved.name, support.name)
     return resolved
-
-
-def effective_mode(config: CompilationConfig) -> CUDAGraphMode:
-    """The configured mode, or NONE when platform='auto' finds no GPU (CPU users want speed, not simulation)."""
-    if resolve_platform_name(config.platform) is None:
-        return _NONE
-    return config.cudagraph_mode
 
 
 def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) -> Any:
@@ -72,28 +87,44 @@ def _wrappers(model: Any) -> list[_GraphWrapper]:
     return stack
 
 
-def _per_piece_backend(model: Any) -> bool:
-    """Best effort: is the innermost model compiled by a backend with per-piece PIECEWISE wrappers?"""
-    from .backend import PiecewiseBackend
-
+def find_backend(model: Any) -> PiecewiseBackend | None:
+    """Best effort: the PiecewiseBackend a ``torch.compile``d model (below any wrappers) was compiled with."""
+    model = model.unwrap() if isinstance(model, _GraphWrapper) else model
     obj: Any = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
     for _ in range(8):  # torch nests its own wrappers around the user's backend
-        if obj is None:
-            return False
-        if isinstance(obj, PiecewiseBackend):
-            return not obj.config.use_breakable and effective_mode(obj.config) != _NONE
+        if obj is None or isinstance(obj, PiecewiseBackend):
+            return obj
         obj = (
             getattr(obj, "_torchdynamo_orig_backend", None)
             or getattr(obj, "_inner_convert", None)
             or getattr(obj, "compiler_fn", None)  # torch._TorchCompileWrapper holds the user's backend here
         )
-    return False
+    return None
+
+
+def _per_piece_backend(model: Any) -> bool:
+    """Is the innermost model compiled by a backend with per-piece PIECEWISE wrappers?"""
+    backend = find_backend(model)
+    return backend is not None and not backend.config.use_breakable and effective_mode(backend.config) != _NONE
+
+
+def clear_graphs(model: Any) -> None:
+    """Drop every graph ``model`` captured: its wrapper stack's and its backend's per-piece wrappers'.
+
+    The model-level counterpart of ``wrapper.clear_graphs()``; per-piece wrappers
+    (``use_breakable=False``) live inside the compiled model, where only this reaches them.
+    """
+    for wrapper in _wrappers(model):
+        wrapper.clear_graphs()
+    backend = find_backend(model)
+    if backend is not None:
+        backend.clear_graphs()
 
 
 def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> None:
     """Raise ValueError if some (mode, descriptor) the dispatcher can emit reaches no capturer."""
     stack = _wrappers(model)
-    per_piece = _per_piece_backend(model.unwrap() if stack else model)
+    per_piece = _per_piece_backend(model)
     for mode in (_PIECEWISE, _FULL):
         if not dispatcher.keys[mode]:
             continue

@@ -15,11 +15,12 @@ import torch
 import torch.fx as fx
 
 from .capture import BreakPoint
-from .config import CompilationConfig
+from .config import CompilationConfig, effective_mode
 from .modes import CUDAGraphMode
 from .observability import counters, dump_split, logger
 from .ops import registered_splitting_ops
 from .split import Piece, SplitGraph, split_graph
+from .wrappers import CUDAGraphWrapper
 
 _graph_ids = iter(range(1 << 62))
 _missing_logged: set[Any] = set()
@@ -98,6 +99,7 @@ class PiecewiseBackend:
         self.config = config or CompilationConfig()
         self._compiled: dict[str, Callable[..., Any]] = {}
         self.splits: list[SplitGraph] = []  # every split made, for inspection and tests
+        self.piece_wrappers: list[CUDAGraphWrapper] = []  # use_breakable=False: one per compiled piece
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         # torch passes mode=/options= only when the user set them; they have no meaning here.
@@ -131,10 +133,10 @@ class PiecewiseBackend:
                 counters["compiles"] += 1
             else:
                 counters["compile_cache_hits"] += 1
-        if not self.config.use_breakable and _effective_mode(self.config) != CUDAGraphMode.NONE:
-            from .wrappers import CUDAGraphWrapper
-
-            return CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, config=self.config)
+        if not self.config.use_breakable and effective_mode(self.config) != CUDAGraphMode.NONE:
+            wrapper = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, config=self.config)
+            self.piece_wrappers.append(wrapper)
+            return wrapper
         return fn
 
     def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
@@ -148,16 +150,17 @@ class PiecewiseBackend:
             log = logger.warning if configured else logger.debug
             log("splitting op %r did not appear in graph %d; nothing was split there", op, graph_index)
 
+    def clear_graphs(self) -> None:
+        """Drop the graphs every per-piece wrapper (``use_breakable=False``) captured."""
+        for wrapper in self.piece_wrappers:
+            wrapper.clear_graphs()
+
     def reset(self) -> None:
-        """Forget compiled pieces and recorded splits."""
+        """Forget compiled pieces, recorded splits and per-piece wrappers (with their graphs)."""
+        self.clear_graphs()
         self._compiled.clear()
         self.splits.clear()
-
-
-def _effective_mode(config: CompilationConfig) -> CUDAGraphMode:
-    from .assembly import effective_mode  # assembly sits above the backend; import at use
-
-    return effective_mode(config)
+        self.piece_wrappers.clear()
 
 
 def make_backend(config: CompilationConfig | None = None) -> PiecewiseBackend:

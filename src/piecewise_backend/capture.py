@@ -8,9 +8,11 @@ graph segment, runs eagerly, records itself for replay, and opens the next segme
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +31,7 @@ class _State(threading.local):
 
 
 _state = _State()
+_capture_lock = threading.Lock()  # one capture at a time per process (see run_session)
 
 
 def capture_active() -> bool:
@@ -37,20 +40,41 @@ def capture_active() -> bool:
 
 
 class EagerSegment:
-    """A break recorded during capture: re-run on replay, fresh results copied into place."""
+    """A break recorded during capture: re-run on replay, fresh results copied into place.
 
-    __slots__ = ("fn", "args", "kwargs", "fresh", "single")
+    Breaks run twice on the capturing step (once during the capture, on memory the
+    unexecuted graph before them never wrote, then in the replay that follows), and on
+    every replay with the arguments they got at capture: a break must be an idempotent
+    write (as a KV-cache write is) whose Python arguments do not change between steps.
+    """
+
+    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.single = isinstance(out, torch.Tensor)
+        leaves = [out] if self.single else tree_leaves(out)
         # A result in fresh memory must land where the later graph segments read it.
-        self.fresh = fresh_outputs(args, kwargs, [out] if self.single else tree_leaves(out))
+        self.fresh = fresh_outputs(args, kwargs, leaves)
+        # A result that *is* one of the inputs is read in place by later segments: it must stay that input.
+        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
+        # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: restore the break's own.
+        self.grad_enabled = torch.is_grad_enabled()
 
     def replay(self) -> None:
+        if torch.is_grad_enabled() != self.grad_enabled:
+            torch._C._set_grad_enabled(self.grad_enabled)
         out = self.fn(*self.args, **self.kwargs)
-        if self.fresh:
+        if self.fresh or self.returned:
             leaves = [out] if self.single else tree_leaves(out)
+            for i, t in self.returned:
+                if leaves[i] is not t:
+                    raise RuntimeError(
+                        f"break {getattr(self.fn, '__name__', self.fn)!r} returned its input tensor (output {i}) at "
+                        "capture and another tensor now; later graph segments read the captured one, so the result "
+                        "would be lost: a break must return the same input object on every call, or always a fresh tensor"
+                    )
             for i, captured in self.fresh:
                 captured.copy_(leaves[i])
 
@@ -67,9 +91,11 @@ class CaptureSession:
         self._recorder = self.platform.begin()
 
     def end(self) -> None:
-        recorder, self._recorder = self._recorder, None
+        recorder = self._recorder
         if recorder is not None:
-            self.segments.append(recorder.end())
+            graph = recorder.end()  # on failure the recorder stays set, and abort() closes it
+            self._recorder = None
+            self.segments.append(graph)
 
     def abort(self) -> None:
         recorder, self._recorder = self._recorder, None
@@ -90,21 +116,27 @@ class CaptureSession:
 
 
 def run_session(session: CaptureSession, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run ``fn`` under ``session``; on any error nothing stays open or recorded."""
+    """Run ``fn`` under ``session``; on any error nothing stays open or recorded.
+
+    One capture runs at a time per process (CUDA's capture mode is global: another
+    thread's allocation or sync invalidates a capture): a second thread's capture
+    waits here until the first one ends.
+    """
     if _state.session is not None:
         raise RuntimeError("a capture is already active on this thread; captures do not nest")
-    _state.session = session
-    try:
-        with session.platform.capture_scope():
-            session.begin()
-            try:
-                out = fn(*args, **kwargs)
-                session.end()
-            except BaseException:
-                session.abort()
-                raise
-    finally:
-        _state.session = None
+    with _capture_lock:
+        _state.session = session
+        try:
+            with session.platform.capture_scope():
+                session.begin()
+                try:
+                    out = fn(*args, **kwargs)
+                    session.end()
+                except BaseException:
+                    session.abort()
+                    raise
+        finally:
+            _state.session = None
     return out
 
 
@@ -148,8 +180,10 @@ def eager_break(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# Capture switch: after startup capture, a serving engine turns capture off so an
-# unseen descriptor fails loudly instead of capturing (slowly) mid-serving.
+# Capture switch, the one owner of "may a wrapper capture now": after startup capture a
+# serving engine turns capture off so an unseen descriptor fails loudly instead of
+# capturing (slowly) mid-serving. A single step can refuse capture too, through the
+# forward-context attribute ``allow_capture=False`` (what a closed GraphRunner sets).
 _capture_enabled = True
 
 
@@ -158,9 +192,54 @@ class CaptureDisabledError(RuntimeError):
 
 
 def set_capture_enabled(enabled: bool) -> None:
+    """Process-wide: when off, a wrapper without an entry for the step raises :class:`CaptureDisabledError`."""
     global _capture_enabled
-    _capture_enabled = bool(enabled)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_capture_enabled takes a bool, got {enabled!r}")
+    _capture_enabled = enabled
 
 
 def capture_enabled() -> bool:
     return _capture_enabled
+
+
+def capture_allowed(ctx: Any) -> bool:
+    """True when a wrapper may capture for the step of forward context ``ctx``."""
+    return _capture_enabled and getattr(ctx, "allow_capture", True)
+
+
+# gc during capture: collecting per capture dominated capture time (vLLM), so a bulk
+# capture collects once and freezes; platforms ask gc_managed() before collecting.
+_bulk_depth = 0
+_bulk_lock = threading.Lock()
+
+
+def gc_managed() -> bool:
+    """True inside :func:`bulk_capture`: a platform must not collect garbage per capture."""
+    return _bulk_depth > 0
+
+
+@contextlib.contextmanager
+def bulk_capture() -> Iterator[None]:
+    """Context manager around many captures: collect garbage once, then keep gc frozen.
+
+    ``with pb.capture.bulk_capture(): ...`` (``GraphRunner.capture`` uses it). Nested uses
+    are no-ops. On exit gc is unfrozen only if the application had frozen nothing itself
+    (``gc.get_freeze_count() == 0`` on entry): an application's own ``gc.freeze()`` stays,
+    together with what the capture froze.
+    """
+    global _bulk_depth
+    with _bulk_lock:
+        _bulk_depth += 1
+        outermost = _bulk_depth == 1
+        app_frozen = gc.get_freeze_count() > 0
+        if outermost:
+            gc.collect()
+            gc.freeze()
+    try:
+        yield
+    finally:
+        with _bulk_lock:
+            _bulk_depth -= 1
+            if outermost and not app_frozen:
+                gc.unfreeze()

@@ -8,8 +8,12 @@ from typing import Any
 
 from .modes import CUDAGraphMode
 from .ops import canonicalize_op
+from .platforms import resolve_platform_name
 
 PLATFORMS = ("auto", "cuda", "simulated")
+DEFAULT_MAX_CAPTURE_SIZE = 512
+# One graph per capture size, and a padding table entry per token count: bound both (vLLM caps near 8k).
+MAX_CAPTURE_SIZE_LIMIT = 1 << 16
 COMPILE_PIECES = ("inductor", "eager")
 
 
@@ -28,7 +32,7 @@ class CompilationConfig:
     cudagraph_mode: CUDAGraphMode | str = CUDAGraphMode.FULL_AND_PIECEWISE
     splitting_ops: tuple[Any, ...] | list[Any] | None = None
     capture_sizes: tuple[int, ...] | list[int] | None = None
-    max_capture_size: int = 512
+    max_capture_size: int | None = None  # None: the largest of capture_sizes, else 512
     compile_pieces: str = "inductor"
     use_breakable: bool = True
     platform: str = "auto"
@@ -53,23 +57,42 @@ class CompilationConfig:
                 set_("splitting_ops", tuple(canonicalize_op(op) for op in self.splitting_ops))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"CompilationConfig.splitting_ops: {e}") from None
-        if not _is_int(self.max_capture_size) or self.max_capture_size < 1:
-            raise ValueError(f"CompilationConfig.max_capture_size must be a positive int, got {self.max_capture_size!r}")
+        graphs = self.cudagraph_mode != CUDAGraphMode.NONE
+        explicit_max = self.max_capture_size is not None
+        object.__setattr__(self, "_max_derived", not explicit_max)  # not a field: replace() re-derives it
+        if explicit_max:
+            least = 1 if graphs else 0
+            if not _is_int(self.max_capture_size) or not least <= self.max_capture_size <= MAX_CAPTURE_SIZE_LIMIT:
+                raise ValueError(
+                    f"CompilationConfig.max_capture_size must be an int in [{least}, {MAX_CAPTURE_SIZE_LIMIT}] "
+                    f"(0 only with cudagraph_mode NONE; larger batches run eagerly), got {self.max_capture_size!r}"
+                )
         if self.capture_sizes is not None:
             iterable = hasattr(self.capture_sizes, "__iter__") and not isinstance(self.capture_sizes, (str, bytes))
             sizes = list(self.capture_sizes) if iterable else []
             bad = [s for s in sizes if not _is_int(s) or s < 1]
-            if bad or not sizes:
+            if bad or not iterable or (graphs and not sizes):
                 raise ValueError(
-                    f"CompilationConfig.capture_sizes must be a non-empty list of positive ints, got {self.capture_sizes!r}"
+                    "CompilationConfig.capture_sizes must be a non-empty list of positive ints (empty only with "
+                    f"cudagraph_mode NONE), got {self.capture_sizes!r}"
                 )
-            too_big = [s for s in sizes if s > self.max_capture_size]
-            if too_big:
+            top = max(sizes, default=0)
+            if explicit_max and top > self.max_capture_size:
                 raise ValueError(
-                    f"CompilationConfig.capture_sizes {too_big} exceed max_capture_size={self.max_capture_size}; "
-                    "raise max_capture_size or drop those sizes"
+                    f"CompilationConfig.capture_sizes {sorted(s for s in sizes if s > self.max_capture_size)} exceed "
+                    f"max_capture_size={self.max_capture_size}; raise max_capture_size, drop those sizes, or leave "
+                    "max_capture_size unset (it then follows capture_sizes)"
+                )
+            if top > MAX_CAPTURE_SIZE_LIMIT:
+                raise ValueError(
+                    f"CompilationConfig.capture_sizes hold {top}, above the limit {MAX_CAPTURE_SIZE_LIMIT}; "
+                    "larger batches run eagerly"
                 )
             set_("capture_sizes", tuple(sorted(set(sizes))))
+            if not explicit_max:
+                set_("max_capture_size", top)
+        elif not explicit_max:
+            set_("max_capture_size", DEFAULT_MAX_CAPTURE_SIZE)
         if self.compile_pieces not in COMPILE_PIECES:
             raise ValueError(f"CompilationConfig.compile_pieces must be one of {COMPILE_PIECES}, got {self.compile_pieces!r}")
         if not isinstance(self.use_breakable, bool):
@@ -98,4 +121,15 @@ class CompilationConfig:
         return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)
 
     def replace(self, **changes: Any) -> CompilationConfig:
+        """A copy with ``changes`` applied and validated; a max_capture_size derived from
+        capture_sizes is derived again."""
+        if getattr(self, "_max_derived", False) and "max_capture_size" not in changes:
+            changes["max_capture_size"] = None
         return dataclasses.replace(self, **changes)
+
+
+def effective_mode(config: CompilationConfig) -> CUDAGraphMode:
+    """The configured mode, or NONE when platform='auto' finds no GPU (CPU users want speed, not simulation)."""
+    if resolve_platform_name(config.platform) is None:
+        return CUDAGraphMode.NONE
+    return config.cudagraph_mode

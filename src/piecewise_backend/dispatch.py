@@ -11,6 +11,10 @@ from .modes import CUDAGraphMode
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CudagraphDispatcher:
     """Pads a batch to a captured size and picks the runtime mode that has a graph for it.
 
@@ -22,11 +26,16 @@ class CudagraphDispatcher:
             raise TypeError(f"CudagraphDispatcher takes a CompilationConfig, got {type(config).__name__}")
         self.config = config
         self.sizes: list[int] = list(config.sizes)
-        self.max_size = self.sizes[-1]
-        # padding table: index n -> smallest captured size >= n (O(1) per step)
+        self.max_size = self.sizes[-1] if self.sizes else 0
+        # padding table: index n -> smallest captured size >= n (O(1) per step; the config bounds its length)
         self._pad = [0] * (self.max_size + 1)
         for n in range(1, self.max_size + 1):
             self._pad[n] = self.sizes[bisect.bisect_left(self.sizes, n)]
+        # keys prebuilt per size: building a BatchDescriptor validates its fields, too slow per step
+        self._relaxed = {s: BatchDescriptor(s) for s in self.sizes}
+        seqs = config.max_num_seqs
+        # FULL graphs of mixed batches: metadata that depends on the request count is keyed by it (vLLM)
+        self._full_mixed = {s: BatchDescriptor(s, num_reqs=min(s, seqs)) if seqs else self._relaxed[s] for s in self.sizes}
         self.mode = _NONE
         self.uniform_decode_query_len = 1
         self.keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_PIECEWISE: set(), _FULL: set()}
@@ -34,13 +43,20 @@ class CudagraphDispatcher:
     def initialize_keys(self, mode: CUDAGraphMode | str, uniform_decode_query_len: int = 1) -> None:
         """Build the set of keys ``dispatch`` may return for ``mode``."""
         mode = CUDAGraphMode.parse(mode)
-        if not isinstance(uniform_decode_query_len, int) or uniform_decode_query_len < 1:
+        if not _is_int(uniform_decode_query_len) or uniform_decode_query_len < 1:
             raise ValueError(f"uniform_decode_query_len must be a positive int, got {uniform_decode_query_len!r}")
+        if mode != _NONE and not self.sizes:
+            raise ValueError(
+                f"cudagraph_mode {mode.name} needs capture sizes, but the config has none "
+                "(capture_sizes=[] or max_capture_size=0 is for cudagraph_mode NONE)"
+            )
         self.mode, self.uniform_decode_query_len = mode, uniform_decode_query_len
         self.keys = {_PIECEWISE: set(), _FULL: set()}
         mixed = mode.mixed_mode()
-        if mixed != _NONE:
-            self.keys[mixed].update(BatchDescriptor(s) for s in self.sizes)
+        if mixed == _PIECEWISE:
+            self.keys[_PIECEWISE].update(self._relaxed.values())
+        elif mixed == _FULL:
+            self.keys[_FULL].update(self._full_mixed.values())
         if mode.separate_routine() and mode.decode_mode() == _FULL:
             q = uniform_decode_query_len
             self.keys[_FULL].update(
@@ -49,6 +65,8 @@ class CudagraphDispatcher:
 
     def pad(self, num_tokens: int) -> int:
         """The captured size a batch of ``num_tokens`` runs at (``num_tokens`` itself above the largest)."""
+        if not _is_int(num_tokens) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
         return self._pad[num_tokens] if num_tokens <= self.max_size else num_tokens
 
     def dispatch(
@@ -59,8 +77,14 @@ class CudagraphDispatcher:
         num_reqs: int | None = None,
         disable_full: bool = False,
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+        if not _is_int(num_tokens) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        if uniform_decode is not True and uniform_decode is not False:
+            raise ValueError(f"uniform_decode must be a bool, got {uniform_decode!r}")
+        if disable_full is not True and disable_full is not False:
+            raise ValueError(f"disable_full must be a bool, got {disable_full!r}")
+        if num_reqs is not None and (not _is_int(num_reqs) or num_reqs < 1):
+            raise ValueError(f"num_reqs must be None or a positive int, got {num_reqs!r}")
         q = self.uniform_decode_query_len
         if uniform_decode and num_reqs is not None and num_reqs * q != num_tokens:
             raise ValueError(
@@ -70,14 +94,15 @@ class CudagraphDispatcher:
         if self.mode == _NONE or num_tokens > self.max_size:
             return _NONE, BatchDescriptor(num_tokens)
         padded = self._pad[num_tokens]
-        relaxed = BatchDescriptor(padded)
         if not disable_full:
             if uniform_decode and padded % q == 0:
                 exact = BatchDescriptor(padded, num_reqs=padded // q, uniform=True)
                 if exact in self.keys[_FULL]:
                     return _FULL, exact
-            if relaxed in self.keys[_FULL]:
-                return _FULL, relaxed
+            mixed = self._full_mixed[padded]
+            if mixed in self.keys[_FULL]:
+                return _FULL, mixed
+        relaxed = self._relaxed[padded]
         if relaxed in self.keys[_PIECEWISE]:
             return _PIECEWISE, relaxed
         return _NONE, BatchDescriptor(num_tokens)

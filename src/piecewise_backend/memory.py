@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from .weak import is_weak, weak_ref_tensor
 
@@ -82,35 +82,38 @@ def _weakener(platform: Platform) -> Callable[[Any], Any]:
 
 
 def release_capture_memory(wrapper: Any, entry: Any) -> None:
-    """After ``entry`` was captured: hold its capture-time tensors weakly (see module docstring)."""
+    """After ``entry`` was captured: hold its capture-time tensors weakly (see module docstring).
+
+    One weak view per tensor object, so identities the replay checks (a break returning its
+    input) still hold between the entry's references.
+    """
     from .capture import EagerSegment
 
-    weaken = _weakener(wrapper.platform)
-    entry.output = tree_map(weaken, entry.output)
+    weaken_one = _weakener(wrapper.platform)
+    made: dict[int, tuple[Any, Any]] = {}
+
+    def weaken(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in made:
+            made[id(x)] = (x, weaken_one(x))
+        return made[id(x)][1]
+
+    leaves = [weaken(t) for t in entry.output_leaves]
+    entry.output_leaves = leaves
+    entry.output = tree_unflatten(leaves, entry.output_spec)
     for seg in entry.segments:
         if isinstance(seg, EagerSegment):
             seg.args, seg.kwargs = tree_map(weaken, seg.args), tree_map(weaken, seg.kwargs)
             seg.fresh = [(i, weaken(t)) for i, t in seg.fresh]
-    weaken_inputs = getattr(entry, "weaken_inputs", None)
-    if weaken_inputs is not None:
-        weaken_inputs(weaken)
+            seg.returned = [(i, weaken(t)) for i, t in seg.returned]
+    for spec_tensor in entry.spec.tensors:  # an input an earlier graph produced (per-piece chains)
+        spec_tensor.captured = weaken(spec_tensor.captured)
     _wrappers.add(wrapper)
     _graphs_created[0] += entry.num_graphs
 
 
 # ------------------------------------------------------------------ debug: poison stale outputs
-
-
-def _entries(wrapper: Any) -> Iterator[tuple[Any, Any]]:
-    """(key, entry) of every entry of ``wrapper``, however its entries are grouped."""
-    stack = [wrapper.entries]
-    while stack:
-        entries = stack.pop()
-        for key, value in list(entries.items()):
-            if isinstance(value, dict):
-                stack.append(value)
-            else:
-                yield key, value
 
 
 def _ranges(tree: Any) -> list[tuple[int, int]]:
@@ -135,27 +138,30 @@ def poison(t: torch.Tensor) -> None:
         t.fill_(value)
 
 
-def poison_stale_outputs(wrapper: Any, key: Any, entry: Any, inputs: Any) -> None:
-    """``debug_checks``: before ``entry`` (captured for ``key``) replays, poison the outputs of
-    every entry captured for another key, except memory ``entry`` reads (``inputs``).
+def poison_stale_outputs(wrapper: Any, mode_index: int, desc: Any, entry: Any) -> None:
+    """``debug_checks``: before ``entry`` (captured for ``desc`` in runtime mode ``mode_index``)
+    replays, poison the outputs of every entry captured for another (mode, descriptor), except
+    memory ``entry`` reads as input.
 
     A real GPU overwrites an old output only where a later graph's memory overlaps it, which
     depends on the pool's layout; poisoning makes any read of a stale output fail loudly.
-    Entries of the same key are one forward (per-piece wrappers chain their outputs).
+    Entries of the same (mode, descriptor) belong to one forward: per-piece wrappers chain
+    their outputs into each other's inputs.
     """
     platform = wrapper._platform
-    keep = _ranges(inputs)
+    keep = _ranges([*entry.inputs, *entry.static_inputs])
     for other_wrapper in list(_wrappers):
         if other_wrapper._platform is not platform:
             continue
-        for other_key, other in _entries(other_wrapper):
-            if other is entry or other_key == key:
-                continue
-            for t in tree_leaves(other.output):
-                if is_weak(t) and t.numel():
-                    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-                    if not any(a < hi and lo < b for a, b in keep):
-                        poison(t)
+        for index, entries in enumerate(other_wrapper._by_mode):
+            for other_desc, other in list(entries.items()):
+                if other is entry or (index == mode_index and other_desc == desc):
+                    continue
+                for t in other.output_leaves:
+                    if is_weak(t) and t.numel():
+                        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+                        if not any(a < hi and lo < b for a, b in keep):
+                            poison(t)
 
 
 # ------------------------------------------------------------------ clearing and the estimate
@@ -185,9 +191,9 @@ def scratch_pool(platform: Platform) -> Iterator[None]:
     """Capture into a fresh pool for the duration, then release it (and the entries made in it)."""
     saved_pool = platform.pool  # type: ignore[attr-defined]
     scratch = type(saved_pool)() if hasattr(saved_pool, "release_cached") else torch.cuda.graph_pool_handle()
-    saved = {w: w.entries for w in list(_wrappers)}
+    saved = {w: w._by_mode for w in list(_wrappers)}
     for w in saved:
-        w.entries = type(w.entries)()
+        w._by_mode = tuple({} for _ in w._by_mode)
     platform.pool = scratch  # type: ignore[attr-defined]
     try:
         yield
@@ -195,9 +201,9 @@ def scratch_pool(platform: Platform) -> Iterator[None]:
         platform.pool = saved_pool  # type: ignore[attr-defined]
         for w in list(_wrappers):
             if w in saved:
-                w.entries = saved[w]
+                w._by_mode = saved[w]
             else:
-                w.entries.clear()
+                w.clear_graphs()
         if hasattr(scratch, "release_cached"):
             scratch.release_cached()
             if scratch.segments:  # a weak view of it is still alive somewhere: keep its memory

@@ -35,6 +35,12 @@ def canonicalize_op(op: Any) -> OpSpec:
         return op._qualified_op_name
     if isinstance(op, CustomOpDef):
         return op._qualname
+    if isinstance(op, torch.nn.Module):
+        raise TypeError(
+            f"cannot use the nn.Module instance {type(op).__name__} as a splitting op: Dynamo inlines modules, so "
+            "no graph node ever calls it; register the function or custom op its forward calls "
+            "(e.g. F.scaled_dot_product_attention or 'ns::attention')"
+        )
     if callable(op) and not isinstance(op, type):
         return op
     raise TypeError(

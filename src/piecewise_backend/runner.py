@@ -24,6 +24,7 @@ from .assembly import effective_mode, resolve_cudagraph_mode, validate_capture_c
 from .config import CompilationConfig
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
+from .inputs import mark_persistent
 from .memory import estimate_capture_memory, graphs_created
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
@@ -92,7 +93,10 @@ class GraphRunner:
         unknown = [a for a in self.model_args if a not in self.inputs]
         if unknown:
             raise ValueError(f"model_args {unknown} are not among the inputs {names}")
-        mode = resolve_cudagraph_mode(effective_mode(config), attention_support, attention_split=attention_split)
+        mode = resolve_cudagraph_mode(
+            effective_mode(config), attention_support, attention_split=attention_split,
+            uniform_decode_query_len=uniform_decode_query_len,
+        )
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.context_fn = context_fn
@@ -105,6 +109,7 @@ class GraphRunner:
         self.buffers = {
             i.name: torch.full((n, *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
         }
+        mark_persistent(*self.buffers.values())  # graphs read these in place: no staging copy per step
         self.last_mode = CUDAGraphMode.NONE
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None

@@ -6,74 +6,37 @@ they stay valid only until the next replay of any graph. Copy what you keep.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import tree_leaves
 
-from .capture import CaptureDisabledError, CaptureSession, EagerSegment, capture_active, capture_enabled, run_session
+from .capture import CaptureDisabledError, CaptureSession, capture_active, capture_allowed, run_session
 from .config import CompilationConfig
 from .context import _CONTEXT, BatchDescriptor, ForwardContext
+from .entry import GraphEntry
+from .inputs import InputSpec
 from .memory import poison_stale_outputs, release_cached, release_capture_memory
 from .modes import CUDAGraphMode
 from .observability import counters, eager_counts, logger
-from .platforms import Graph, Platform, get_platform, resolve_platform_name
+from .platforms import Platform, get_platform, resolve_platform_name
+
+__all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "unwrap_model"]
 
 _NONE = CUDAGraphMode.NONE
+_CAPTURING = (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
+# nn.Module methods that return the module itself: through a wrapper they return the wrapper.
+_CHAINED = frozenset({"eval", "train", "to", "float", "half", "double", "bfloat16", "cuda", "cpu", "type",
+                      "to_empty", "requires_grad_", "share_memory", "apply", "xpu", "ipu"})
 
 
-class GraphEntry:
-    """What one descriptor captured: segments to replay, static inputs, the output."""
-
-    __slots__ = ("segments", "inputs", "scalars", "flat_args", "num_leaves", "output")
-
-    def __init__(self, segments: list[Graph | EagerSegment], args: tuple, kwargs: dict, output: Any):
-        self.segments, self.output = segments, output
-        # Plain positional tensors/scalars (the common case) skip pytree on every replay.
-        self.flat_args = not kwargs and all(isinstance(a, (torch.Tensor, int, float, bool, type(None))) for a in args)
-        if self.flat_args:
-            named = [(f"args[{i}]", a) for i, a in enumerate(args)]
-        else:
-            named = [(_arg_name(path), a) for path, a in tree_flatten_with_path((args, kwargs))[0]]
-        self.num_leaves = len(named)
-        self.inputs = [(name, i, a, a.data_ptr()) for i, (name, a) in enumerate(named) if isinstance(a, torch.Tensor)]
-        # A graph bakes Python scalars in: replaying it for another value would be silently wrong.
-        self.scalars = [(name, i, a) for i, (name, a) in enumerate(named) if isinstance(a, (int, float, bool))]
-
-    @property
-    def num_graphs(self) -> int:
-        return sum(not isinstance(s, EagerSegment) for s in self.segments)
-
-    def check_inputs(self, args: tuple, kwargs: dict) -> None:
-        if self.flat_args and not kwargs:
-            leaves: Any = args
-        else:
-            leaves = [leaf for _, leaf in tree_flatten_with_path((args, kwargs))[0]]
-        if len(leaves) != self.num_leaves:
-            raise ValueError(f"replay got {len(leaves)} input leaves, the capture had {self.num_leaves}")
-        for name, i, captured, ptr in self.inputs:
-            new = leaves[i]
-            if new.data_ptr() == ptr and new.shape == captured.shape:  # buf[:n] keeps the address
-                continue
-            if new.shape != captured.shape or new.dtype != captured.dtype or new.device != captured.device:
-                raise ValueError(
-                    f"input {name} moved and no longer fits the captured buffer: captured "
-                    f"{tuple(captured.shape)} {captured.dtype} on {captured.device}, got {tuple(new.shape)} "
-                    f"{new.dtype} on {new.device}; pass a static buffer of the captured shape or clear_graphs()"
-                )
-            captured.copy_(new)  # graphs read fixed addresses: bring the new data to the captured one
-        for name, i, value in self.scalars:
-            if leaves[i] != value:
-                raise ValueError(
-                    f"input {name} was {value!r} at capture and is {leaves[i]!r} now; a graph replays the "
-                    "captured value, so pass it as a tensor or key it into the BatchDescriptor"
-                )
-
-    def replay(self) -> Any:
-        for seg in self.segments:
-            seg.replay()
-        return self.output
+def _weights(module: Any) -> list[tuple[int, torch.dtype]]:
+    """Addresses and dtypes of a module's parameters and buffers (graphs read them in place)."""
+    tensors = [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+    return [(t.data_ptr(), t.dtype) for t in tensors]
 
 
 class _GraphWrapper:
@@ -85,10 +48,12 @@ class _GraphWrapper:
         if config is not None and not isinstance(config, CompilationConfig):
             raise TypeError(f"config must be a CompilationConfig or None, got {type(config).__name__}")
         self.runnable = runnable
+        # Entries per runtime mode (index = mode value): a wrapper matching several modes keeps them apart.
+        self._by_mode: tuple[dict[BatchDescriptor, GraphEntry], ...] = ({}, {}, {})
         self.runtime_mode = runtime_mode
         self.config = config or CompilationConfig()
-        self.entries: dict[BatchDescriptor, GraphEntry] = {}
         self._platform: Platform | None = None
+        self._busy = threading.Lock()  # one replay or capture of this wrapper at a time
 
     @property
     def runtime_mode(self) -> CUDAGraphMode | None:
@@ -98,17 +63,48 @@ class _GraphWrapper:
     def runtime_mode(self, mode: CUDAGraphMode | str | None) -> None:
         if mode is not None:
             mode = CUDAGraphMode.parse(mode)
-            if mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+            if mode not in _CAPTURING:
                 raise ValueError(f"{type(self).__name__} runtime_mode must be PIECEWISE or FULL, got {mode.name}")
         self._runtime_mode = mode
         # bit m.value set for every runtime mode this wrapper captures (see __call__)
-        self._mode_mask = sum(1 << m.value for m in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL) if self._matches(m))
+        self._mode_mask = sum(1 << m.value for m in _CAPTURING if self._matches(m))
+
+    @property
+    def entries(self) -> dict[BatchDescriptor, GraphEntry]:
+        """Captured entries keyed by BatchDescriptor.
+
+        For a wrapper of one runtime mode this is the live dict. A wrapper matching
+        several modes (``BreakableCUDAGraphWrapper(runtime_mode=None)``) keeps each mode
+        apart (:attr:`entries_by_mode`); here it shows a merged copy in which a descriptor
+        captured under both modes maps to its FULL entry.
+        """
+        if self._runtime_mode is not None:
+            return self._by_mode[self._runtime_mode.value]
+        return {**self._by_mode[CUDAGraphMode.PIECEWISE.value], **self._by_mode[CUDAGraphMode.FULL.value]}
+
+    @property
+    def entries_by_mode(self) -> dict[CUDAGraphMode, dict[BatchDescriptor, GraphEntry]]:
+        """The live entry dicts of every runtime mode this wrapper captures."""
+        return {m: self._by_mode[m.value] for m in _CAPTURING if self._matches(m)}
 
     def __getattr__(self, name: str) -> Any:
         # Only called for missing attributes: forward them to the wrapped model.
-        if name in ("runnable", "_runtime_mode"):
+        if name in ("runnable", "_runtime_mode", "_by_mode"):
             raise AttributeError(name)
-        return getattr(self.runnable, name)
+        attr = getattr(self.runnable, name)
+        if name in _CHAINED and callable(attr):
+            return functools.partial(self._chained, name, attr)
+        return attr
+
+    def _chained(self, name: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``model.eval()``, ``.to()``... through the wrapper: return the wrapper, drop graphs they invalidate."""
+        before = (getattr(self.runnable, "training", None), _weights(self.runnable))
+        result = method(*args, **kwargs)
+        if (getattr(self.runnable, "training", None), _weights(self.runnable)) != before and self._count():
+            logger.info("%s: %s() changed the model's weights or mode; dropping its captured graphs",
+                        type(self).__name__, name)
+            self.clear_graphs()
+        return self if result is self.runnable else result
 
     def _matches(self, mode: CUDAGraphMode) -> bool:
         return mode == self.runtime_mode
@@ -124,26 +120,30 @@ class _GraphWrapper:
         if not ctx._mode_bit & self._mode_mask:  # == not self._matches(ctx.runtime_mode)
             eager_counts[ctx._mode_index] += 1
             return self.runnable(*args, **kwargs)
-        mode = ctx.runtime_mode
-        if ctx.batch_descriptor is None:
+        desc = ctx.batch_descriptor
+        if desc is None:
             raise ValueError(
-                f"{type(self).__name__}: runtime mode {mode.name} needs a batch_descriptor in the forward "
-                "context (it keys the graph); pass pb.BatchDescriptor(num_tokens) to set_forward_context"
+                f"{type(self).__name__}: runtime mode {ctx.runtime_mode.name} needs a batch_descriptor in the "
+                "forward context (it keys the graph); pass pb.BatchDescriptor(num_tokens) to set_forward_context"
             )
         if capture_active():  # inside another wrapper's capture: become part of its graph
             return self.runnable(*args, **kwargs)
-        entry = self.entries.get(ctx.batch_descriptor)
-        captured = entry is None
-        if captured:
-            entry = self._capture(ctx, mode, args, kwargs)
-        else:
-            entry.check_inputs(args, kwargs)
-        if self.config.debug_checks:
-            poison_stale_outputs(self, ctx.batch_descriptor, entry, (args, kwargs))
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{type(self).__name__}: a replay or capture of this wrapper is already running (another thread, "
+                "or a re-entrant call); its graphs share static buffers and outputs, so one wrapper runs one step "
+                "at a time: serialize the steps or give each thread its own wrapper"
+            )
+        try:
+            entry = self._by_mode[ctx._mode_index].get(desc)
+            if entry is None:
+                return self._capture(ctx, args, kwargs)
+            if self.config.debug_checks:
+                poison_stale_outputs(self, ctx._mode_index, desc, entry)
+            out = entry.replay(args, kwargs)
+        finally:
+            self._busy.release()
         counters["replays"] += 1
-        out = entry.replay()
-        if captured:  # the caller gets the capture-time tensors (alive while it uses them);
-            release_capture_memory(self, entry)  # the entry keeps them only weakly
         return out
 
     @property
@@ -159,38 +159,68 @@ class _GraphWrapper:
             self._platform = get_platform(name)
         return self._platform
 
-    def _capture(self, ctx: ForwardContext, mode: CUDAGraphMode, args: tuple, kwargs: dict) -> GraphEntry:
-        desc = ctx.batch_descriptor
-        if not capture_enabled() or not getattr(ctx, "allow_capture", True):
+    def _capture(self, ctx: ForwardContext, args: tuple, kwargs: dict) -> Any:
+        desc, mode = ctx.batch_descriptor, ctx.runtime_mode
+        entries = self._by_mode[mode.value]
+        if not capture_allowed(ctx):
             raise CaptureDisabledError(
                 f"{type(self).__name__}: no graph for {desc} in mode {mode.name} and capture is disabled "
-                f"(captured: {sorted(self.entries, key=lambda d: d.num_tokens) or 'none'}); capture this "
+                f"(captured: {sorted(entries, key=lambda d: d.num_tokens) or 'none'}); capture this "
                 "descriptor at startup or dispatch it to a captured size"
             )
+        spec = InputSpec(args, kwargs)  # stages non-persistent inputs: the capture reads static buffers
+        bound_args, bound_kwargs = spec.bind(args, kwargs)
         # Under FULL nothing breaks: attention is part of the one graph.
         session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
-        output = run_session(session, self.runnable, args, kwargs)
-        entry = GraphEntry(session.segments, args, kwargs, output)
-        self.entries[desc] = entry
+        output = run_session(session, self.runnable, bound_args, bound_kwargs)
+        entry = GraphEntry(session.segments, spec, output)
+        del output
+        if self.config.debug_checks:
+            poison_stale_outputs(self, mode.value, desc, entry)
+        entry.run()  # a capture does not execute: replay once so this call returns real values
+        spec.note_writes()
+        written = [(s, s.captured) for s in spec._written]
+        if written:
+            spec.copy_back(written)
+        if self.config.debug_checks:
+            _check_finite(entry, type(self).__name__, desc)
+        entries[desc] = entry
         counters["captures"] += 1
+        counters["replays"] += 1
         logger.debug("%s captured %s (%s): %d segments", type(self).__name__, desc, mode.name, len(entry.segments))
-        return entry
+        result = entry.result()  # the caller gets the capture-time tensors: alive while it uses them,
+        release_capture_memory(self, entry)  # while the entry keeps them only weakly
+        return result
 
     def unwrap(self) -> Any:
         """The innermost runnable below this library's wrappers."""
         inner = self.runnable
         return inner.unwrap() if isinstance(inner, _GraphWrapper) else inner
 
+    def _count(self) -> int:
+        return sum(len(d) for d in self._by_mode)
+
     def clear_graphs(self) -> None:
-        """Drop every captured entry and give the pool memory no graph uses back."""
-        self.entries.clear()
-        release_cached(self._platform)
+        """Drop every captured entry (and its graph memory), in every mode."""
+        for d in self._by_mode:
+            d.clear()
+        release_cached(self._platform)  # give back the pool memory no graph uses any more
 
     def __repr__(self) -> str:
         mode = "any" if self.runtime_mode is None else self.runtime_mode.name
-        return f"{type(self).__name__}({mode}, entries={len(self.entries)}, runnable={self.runnable!r})"
+        return f"{type(self).__name__}({mode}, entries={self._count()}, runnable={self.runnable!r})"
 
 
+def _check_finite(entry: GraphEntry, owner: str, desc: BatchDescriptor) -> None:
+    """debug_checks: a capturing step whose output is not finite most likely ran a break on garbage."""
+    for t in tree_leaves(entry.output):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise RuntimeError(
+                f"{owner}: the capturing step of {desc} returned NaN/inf (debug_checks). During a capture a break "
+                "runs on memory the unexecuted graph before it never wrote, then once more on real data: a break "
+                "that accumulates (cache += h) keeps the garbage. Breaks must be idempotent writes (out.copy_(...), "
+                "a KV-cache write at fixed slots); the entry was not kept"
+            )
 
 
 class CUDAGraphWrapper(_GraphWrapper):
@@ -231,11 +261,6 @@ class BreakableCUDAGraphWrapper(_GraphWrapper):
 
     def _matches(self, mode: CUDAGraphMode) -> bool:
         return self.runtime_mode is None or mode == self.runtime_mode
-
-
-def _arg_name(path: tuple) -> str:
-    head, rest = path[0], keystr(path[1:])
-    return ("args" if getattr(head, "idx", 0) == 0 else "kwargs") + rest
 
 
 def unwrap_model(obj: Any) -> Any:

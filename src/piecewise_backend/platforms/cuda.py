@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-# Set by bulk capture (capture.py's orchestration), which collects once and freezes gc itself.
-gc_managed_outside = False
+from ..capture import gc_managed  # capture.bulk_capture() owns gc during a bulk capture
 
 
 class _CudaRecorder:
@@ -38,7 +37,7 @@ class CudaPlatform:
 
     @contextlib.contextmanager
     def capture_scope(self) -> Iterator[None]:
-        if not gc_managed_outside:
+        if not gc_managed():
             gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
         torch.cuda.synchronize()
         current = torch.cuda.current_stream()

@@ -1,0 +1,138 @@
+"""GraphEntry replay (entry.py): global state, fresh containers, inference-only outputs (issue 10 items 1, 6, 11, 16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import piecewise_backend as pb
+from tests.helpers import SIM, CountingMLP, TwoBreakModel, compile_model, run
+
+M = pb.CUDAGraphMode
+D8 = pb.BatchDescriptor(8)
+
+
+def x8(seed: int = 0) -> torch.Tensor:
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- 1: grad mode never leaks
+
+
+@pb.eager_break
+def attention_without_grad(h: torch.Tensor) -> torch.Tensor:
+    torch._C._set_grad_enabled(False)  # what Dynamo's split puts into the splitting piece of a no_grad region
+    return h * 2
+
+
+class NoGradAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = attention_without_grad(self.l1(x))
+        torch._C._set_grad_enabled(True)  # ... and the next compiled piece re-enables it: a replay skips this
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_grad_mode_after_replay_is_the_callers(grad):
+    w = pb.BreakableCUDAGraphWrapper(NoGradAttention(), M.PIECEWISE, config=SIM)
+    x = x8()
+    with torch.set_grad_enabled(grad):
+        run(w, M.PIECEWISE, D8, x)
+        assert torch.is_grad_enabled() is True  # the capturing call ran the model's Python
+        torch._C._set_grad_enabled(grad)
+        for _ in range(2):
+            run(w, M.PIECEWISE, D8, x)
+            assert torch.is_grad_enabled() is grad
+
+
+def test_compiled_no_grad_region_does_not_leak_grad_mode():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.q(x).view(1, 1, 8, 8)
+            with torch.no_grad():
+                h = F.scaled_dot_product_attention(h, h, h)
+            return self.q(h.view(8, 8))
+
+    torch._dynamo.reset()
+    model = Model()
+    compiled, _ = compile_model(model, SIM)
+    w = pb.BreakableCUDAGraphWrapper(compiled, M.PIECEWISE, config=SIM)
+    x = x8()
+    run(w, M.NONE, None, x)
+    run(w, M.PIECEWISE, D8, x)
+    assert torch.is_grad_enabled()
+    out = run(w, M.PIECEWISE, D8, x)
+    assert torch.is_grad_enabled()
+    assert_close(out, model(x))
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- 6: a fresh container every replay
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "nested"])
+def test_replay_returns_a_fresh_container(kind):
+    def f(x):
+        if kind == "list":
+            return [x * 2, x + 1]
+        if kind == "dict":
+            return {"a": x * 2, "b": x + 1}
+        return (x * 2, [x + 1])
+
+    w = pb.CUDAGraphWrapper(f, M.FULL, config=SIM)
+    x = x8()
+    o = run(w, M.FULL, D8, x)
+    if kind == "list":
+        o.append("junk")
+    elif kind == "dict":
+        o["a"] = "junk"
+    else:
+        o[1].clear()
+    again = run(w, M.FULL, D8, x)
+    assert again is not o
+    assert_close(again, f(x))
+
+
+# ---------------------------------------------------------------- 11: inference_mode capture, no_grad replay
+
+
+def test_capture_under_inference_mode_replays_under_no_grad():
+    m = TwoBreakModel(fresh=False)  # breaks write into tensors allocated during the capture
+    w = pb.BreakableCUDAGraphWrapper(m, M.PIECEWISE, config=SIM)
+    with torch.inference_mode():
+        static = x8()
+        run(w, M.PIECEWISE, D8, static)
+    with torch.no_grad():
+        other = x8(4)
+        out = run(w, M.PIECEWISE, D8, other)  # raised "Inplace update to inference tensor outside InferenceMode"
+        assert_close(out, m(other))
+        assert torch.is_inference_mode_enabled() is False
+
+
+# ---------------------------------------------------------------- 16: replays are inference-only
+
+
+def test_backward_through_a_replay_says_replays_are_inference_only():
+    m = CountingMLP()
+    w = pb.CUDAGraphWrapper(m, M.FULL, config=SIM)
+    x = x8()
+    run(w, M.FULL, D8, x)  # captured with grad enabled: the model's parameters require grad
+    out = run(w, M.FULL, D8, x)
+    assert_close(out, m(x))
+    with pytest.raises(RuntimeError, match="replays are inference-only"):
+        out.sum().backward()
+    assert all(p.grad is None for p in m.parameters())
+    with torch.no_grad():  # the serving path pays nothing and gets a plain tensor
+        plain = run(w, M.FULL, D8, x)
+    assert plain.grad_fn is None and not plain.requires_grad
