@@ -7,7 +7,7 @@ captures the largest descriptor of each mode into a scratch pool before the real
 (goal: within 10 % of what the capture then adds).
 
 Model: toy Llama, 4 layers, hidden 256, attention as a splitting op; default capture ladder
-up to 256 tokens (35 sizes; ``--quick``: up to 64, 15 sizes). Schemes: the breakable wrapper
+up to 256 tokens (35 sizes; ``--quick``: up to 64, 11 sizes). Schemes: the breakable wrapper
 (PIECEWISE), the classic per-piece wrappers (``use_breakable=False``), FULL, and
 FULL_AND_PIECEWISE (both ladders into one pool). Memory is pool bytes: the simulated pool on
 the CPU (``platform="simulated"``), the CUDA graph pool with ``--cuda``.
@@ -82,6 +82,7 @@ def measure_scheme(model: torch.nn.Module, config: pb.CompilationConfig, device:
 
 def run(quick: bool = False, deadline: float | None = None, cuda: bool = False) -> list[Section]:
     raise_recompile_limits()
+    torch.set_num_threads(1)  # on a loaded CPU, more threads made each small copy cost milliseconds
     device = "cuda" if cuda else "cpu"
     platform = "cuda" if cuda else "simulated"
     max_size = 64 if quick else 256

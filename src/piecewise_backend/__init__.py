@@ -17,3 +17,4 @@ from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, GraphEntry, u
 __version__ = "0.1.0"
 from .assembly import clear_graphs
 from .inputs import mark_persistent
+from .weak import is_weak, weak_ref_tensor, weak_ref_tensors
