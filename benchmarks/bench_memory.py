@@ -27,7 +27,7 @@ import torch
 
 import piecewise_backend as pb
 from benchmarks.common import Section, log, quiet_logs, raise_recompile_limits, table
-from piecewise_backend.memory import captured_wrappers, release_cached
+from piecewise_backend.memory import captured_wrappers, fresh_pool
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.toy_llama import make_model
 
@@ -42,17 +42,14 @@ SCHEMES = (  # name, mode, use_breakable
 
 
 @contextlib.contextmanager
-def fresh_pool(platform: object) -> Iterator[None]:
+def measured_alone(platform: object) -> Iterator[None]:
     """Measure in a pool of its own; drop every graph and give its memory back afterwards."""
-    saved = platform.pool  # type: ignore[attr-defined]
-    platform.pool = type(saved)() if hasattr(saved, "release_cached") else torch.cuda.graph_pool_handle()  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        for w in captured_wrappers():
-            w.clear_graphs()
-        release_cached(platform)  # type: ignore[arg-type]
-        platform.pool = saved  # type: ignore[attr-defined]
+    with fresh_pool(platform):
+        try:
+            yield
+        finally:
+            for w in captured_wrappers():
+                w.clear_graphs()
 
 
 def _capture(runner: pb.GraphRunner) -> pb.CaptureReport:
@@ -64,9 +61,9 @@ def measure_scheme(model: torch.nn.Module, config: pb.CompilationConfig, device:
     platform = get_platform(config.platform)
     inputs = [pb.StaticInput("input_ids")]
     ladder = config.sizes
-    with fresh_pool(platform):
+    with measured_alone(platform):
         alone = _capture(pb.GraphRunner(model, config.replace(capture_sizes=[ladder[-1]]), inputs, device=device))
-    with fresh_pool(platform):
+    with measured_alone(platform):
         runner = pb.GraphRunner(model, config, inputs, device=device)
         with torch.no_grad():
             estimate = runner.estimate_capture_memory()

@@ -15,6 +15,7 @@ from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend.capture import EagerSegment
+from piecewise_backend.memory import fresh_pool
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.platforms.sim_pool import SimPool
 from piecewise_backend.weak import is_weak
@@ -155,3 +156,44 @@ def test_debug_checks_spare_outputs_a_replay_reads(pool):
     with torch.no_grad(), pb.set_forward_context(M.FULL, BD(4, 4, True)):
         out = second(h)  # another key, but h is what it reads: not poisoned
     assert_close(out, x * 2 + 1)
+
+
+# ---------------------------------------------------------------- CUDA twins (skipped without a GPU)
+
+
+@pytest.mark.cuda
+def test_cuda_an_output_kept_past_another_graphs_replay_is_overwritten():
+    """The real thing: both graphs allocate from the one CUDA graph pool; the 4-token capture
+    reuses the freed block of the 8-token output, so its replay overwrites that output."""
+    config = pb.CompilationConfig(platform="cuda", compile_pieces="eager")
+    w = pb.CUDAGraphWrapper(double, M.FULL, config=config)
+    x8, x4 = torch.randn(8, 4, device="cuda"), torch.randn(4, 4, device="cuda")
+    with torch.no_grad():
+        run(w, M.FULL, BD(8), x8)
+        run(w, M.FULL, BD(4), x4)
+        out8 = run(w, M.FULL, BD(8), x8)
+        kept = out8.clone()
+        run(w, M.FULL, BD(4), x4)
+    torch.cuda.synchronize()
+    assert is_weak(w.entries[BD(8)].output)
+    assert torch.equal(out8[:4], x4 * 2) and not torch.equal(out8, kept)
+
+
+@pytest.mark.cuda
+def test_cuda_ladder_costs_about_its_largest_size_and_the_estimate_matches():
+    model = make_model(2, "break", device="cuda")
+    config = pb.CompilationConfig(platform="cuda", compile_pieces="eager", cudagraph_mode=M.FULL_AND_PIECEWISE)
+    inputs = [pb.StaticInput("input_ids")]
+    platform = get_platform("cuda")
+    with fresh_pool(platform):  # each measurement in a pool of its own
+        first = pb.GraphRunner(model, config.replace(capture_sizes=[64]), inputs)
+        alone = _capture(first)
+        pb.clear_graphs(first.model)
+    with fresh_pool(platform):
+        runner = pb.GraphRunner(model, config.replace(capture_sizes=[1, 2, 4, 8, 16, 32, 48, 64]), inputs)
+        with torch.no_grad():
+            estimate = runner.estimate_capture_memory()
+        report = _capture(runner)
+        pb.clear_graphs(runner.model)
+    assert report.memory_bytes <= 1.25 * max(alone.memory_bytes, 1), (report.memory_bytes, alone.memory_bytes)
+    assert abs(estimate - report.memory_bytes) <= 0.1 * report.memory_bytes, (estimate, report.memory_bytes)

@@ -51,12 +51,12 @@ def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
 
 
 def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
-    # Address ranges of the pool's segments; one snapshot per capture, not per tensor.
-    pool = tuple(getattr(platform, "pool", ()))
+    # Address ranges of the pools' segments; one snapshot per capture, not per tensor.
+    ids = _cuda_pool_ids(platform)
     ranges = [
         (s["address"], s["address"] + s["total_size"])
         for s in torch.cuda.memory_snapshot()
-        if tuple(s.get("segment_pool_id", ())) == pool
+        if tuple(s.get("segment_pool_id", ())) in ids
     ]
 
     def owns(t: torch.Tensor) -> bool:
@@ -66,6 +66,13 @@ def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
         return any(lo <= ptr < hi for lo, hi in ranges)
 
     return owns
+
+
+def _cuda_pool_ids(platform: Any) -> set[tuple[int, int]]:
+    pools = getattr(platform, "pools", None)  # torch.cuda.MemPool objects
+    if pools is not None:
+        return {tuple(p.id) for p in pools}
+    return {tuple(platform.pool)}  # a graph_pool_handle() id
 
 
 def _weakener(platform: Platform) -> Callable[[Any], Any]:
@@ -187,29 +194,52 @@ def release_cached(platform: Platform | None) -> int:
 
 
 @contextlib.contextmanager
-def scratch_pool(platform: Platform) -> Iterator[None]:
-    """Capture into a fresh pool for the duration, then release it (and the entries made in it)."""
-    saved_pool = platform.pool  # type: ignore[attr-defined]
-    scratch = type(saved_pool)() if hasattr(saved_pool, "release_cached") else torch.cuda.graph_pool_handle()
-    saved = {w: w._by_mode for w in list(_wrappers)}
-    for w in saved:
-        w._by_mode = tuple({} for _ in w._by_mode)
-    platform.pool = scratch  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        platform.pool = saved_pool  # type: ignore[attr-defined]
-        for w in list(_wrappers):
-            if w in saved:
-                w._by_mode = saved[w]
-            else:
-                w.clear_graphs()
-        if hasattr(scratch, "release_cached"):
+def fresh_pool(platform: Any) -> Iterator[Any]:
+    """Route the platform's captures to a new pool for the duration; yields that pool."""
+    pool = getattr(platform, "pool", None)
+    if hasattr(pool, "release_cached"):  # the simulated pool
+        platform.pool = scratch = type(pool)()
+        try:
+            yield scratch
+        finally:
+            platform.pool = pool
             scratch.release_cached()
             if scratch.segments:  # a weak view of it is still alive somewhere: keep its memory
                 _retired_pools.append(scratch)
-        else:
-            release_cached(platform)
+    elif hasattr(platform, "_new_pool"):  # CUDA, MemPool-based: the new pool is the current one
+        saved_id, count = platform.pool_id, len(platform.pools)
+        platform._new_pool()
+        try:
+            yield platform.pools[-1]
+        finally:
+            del platform.pools[count:]
+            platform.pool_id = saved_id
+    else:  # CUDA, one graph_pool_handle() id
+        platform.pool = scratch = torch.cuda.graph_pool_handle()
+        try:
+            yield scratch
+        finally:
+            platform.pool = pool
+
+
+@contextlib.contextmanager
+def scratch_pool(platform: Platform) -> Iterator[None]:
+    """Capture into a fresh pool for the duration, then release it with the entries made in it.
+    Entries captured before are set aside meanwhile, so every descriptor captures anew."""
+    saved = {w: w._by_mode for w in list(_wrappers)}
+    for w in saved:
+        w._by_mode = tuple({} for _ in w._by_mode)
+    try:
+        with fresh_pool(platform):
+            try:
+                yield
+            finally:  # drop the scratch entries while their pool is current
+                for w in list(_wrappers):
+                    w._by_mode = saved.get(w) or tuple({} for _ in w._by_mode)
+    finally:
+        for w, by_mode in saved.items():
+            w._by_mode = by_mode
+    release_cached(platform)
 
 
 def estimate_capture_memory(runner: GraphRunner, capture_one: Callable[[Any, Any], None]) -> int:
