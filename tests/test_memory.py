@@ -103,10 +103,33 @@ def test_ladder_costs_about_its_largest_size_and_the_estimate_matches(pool):
     assert report.memory_bytes <= 1.25 * alone.memory_bytes, (report.memory_bytes, alone.memory_bytes)
     assert abs(estimate - report.memory_bytes) <= 0.1 * report.memory_bytes, (estimate, report.memory_bytes)
     assert "MiB of simulated graph pool" in report.stats
+    entries = (dict(runner.model.entries), dict(runner.model.runnable.entries))
+    with torch.no_grad():
+        assert runner.estimate_capture_memory() == estimate  # after capture too: the entries are set aside
+    assert (runner.model.entries, runner.model.runnable.entries) == entries
     with torch.no_grad():
         for n, uniform in ((5, False), (3, True), (32, False)):
             ids = torch.randint(0, 128, (n,))
             assert_close(runner.run(input_ids=ids, uniform_decode=uniform), model(ids))
+
+
+def test_per_piece_entries_pin_nothing_either(pool):
+    model = make_model(1, "inplace")
+    config = SIM.replace(cudagraph_mode=M.PIECEWISE, use_breakable=False)
+    compiled = torch.compile(model, backend=pb.make_backend(config))
+    inputs = [pb.StaticInput("input_ids")]
+    first = pb.GraphRunner(compiled, config.replace(capture_sizes=[16]), inputs)
+    alone = _capture(first)
+    pb.clear_graphs(first.model)  # the per-piece wrappers live in the compiled model, shared by runners
+    assert pool.reserved() == 0
+    runner = pb.GraphRunner(compiled, config.replace(capture_sizes=[2, 4, 8, 16]), inputs)
+    report = _capture(runner)
+    assert report.graph_segments == 4 * 2  # two compiled pieces around one attention, per size
+    assert pool.allocated() == 0, "no per-piece entry pins pool memory"
+    assert report.memory_bytes <= 1.25 * alone.memory_bytes, (report.memory_bytes, alone.memory_bytes)
+    ids = torch.randint(0, 128, (7,))
+    with torch.no_grad():
+        assert_close(runner.run(input_ids=ids), model(ids))
 
 
 def test_clear_graphs_returns_the_memory_and_capture_works_again(pool):
