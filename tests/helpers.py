@@ -224,12 +224,12 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 class ContextScale(torch.nn.Module):
-    """``x + 1`` scaled by the context's ``scale`` inside a custom op, then doubled."""
+    """The issue-9 repro: ``x`` scaled by the context's ``scale`` tensor inside a custom op."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        torch.ops.pb_test.scale_from_context(x + 1, out)
-        return out * 2
+        torch.ops.pb_test.scale_from_context(x, out)
+        return out
 
 
 @pb.eager_break
@@ -244,3 +244,16 @@ class ContextScaleBreak(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scale_break(x + 1) * 2
+
+
+@torch.library.custom_op("pb_test::raw_double", mutates_args=("out",))
+def raw_double(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Stands for a C++ kernel writing through raw pointers: the write never reaches the dispatcher."""
+    with torch._C._DisableTorchDispatch():
+        out.copy_(x * 2)
+
+
+def tiny_mlp(device: str = "cpu") -> torch.nn.Module:
+    """Linear -> ReLU -> Linear (8 wide): Inductor fuses the ReLU into a C++ kernel on the CPU."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).to(device).eval()

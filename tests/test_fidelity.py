@@ -12,9 +12,9 @@ from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend.capture import capture_active
-from piecewise_backend.platforms import get_platform
+from piecewise_backend.platforms import simulated
 from piecewise_backend.platforms.sim_checks import UnrecordableError
-from tests.helpers import OP_CALLS, SIM, ContextScale, ContextScaleBreak, make_model, run
+from tests.helpers import OP_CALLS, SIM, ContextScale, ContextScaleBreak, make_model, run, tiny_mlp
 
 M = pb.CUDAGraphMode
 D4 = pb.BatchDescriptor(4)
@@ -38,11 +38,11 @@ def test_full_replay_reads_the_capture_time_metadata_tensor():
     # tensor at its capture-time address; a *new* tensor passed in the context next step sits
     # elsewhere and is never read (the op's Python does not run again). So 2.0, not 3.0.
     w = pb.CUDAGraphWrapper(ContextScale(), M.FULL, config=SIM)
-    x = torch.zeros(4)
+    x = torch.ones(4)
     captured = scale(2.0)  # kept alive: on a GPU its memory then still holds 2.0
-    assert_close(run(w, M.FULL, D4, x, scale=captured), torch.full((4,), 4.0))
+    assert_close(run(w, M.FULL, D4, x, scale=captured), torch.full((4,), 2.0))
     calls = OP_CALLS["scale"]
-    assert_close(run(w, M.FULL, D4, x, scale=scale(3.0)), torch.full((4,), 4.0))
+    assert_close(run(w, M.FULL, D4, x, scale=scale(3.0)), torch.full((4,), 2.0))
     assert OP_CALLS["scale"] == calls  # the op's Python did not run on replay
 
 
@@ -50,12 +50,12 @@ def test_full_replay_sees_in_place_update_of_persistent_metadata_buffer():
     # GPU: the graph reads the buffer's address on every replay, so values written into the
     # same buffer before a step are what the kernels read: the correct way to feed metadata.
     w = pb.CUDAGraphWrapper(ContextScale(), M.FULL, config=SIM)
-    x, buf = torch.zeros(4), scale(2.0)
-    assert_close(run(w, M.FULL, D4, x, scale=buf), torch.full((4,), 4.0))
+    x, buf = torch.ones(4), scale(2.0)
+    assert_close(run(w, M.FULL, D4, x, scale=buf), torch.full((4,), 2.0))
     buf.fill_(3.0)
+    assert_close(run(w, M.FULL, D4, x, scale=buf), torch.full((4,), 3.0))
+    x.fill_(2.0)
     assert_close(run(w, M.FULL, D4, x, scale=buf), torch.full((4,), 6.0))
-    x.fill_(1.0)
-    assert_close(run(w, M.FULL, D4, x, scale=buf), torch.full((4,), 12.0))
 
 
 def test_piecewise_break_reads_this_steps_context():
@@ -115,19 +115,12 @@ def test_host_sync_inside_custom_op_raises(mode):
 # ---------------------------------------------------------------- unrecordable work is refused
 
 
-@torch.library.custom_op("pb_test::raw_double", mutates_args=("out",))
-def raw_double(x: torch.Tensor, out: torch.Tensor) -> None:
-    # Stands for a C++ kernel writing through raw pointers: the write never reaches the dispatcher.
-    with torch._C._DisableTorchDispatch():
-        out.copy_(x * 2)
-
-
 def test_kernel_bypassing_the_dispatcher_is_refused():
     # GPU: such a kernel is captured like any other. The simulator cannot see it, so a replay
     # would skip it: it must refuse at capture time, naming the cause and the fix.
     def fn(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        raw_double(x + 1, out)
+        torch.ops.pb_test.raw_double(x + 1, out)
         return out
 
     w = pb.CUDAGraphWrapper(fn, M.FULL, config=SIM)
@@ -137,34 +130,35 @@ def test_kernel_bypassing_the_dispatcher_is_refused():
     assert w.entries == {} and not capture_active()
 
 
-def mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).eval()
-
-
 def test_inductor_pieces_are_refused_at_capture():
     # GPU: Inductor's Triton kernels are captured. On the CPU its fused C++ kernels bypass the
     # dispatcher: replays would silently differ from eager, so capture must refuse them. The
-    # config check cannot see this: the model was compiled with the default backend config.
+    # config check cannot see this: the model was compiled with the default backend config and
+    # only the GraphRunner's config says simulated.
     torch._dynamo.reset()
-    compiled = torch.compile(mlp(), backend="piecewise_breakable")
-    x = torch.randn(4, 8)
-    compiled(x)  # compile outside the capture
-    w = pb.BreakableCUDAGraphWrapper(compiled, config=SIM)
+    compiled = torch.compile(tiny_mlp(), backend="piecewise_breakable")
+    config = pb.CompilationConfig(cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="simulated", compile_pieces="eager")
+    runner = pb.GraphRunner(compiled, config, inputs=[pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
     with pytest.raises(UnrecordableError, match="Inductor") as info:
-        run(w, M.PIECEWISE, D4, x)
+        runner.capture(progress=False)
     assert "compile_pieces='eager'" in str(info.value)
-    assert w.entries == {} and not capture_active()
+    assert not capture_active()
 
 
-def test_whole_graph_inductor_is_refused_at_capture():
+def test_whole_graph_inductor_is_refused_at_capture(monkeypatch):
     torch._dynamo.reset()
-    compiled = torch.compile(mlp())
+    compiled = torch.compile(tiny_mlp())
     x = torch.randn(4, 8)
     compiled(x)
     w = pb.CUDAGraphWrapper(compiled, M.FULL, config=SIM)
-    with pytest.raises(UnrecordableError, match="compile_pieces='eager'"):
+    with pytest.raises(UnrecordableError, match="Inductor-generated code"):
         run(w, M.FULL, D4, x)
+    assert w.entries == {} and not capture_active()
+    # Without the caller check, the validation replay alone still refuses it.
+    monkeypatch.setattr(simulated, "check_caller", lambda func: None)
+    with pytest.raises(UnrecordableError, match="did not reproduce") as info:
+        run(w, M.FULL, D4, x)
+    assert "compile_pieces='eager'" in str(info.value)
     assert w.entries == {} and not capture_active()
 
 
@@ -187,9 +181,11 @@ def test_dynamic_toy_model_reads_lifted_eps_on_the_host(mode):
 
 
 def test_item_of_a_device_scalar_still_raises():
-    # GPU: a 0-d tensor computed on the device (or a device buffer) needs a copy to the host.
+    # GPU: a 0-d device buffer made before the capture (not from Python data during it), or
+    # one computed during it, needs a copy to the host: a sync.
     step = torch.zeros(())
-    w = pb.CUDAGraphWrapper(lambda x: x * (x.sum() + step).item(), M.FULL, config=SIM)
-    with pytest.raises(RuntimeError, match="capturing"):
-        run(w, M.FULL, D4, torch.ones(4))
-    assert get_platform("simulated").is_host_scalar(step) is False
+    for fn in (lambda x: x * step.item(), lambda x: x * (x.sum() + step).item()):
+        w = pb.CUDAGraphWrapper(fn, M.FULL, config=SIM)
+        with pytest.raises(RuntimeError, match="capturing"):
+            run(w, M.FULL, D4, torch.ones(4))
+        assert w.entries == {}

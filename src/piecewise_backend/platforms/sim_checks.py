@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     from .simulated import SimulatedGraph, _RecordingMode
 
 _FIX = (
-    "the simulated platform replays only ATen ops it saw dispatched; compile the pieces with "
-    "CompilationConfig(platform='simulated', compile_pieces='eager') and "
-    "torch.compile(model, backend=pb.make_backend(config)) (or run the model uncompiled), "
-    "or use platform='cuda' on a GPU"
+    "code compiled by Inductor (torch.compile's default backend, or compile_pieces='inductor') must be "
+    "compiled with CompilationConfig(platform='simulated', compile_pieces='eager') and "
+    "torch.compile(model, backend=pb.make_backend(config)), or run uncompiled; a custom kernel that "
+    "writes behind the dispatcher needs a CPU implementation made of torch ops to be simulated; "
+    "either runs as it is on platform='cuda'"
 )
 
 
@@ -87,6 +88,9 @@ def validate_segment(mode: _RecordingMode, graph: SimulatedGraph, rng: torch.Ten
     torch.set_rng_state(rng)  # random ops draw the same numbers as during capture
     try:
         graph.replay()
+    except BaseException:
+        mode.undo()
+        raise
     finally:
         torch.set_rng_state(end_rng)
     differ = sum(not _bytes(s).equal(_bytes(e)) for s, e in zip(storages, eager))

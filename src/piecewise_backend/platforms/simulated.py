@@ -1,11 +1,11 @@
 """Simulated platform: CUDA graph semantics on the CPU, for tests and CI.
 
 A segment records the ATen ops run while it is open (a TorchDispatchMode) and replays
-them into the same tensors. An op that is not ATen (a ``torch.library`` custom op such as
-an attention kernel written in Python) is not recorded as a whole: its implementation
-runs with the recorder active, so the ATen ops inside it are recorded, recursively, and a
-replay runs no Python at all, as a CUDA graph replays kernels, not the code that launched
-them. Like a real capture, recording does not count as running: when a segment ends,
+them into the same tensors. An op implemented in Python (a ``torch.library`` custom op
+such as an attention kernel, or a composite decomposition) is not recorded as a whole: its
+implementation runs with the recorder active, so the ATen ops inside it are recorded,
+recursively, and a replay runs no Python at all, as a CUDA graph replays kernels, not the
+code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a real capture, recording does not count as running: when a segment ends,
 in-place writes to tensors that existed before it are undone and tensors it allocated are
 filled with garbage (NaN bits), so only a replay produces values. Host syncs raise as CUDA
 does while a stream is capturing, inside custom ops too. Work the recorder cannot see
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
+import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import fresh_outputs
-from .sim_checks import check_caller, validate_segment
+from .sim_checks import check_caller, refuse, validate_segment
 from .sim_pool import PoolMode, SimPool
 
 _HOST_SYNC = {
@@ -38,20 +40,28 @@ _HOST_SYNC = {
     torch.ops.aten.equal.default,
 }
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
-_ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
+_ALLOCATIONS = {
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::empty_permuted",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+}
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _NATIVE_NAMESPACES = {"aten"}
 _HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+_PY_SITE = re.compile(r"registered at \S+\.py:\d+")
 
 
 class OpKind(enum.Enum):
     HOST_SYNC = "host sync"  # the host reads device data: illegal while capturing
     ALLOCATION = "allocation"  # empty*: memory with no values, nothing to replay
-    NATIVE = "native"  # an ATen op: recorded, replayed as it is
-    OPAQUE = "opaque"  # anything else: its implementation runs under the recorder
+    NATIVE = "native"  # an ATen op or a C++ kernel: recorded, replayed as it is (no Python runs)
+    OPAQUE = "opaque"  # an op implemented in Python: its implementation runs under the recorder
 
 
 def classify(func: Any, args: tuple) -> OpKind:
@@ -65,7 +75,20 @@ def classify(func: Any, args: tuple) -> OpKind:
         return OpKind.ALLOCATION
     if func.namespace in _NATIVE_NAMESPACES:
         return OpKind.NATIVE
-    return OpKind.OPAQUE
+    name = func.name()
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA) or _python_kernel(name):
+        return OpKind.OPAQUE
+    return OpKind.NATIVE
+
+
+@functools.cache
+def _python_kernel(name: str) -> bool:
+    # The dispatcher records where each kernel was registered: "<file>.py:<line>" for a Python
+    # one (torch.library, custom_op), a C++ source for compiled kernels such as vLLM's or fbgemm's.
+    for line in torch._C._dispatch_dump_table(name).splitlines():
+        if line.startswith("CPU:"):
+            return _PY_SITE.search(line) is not None
+    return False
 
 
 def _data_dependent(schema_name: str, args: tuple) -> bool:
@@ -128,10 +151,10 @@ class _RecordingMode(TorchDispatchMode):
         # Let torch.compile trace and compile under an open segment, as it can under a CUDA capture.
         return True
 
-    def __init__(self, platform: SimulatedPlatform, record_inside_ops: bool = True) -> None:
+    def __init__(self, platform: SimulatedPlatform) -> None:
         super().__init__()
         self.platform = platform
-        self.record_inside_ops = record_inside_ops
+        self.record_inside_ops, self.check = platform.record_inside_ops, platform.validate
         self.ops: list[_Op] = []
         self.allocated: dict[int, torch.Tensor] = {}  # storage key -> a tensor on it
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
@@ -145,7 +168,8 @@ class _RecordingMode(TorchDispatchMode):
             if not self.platform.is_host_scalar(args[0]):
                 _raise_host_sync(func)
             return func(*args, **kwargs)
-        check_caller(func)
+        if self.check:
+            check_caller(func)
         if func in _HOST_FROM_DATA:
             self.platform.mark_host(args[0])
         self._snapshot_writes(func, args, kwargs)
@@ -191,9 +215,10 @@ class _RecordingMode(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else [out]
         for _, t in fresh_outputs(args, kwargs, outs):
             if _storage_key(t) not in self.allocated:
-                from .sim_checks import refuse
-
-                refuse(f"{func} returned a tensor that no recorded ATen op produced (its kernel bypasses the dispatcher)")
+                refuse(
+                    f"{func} returned a tensor that no recorded ATen op produced (its kernel allocates or "
+                    "writes behind the dispatcher, or it returns a tensor made outside the op)"
+                )
         return out
 
     def _snapshot_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -221,7 +246,7 @@ class _RecordingMode(TorchDispatchMode):
 class _SimRecorder:
     def __init__(self, platform: SimulatedPlatform) -> None:
         self.platform = platform
-        self.mode = _RecordingMode(platform, platform.record_inside_ops)
+        self.mode = _RecordingMode(platform)
         self.rng = torch.get_rng_state()
         self.mode.__enter__()
         self.open = True
@@ -256,8 +281,8 @@ class SimulatedPlatform:
         self.pool = SimPool()  # every graph shares it, as on CUDA
         self._pool_mode: PoolMode | None = None  # set while a capture scope is open
         # Knobs for benchmarks and debugging only: the defaults are what makes the simulator faithful.
-        self.record_inside_ops = True
-        self.validate = True
+        self.record_inside_ops = True  # False: record a custom op whole and re-run its Python on replay
+        self.validate = True  # False: skip the checks that refuse unrecordable work (sim_checks)
         self._host: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> tensor (weak: never keep it alive)
 
     @contextlib.contextmanager
