@@ -136,3 +136,38 @@ def test_backward_through_a_replay_says_replays_are_inference_only():
     with torch.no_grad():  # the serving path pays nothing and gets a plain tensor
         plain = run(w, M.FULL, D8, x)
     assert plain.grad_fn is None and not plain.requires_grad
+
+
+class TwoNoGradAttentions(torch.nn.Module):
+    """Each break runs in the grad mode the model set before it: on, then off, then on again."""
+
+    def __init__(self):
+        super().__init__()
+        self.modes = []
+
+        @pb.eager_break
+        def attention(h):
+            self.modes.append(torch.is_grad_enabled())
+            torch._C._set_grad_enabled(False)
+            return h * 2
+
+        self.attention = attention
+
+    def forward(self, x):
+        h = self.attention(x + 1)
+        torch._C._set_grad_enabled(True)  # skipped by a replay
+        h = self.attention(h)
+        torch._C._set_grad_enabled(True)
+        return h - 1
+
+
+def test_each_break_replays_in_the_grad_mode_it_ran_in():
+    m = TwoNoGradAttentions()
+    w = pb.BreakableCUDAGraphWrapper(m, M.PIECEWISE, config=SIM)
+    x = x8()
+    with torch.enable_grad():
+        run(w, M.PIECEWISE, D8, x)
+        m.modes.clear()
+        run(w, M.PIECEWISE, D8, x)
+        assert m.modes == [True, True]  # eager: the second break runs after the model re-enabled grad
+        assert torch.is_grad_enabled()

@@ -227,3 +227,18 @@ def test_parameters_and_marked_buffers_are_read_in_place():
     assert w.entries[D8].static_inputs == []
     buf.copy_(x8(3))
     assert_close(call(w, buf[:8], m.l1.weight), x8(3) @ m.l1.weight)
+
+
+def test_a_staged_callers_tensor_is_not_kept_alive():
+    import gc
+    import weakref
+
+    w = full(lambda x: x * 2)
+    x = x8()
+    ref = weakref.ref(x)
+    call(w, x)
+    del x
+    gc.collect()
+    assert ref() is None  # the graph reads the static copy: the caller may free its tensor
+    assert_close(call(w, x8(1)), x8(1) * 2)
+    assert w.entries[D8].inputs == w.entries[D8].static_inputs

@@ -48,9 +48,9 @@ class EagerSegment:
     write (as a KV-cache write is) whose Python arguments do not change between steps.
     """
 
-    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled")
+    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled", "_plain")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any):
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, force_grad: bool | None = None):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.single = isinstance(out, torch.Tensor)
         leaves = [out] if self.single else tree_leaves(out)
@@ -59,24 +59,37 @@ class EagerSegment:
         # A result that *is* one of the inputs is read in place by later segments: it must stay that input.
         inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
-        # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: restore the break's own.
-        self.grad_enabled = torch.is_grad_enabled()
+        # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: a break whose
+        # grad mode at capture was set by the model (see CaptureSession.run_break) gets it back on replay.
+        self.grad_enabled = force_grad
+        self._plain = not self.fresh and not self.returned  # nothing to check or copy after the call
 
     def replay(self) -> None:
-        if torch.is_grad_enabled() != self.grad_enabled:
+        if self.grad_enabled is not None:
             torch._C._set_grad_enabled(self.grad_enabled)
         out = self.fn(*self.args, **self.kwargs)
-        if self.fresh or self.returned:
-            leaves = [out] if self.single else tree_leaves(out)
-            for i, t in self.returned:
-                if leaves[i] is not t:
-                    raise RuntimeError(
-                        f"break {getattr(self.fn, '__name__', self.fn)!r} returned its input tensor (output {i}) at "
-                        "capture and another tensor now; later graph segments read the captured one, so the result "
-                        "would be lost: a break must return the same input object on every call, or always a fresh tensor"
-                    )
-            for i, captured in self.fresh:
-                captured.copy_(leaves[i])
+        if self._plain:
+            return
+        if self.single:
+            if self.returned:
+                if out is not self.returned[0][1]:
+                    self._lost(0)
+            else:
+                self.fresh[0][1].copy_(out)
+            return
+        leaves = tree_leaves(out)
+        for i, t in self.returned:
+            if leaves[i] is not t:
+                self._lost(i)
+        for i, captured in self.fresh:
+            captured.copy_(leaves[i])
+
+    def _lost(self, i: int) -> None:
+        raise RuntimeError(
+            f"break {getattr(self.fn, '__name__', self.fn)!r} returned its input tensor (output {i}) at "
+            "capture and another tensor now; later graph segments read the captured one, so the result "
+            "would be lost: a break must return the same input object on every call, or always a fresh tensor"
+        )
 
 
 class CaptureSession:
@@ -86,6 +99,8 @@ class CaptureSession:
         self.platform, self.breakable = platform, breakable
         self.segments: list[Graph | EagerSegment] = []
         self._recorder: Recorder | None = None
+        self.start_grad = torch.is_grad_enabled()
+        self._grad_touched = False  # a break changed grad mode: later breaks may enter in another mode on replay
 
     def begin(self) -> None:
         self._recorder = self.platform.begin()
@@ -104,12 +119,15 @@ class CaptureSession:
 
     def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.end()
+        before = torch.is_grad_enabled()
         _state.in_break += 1
         try:
             out = fn(*args, **kwargs)
         finally:
             _state.in_break -= 1
-        self.segments.append(EagerSegment(fn, args, kwargs, out))
+        force = before if before != self.start_grad or self._grad_touched else None
+        self._grad_touched |= torch.is_grad_enabled() != before
+        self.segments.append(EagerSegment(fn, args, kwargs, out, force))
         counters["breaks"] += 1
         self.begin()
         return out
@@ -168,6 +186,11 @@ def eager_break(fn: F) -> F:
 
     The compile-free path: decorate a model's attention function, wrap the model in a
     ``BreakableCUDAGraphWrapper``, and no torch.compile is needed.
+
+    Rules for ``fn`` (see :class:`EagerSegment`): it runs twice on the capturing step, the
+    first time on garbage, and replays with the Python arguments of its capture, so it
+    must be an idempotent write (``out.copy_(...)``, a KV-cache write at given slots), not
+    an accumulation; if it returns one of its inputs, it must return that same one each call.
     """
 
     @functools.wraps(fn)

@@ -46,8 +46,9 @@ def _rebuild_needed(output: Any) -> bool:
 class GraphEntry:
     """Segments to replay (graphs and breaks), the input spec with its static buffers, the output.
 
-    Stored tensors: ``spec.tensors[i].captured`` (the caller's capture-time inputs),
-    ``static_inputs`` (wrapper-owned buffers of staged inputs), ``output`` / ``output_leaves``.
+    Stored tensors: ``spec.tensors[i].captured`` (persistent inputs the graph reads in place),
+    ``spec.tensors[i].static`` / ``static_inputs`` (wrapper-owned buffers of staged inputs),
+    ``output`` / ``output_leaves`` (what a replay returns).
     """
 
     __slots__ = ("segments", "spec", "output", "output_leaves", "output_spec", "_rebuild", "inference",
@@ -73,8 +74,8 @@ class GraphEntry:
 
     @property
     def inputs(self) -> list[torch.Tensor]:
-        """The caller's capture-time input tensors, in leaf order."""
-        return [s.captured for s in self.spec.tensors]
+        """The tensors the graph reads, in leaf order: static copies of staged inputs, persistent buffers as they are."""
+        return [s.static if s.static is not None else s.captured for s in self.spec.tensors]
 
     @property
     def static_inputs(self) -> list[torch.Tensor]:
@@ -88,13 +89,6 @@ class GraphEntry:
     def replay(self, args: tuple, kwargs: dict) -> Any:
         """Validate and stage the inputs, replay every segment, return a fresh output container."""
         written = self.spec.prepare(args, kwargs)
-        self.run()
-        if written:
-            self.spec.copy_back(written)
-        return self.result()
-
-    def run(self) -> None:
-        """Replay the segments; grad mode (which a break's piece may set) is restored afterwards."""
         grad = torch.is_grad_enabled()
         try:
             if self.inference and not torch.is_inference_mode_enabled():
@@ -105,7 +99,27 @@ class GraphEntry:
                 for seg in self.segments:
                     seg.replay()
         finally:
-            if torch.is_grad_enabled() != grad:
+            if torch.is_grad_enabled() is not grad:
+                torch._C._set_grad_enabled(grad)
+        if written:
+            self.spec.copy_back(written)
+        if self._rebuild or self.requires_grad:
+            return self.result()
+        return self.output
+
+    def run(self) -> None:
+        """Replay the segments as they are (no input step); grad mode is restored afterwards."""
+        grad = torch.is_grad_enabled()
+        try:
+            if self.inference and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():
+                    for seg in self.segments:
+                        seg.replay()
+            else:
+                for seg in self.segments:
+                    seg.replay()
+        finally:
+            if torch.is_grad_enabled() is not grad:
                 torch._C._set_grad_enabled(grad)
 
     def result(self) -> Any:

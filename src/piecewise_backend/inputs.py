@@ -96,8 +96,9 @@ class _Tensor:
         self.index, self.name = index, name
         self.ptr, self.shape, self.stride = t.data_ptr(), t.shape, t.stride()
         self.dtype, self.device = t.dtype, t.device
-        self.captured = t  # the caller's capture-time tensor (the graph reads it when not staged)
-        self.static = static  # wrapper-owned buffer the graph reads, for a staged input
+        # what the graph reads: the caller's buffer in place (``captured``), or a wrapper-owned copy (``static``)
+        self.captured: torch.Tensor | None = t
+        self.static = static
         self.written = False  # set when the capture showed that the model writes into this input
 
 
@@ -124,6 +125,7 @@ class InputSpec:
         self.kw_set = frozenset(kwargs)
         # Leaves only, no containers (the common case): matched without pytree on every replay.
         self.flat = all(isinstance(a, _LEAF_TYPES) for a in (*args, *kwargs.values()))
+        self._positional = self.flat and not kwargs
         named = [(_arg_name(p), v) for p, v in tree_flatten_with_path((args, kwargs))[0]]
         self.treespec = None if self.flat else tree_flatten((args, kwargs))[1]
         self.num_leaves = len(named)
@@ -138,10 +140,13 @@ class InputSpec:
                 static = self.tensors[root].static  # the same tensor passed twice: one static buffer
             else:  # overlapping views cannot be staged apart: the whole group is read in place
                 static = None
-                for s in self.tensors[root:]:
-                    if self.groups[self.tensors.index(s)] == root:
-                        s.static = None
+                for j in range(root, k):
+                    if self.groups[j] == root:
+                        self.tensors[j].static = None
             self.tensors.append(_Tensor(i, name, t, static))
+        for slot in self.tensors:
+            if slot.static is not None:
+                slot.captured = None  # the graph reads the static copy: do not keep the caller's tensor alive
         self.values = [(i, n, v) for i, (n, v) in enumerate(named) if not isinstance(v, torch.Tensor)]
         # every (index, name, ptr, shape) for the cheap check of an unmoved call
         self._fast = [(s.index, s.ptr, s.shape, s.stride, s.dtype) for s in self.tensors]
@@ -150,8 +155,8 @@ class InputSpec:
 
     @property
     def static_inputs(self) -> list[torch.Tensor]:
-        """The wrapper-owned buffers staged inputs are copied into (what the graph reads)."""
-        return [s.static for s in self._staged if s.static is not None]
+        """The wrapper-owned buffers staged inputs are copied into (what the graph reads), once each."""
+        return list({id(s.static): s.static for s in self._staged}.values())
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``(args, kwargs)`` with every staged tensor replaced by its static buffer (for the capture)."""
@@ -162,10 +167,11 @@ class InputSpec:
             leaves[s.index] = s.static
         return tree_unflatten(leaves, spec)
 
-    def note_writes(self) -> None:
-        """After the first replay: mark staged inputs the model wrote into (their writes are copied back)."""
+    def note_writes(self, leaves: Any) -> None:
+        """After the capture's replay on the call's ``leaves``: mark staged inputs the model wrote into
+        (from then on their writes are copied back to the caller, as eager makes them)."""
         for s in self._staged:
-            t, static = s.captured, s.static
+            t, static = leaves[s.index], s.static
             same = torch.equal(t, static) if not t.is_floating_point() else bool(
                 torch.isclose(t, static, rtol=0, atol=0, equal_nan=True).all()
             )
@@ -174,7 +180,7 @@ class InputSpec:
 
     def leaves(self, args: tuple, kwargs: dict) -> Any:
         """The call's leaves, in capture order; raises when the structure differs from the capture."""
-        if kwargs.keys() != self.kw_set or len(args) != self.nargs:
+        if (kwargs or self.kw_names) and kwargs.keys() != self.kw_set or len(args) != self.nargs:
             missing = sorted(self.kw_set - kwargs.keys())
             extra = sorted(kwargs.keys() - self.kw_set)
             raise ValueError(
@@ -182,10 +188,10 @@ class InputSpec:
                 f"{self.nargs} positional and {sorted(self.kw_set)} (missing {missing}, unexpected {extra}); "
                 "call with the captured signature or clear_graphs()"
             )
+        if self.flat:  # keywords match by name, not by position
+            return (*args, *[kwargs[k] for k in self.kw_names]) if self.kw_names else args
         if self.kw_names:
-            kwargs = {k: kwargs[k] for k in self.kw_names}  # keywords match by name, not by position
-        if self.flat:
-            return (*args, *kwargs.values()) if kwargs else args
+            kwargs = {k: kwargs[k] for k in self.kw_names}
         leaves, spec = tree_flatten((args, kwargs))
         if spec != self.treespec:
             raise ValueError(
@@ -194,32 +200,50 @@ class InputSpec:
             )
         return leaves
 
-    def prepare(self, args: tuple, kwargs: dict) -> list[tuple[_Tensor, torch.Tensor]]:
+    def prepare(self, args: tuple, kwargs: dict) -> list[tuple[_Tensor, torch.Tensor]] | tuple[()]:
         """Validate every input, then copy staged ones into their static buffers.
 
         Returns the (slot, caller tensor) pairs whose static buffer the model writes
         into: :meth:`copy_back` brings those writes to the caller after the replay.
         """
-        leaves = self.validate(args, kwargs)
+        # the replay hot path: written out flat (every call level costs on every step)
+        if self._positional and not kwargs and len(args) == self.nargs:
+            leaves: Any = args  # the common call: positional leaves only
+        else:
+            leaves = self.leaves(args, kwargs)
+        try:  # fast path: every tensor where and as it was at capture
+            for i, ptr, shape, stride, dtype in self._fast:
+                t = leaves[i]
+                if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride or t.dtype != dtype:
+                    self._check_moved(leaves)
+                    break
+        except AttributeError:  # a tensor leaf is no tensor now
+            self._check_moved(leaves)
+        if self.values:
+            self._check_values(leaves)
         if self._staged:
+            # below autograd: a static buffer is the wrapper's, never part of the caller's autograd graph
             with torch._C._AutoDispatchBelowADInplaceOrView():
                 for s in self._staged:
                     s.static.copy_(leaves[s.index])
-        return [(s, leaves[s.index]) for s in self._written]
+            if self._written:
+                return [(s, leaves[s.index]) for s in self._written]
+        return ()
 
     def validate(self, args: tuple, kwargs: dict) -> Any:
         """Check every input against the capture (no copy); returns the call's leaves."""
         leaves = self.leaves(args, kwargs)
-        try:  # fast path: every tensor where and as it was at capture
-            moved = any(
-                leaves[i].data_ptr() != ptr or leaves[i].shape != shape or leaves[i].stride() != stride
-                or leaves[i].dtype != dtype
-                for i, ptr, shape, stride, dtype in self._fast
-            )
-        except AttributeError:  # a tensor leaf is no tensor now
-            moved = True
-        if moved:
-            self._check_moved(leaves)
+        for s in self.tensors:
+            t = leaves[s.index]
+            if not isinstance(t, torch.Tensor) or (t.data_ptr(), t.shape, t.stride(), t.dtype) != (
+                s.ptr, s.shape, s.stride, s.dtype
+            ):
+                self._check_moved(leaves)
+                break
+        self._check_values(leaves)
+        return leaves
+
+    def _check_values(self, leaves: Any) -> None:
         for i, name, value in self.values:
             new = leaves[i]
             if new is not value and not _same_value(new, value):
@@ -230,7 +254,6 @@ class InputSpec:
                     "what it captured, so pass changing values as tensors, key them into the BatchDescriptor, "
                     "or clear_graphs()"
                 )
-        return leaves
 
     @staticmethod
     def copy_back(written: list[tuple[_Tensor, torch.Tensor]]) -> None:

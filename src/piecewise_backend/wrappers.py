@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .capture import CaptureDisabledError, CaptureSession, capture_active, capture_allowed, run_session
+from .capture import CaptureDisabledError, CaptureSession, capture_allowed, run_session
+from .capture import _state as _capture_state
 from .config import CompilationConfig
 from .context import _CONTEXT, BatchDescriptor, ForwardContext
 from .entry import GraphEntry
@@ -126,7 +127,7 @@ class _GraphWrapper:
                 f"{type(self).__name__}: runtime mode {ctx.runtime_mode.name} needs a batch_descriptor in the "
                 "forward context (it keys the graph); pass pb.BatchDescriptor(num_tokens) to set_forward_context"
             )
-        if capture_active():  # inside another wrapper's capture: become part of its graph
+        if _capture_state.session is not None:  # inside another wrapper's capture: become part of its graph
             return self.runnable(*args, **kwargs)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
@@ -178,10 +179,9 @@ class _GraphWrapper:
         if self.config.debug_checks:
             poison_stale_outputs(self, mode.value, desc, entry)
         entry.run()  # a capture does not execute: replay once so this call returns real values
-        spec.note_writes()
-        written = [(s, s.captured) for s in spec._written]
-        if written:
-            spec.copy_back(written)
+        leaves = spec.leaves(args, kwargs)
+        spec.note_writes(leaves)
+        spec.copy_back([(s, leaves[s.index]) for s in spec._written])
         if self.config.debug_checks:
             _check_finite(entry, type(self).__name__, desc)
         entries[desc] = entry
