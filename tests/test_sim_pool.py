@@ -85,3 +85,22 @@ def test_pool_mode_keeps_inference_tensors_inference():
     with torch.inference_mode(), PoolMode(pool):
         y = torch.ones(4) * 3
     assert pool.owns(y) and y.is_inference() and torch.equal(y, torch.full((4,), 3.0))
+
+
+def test_a_dropped_pool_keeps_the_memory_tensors_still_view():
+    from piecewise_backend.platforms import sim_pool
+
+    pool = SimPool()
+    owned = _on(pool.allocate(KIB)).view(torch.float32)
+    weak = pool.weak(_on(pool.allocate(KIB)).view(torch.float32))
+    owned.fill_(3.0)
+    weak.fill_(4.0)
+    sim_pool._prune_orphans()
+    before = len(sim_pool._orphans)
+    del pool
+    assert len(sim_pool._orphans) == before + 2  # both segments are still viewed
+    scratch = [torch.full((256,), 9.0) for _ in range(64)]  # would reuse freed memory
+    assert torch.equal(owned, torch.full((256,), 3.0)) and torch.equal(weak, torch.full((256,), 4.0))
+    del owned, weak, scratch
+    SimPool().release_cached()  # prunes orphans nobody views any more
+    assert len(sim_pool._orphans) == before

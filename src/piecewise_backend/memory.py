@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 # Wrappers holding entries; debug poisoning and the estimate walk them (weak: no leak).
 _wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
 _graphs_created = [0]  # graph segments of every entry captured so far (CaptureReport reads it)
-_retired_pools: list[Any] = []  # scratch pools a weak view may still read (see scratch_pool)
 
 
 def captured_wrappers() -> list[Any]:
@@ -180,12 +179,7 @@ def release_cached(platform: Platform | None) -> int:
         return 0
     pool = getattr(platform, "pool", None)
     if hasattr(pool, "release_cached"):
-        released = pool.release_cached()
-        for retired in list(_retired_pools):
-            retired.release_cached()
-            if not retired.segments:
-                _retired_pools.remove(retired)
-        return released
+        return pool.release_cached()
     if getattr(platform, "name", None) == "cuda":
         before = torch.cuda.memory_reserved()
         torch.cuda.empty_cache()
@@ -202,10 +196,7 @@ def fresh_pool(platform: Any) -> Iterator[Any]:
         try:
             yield scratch
         finally:
-            platform.pool = pool
-            scratch.release_cached()
-            if scratch.segments:  # a weak view of it is still alive somewhere: keep its memory
-                _retired_pools.append(scratch)
+            platform.pool = pool  # dropped, the scratch pool keeps only memory still viewed
     elif hasattr(platform, "_new_pool"):  # CUDA, MemPool-based: the new pool is the current one
         saved_id, count = platform.pool_id, len(platform.pools)
         platform._new_pool()

@@ -10,7 +10,8 @@ blocks of one capture are reused by the next and a stale output is overwritten, 
 
 The pool owns its memory (one uint8 tensor per segment). Weak views made through
 :meth:`SimPool.weak` are tracked, so a segment is never given back while one of them could
-still read it (a real GPU would let it read freed memory; a CPU process would crash).
+still read it (a real GPU would let it read freed memory; a CPU process would crash), not
+even when the pool itself is dropped: its segments that some tensor still views outlive it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,22 @@ from ..weak import mark_weak
 
 BLOCK = 512  # bytes: allocation granularity (CUDA's caching allocator rounds to 512 too)
 _CPU = torch.device("cpu")
+# Segments of dropped pools that some tensor (weak view or pool block) still viewed.
+_orphans: list[tuple[torch.Tensor, list[StorageWeakRef]]] = []
+
+
+def _prune_orphans() -> None:
+    _orphans[:] = [(seg, refs) for seg, refs in _orphans if any(not r.expired() for r in refs)]
+
+
+def _orphan(segments: dict[int, torch.Tensor], views: dict[int, list[StorageWeakRef]], blocks: dict) -> None:
+    """A pool was dropped: keep the memory of its segments that tensors still view."""
+    _prune_orphans()
+    for base, backing in segments.items():
+        refs = [r for r in views.get(base, ()) if not r.expired()]
+        refs += [b.live for b in blocks.values() if b.segment == base and b.live is not None and not b.live.expired()]
+        if refs:
+            _orphans.append((backing, refs))
 
 
 class _Block:
@@ -53,6 +70,7 @@ class SimPool:
         self._freed: list[int] = []  # addresses whose storage died, not yet merged (callbacks)
         self._views: dict[int, list[StorageWeakRef]] = {}  # segment -> weak views made of it
         self.peak_reserved = 0
+        weakref.finalize(self, _orphan, self.segments, self._views, self._blocks)
 
     # -- queries
 
@@ -142,6 +160,7 @@ class SimPool:
     def release_cached(self) -> int:
         """Give back every wholly free segment no weak view can still read; returns the bytes."""
         self._collect()
+        _prune_orphans()
         released = 0
         for base in list(self.segments):
             block = self._blocks[base]
