@@ -177,6 +177,9 @@ def release_cached(platform: Platform | None) -> int:
     """Give free pool memory back (after entries were dropped); returns the bytes released."""
     if platform is None:
         return 0
+    own = getattr(platform, "release_cached", None)  # a platform that knows its pools best
+    if own is not None:
+        return own()
     pool = getattr(platform, "pool", None)
     if hasattr(pool, "release_cached"):
         return pool.release_cached()
