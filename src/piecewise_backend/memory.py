@@ -40,7 +40,14 @@ def graphs_created() -> int:
 
 
 def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
-    """A test "was this tensor allocated in ``platform``'s graph pool?" (a capture-time tensor)."""
+    """A test "was this tensor allocated in ``platform``'s graph pool?" (a capture-time tensor).
+
+    Optional platform hooks used here: ``owns(t)`` (the simulated platform), ``pool`` (a
+    :class:`~.platforms.sim_pool.SimPool`, or a CUDA pool id), ``pools`` (CUDA ``MemPool``
+    objects), ``release_cached()``. A CUDA platform without ``owns`` is asked through one
+    ``torch.cuda.memory_snapshot()`` per capture: tensors outside its pools (a break's result
+    allocated outside the capture) stay strongly held, never weakened into memory nobody owns.
+    """
     owns = getattr(platform, "owns", None)
     if owns is not None:
         return owns
