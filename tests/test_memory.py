@@ -132,6 +132,22 @@ def test_per_piece_entries_pin_nothing_either(pool):
         assert_close(runner.run(input_ids=ids), model(ids))
 
 
+def test_entries_holding_strong_references_would_pin_every_size(pool):
+    # the counterfactual the weak views fix (kept as a benchmark switch): each size pins its own memory
+    from piecewise_backend.weak import strong_references
+
+    model = make_model(1, "break")
+    ladder = [8, 16, 24, 32]
+    weak = _capture(_runner(model, ladder)).memory_bytes
+    with strong_references():
+        runner = _runner(model, ladder)
+        strong = _capture(runner).memory_bytes
+    assert strong > 2 * weak, (strong, weak)
+    assert pool.allocated() > 0  # the strong entries hold their blocks
+    del runner
+    assert pool.allocated() == 0
+
+
 def test_clear_graphs_returns_the_memory_and_capture_works_again(pool):
     model = make_model(1, "break")
     runner = _runner(model, [4, 8])

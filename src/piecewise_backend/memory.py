@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
-from .weak import is_weak, weak_ref_tensor
+from .weak import is_weak, keep_strong, weak_ref_tensor
 
 if TYPE_CHECKING:
     from .platforms import Platform
@@ -102,6 +102,10 @@ def release_capture_memory(wrapper: Any, entry: Any) -> None:
     """
     from .capture import EagerSegment
 
+    _wrappers.add(wrapper)
+    _graphs_created[0] += entry.num_graphs
+    if keep_strong():
+        return
     weaken_one = _weakener(wrapper.platform)
     made: dict[int, tuple[Any, Any]] = {}
 
@@ -122,8 +126,6 @@ def release_capture_memory(wrapper: Any, entry: Any) -> None:
             seg.returned = [(i, weaken(t)) for i, t in seg.returned]
     for spec_tensor in entry.spec.tensors:  # an input an earlier graph produced (per-piece chains)
         spec_tensor.captured = weaken(spec_tensor.captured)
-    _wrappers.add(wrapper)
-    _graphs_created[0] += entry.num_graphs
 
 
 # ------------------------------------------------------------------ debug: poison stale outputs

@@ -10,6 +10,8 @@ as Inductor's CUDA graph trees do; pure PyTorch, no extension).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +24,22 @@ if not hasattr(torch._C, "_construct_storage_from_data_pointer"):  # pragma: no 
     )
 
 _WEAK_ATTR = "_pb_weak"
+_keep_strong = [False]
+
+
+@contextlib.contextmanager
+def strong_references() -> Iterator[None]:
+    """For benchmarks: captures made inside keep their tensors strongly, as before entries
+    held weak views, so the memory that change saves can be measured side by side."""
+    saved, _keep_strong[0] = _keep_strong[0], True
+    try:
+        yield
+    finally:
+        _keep_strong[0] = saved
+
+
+def keep_strong() -> bool:
+    return _keep_strong[0]
 
 
 def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
