@@ -137,15 +137,17 @@ def test_entries_holding_strong_references_would_pin_every_size(pool):
     from piecewise_backend.weak import strong_references
 
     model = make_model(1, "break")
-    ladder = [8, 16, 24, 32]
-    weak = _capture(_runner(model, ladder)).memory_bytes
-    with strong_references():
+    ladder = [8, 16, 24, 32, 40, 48, 56, 64]
+    platform = get_platform("simulated")
+    with fresh_pool(platform):
+        weak = _capture(_runner(model, ladder)).memory_bytes
+    with fresh_pool(platform) as strong_pool, strong_references():
         runner = _runner(model, ladder)
         strong = _capture(runner).memory_bytes
-    assert strong > 2 * weak, (strong, weak)
-    assert pool.allocated() > 0  # the strong entries hold their blocks
-    del runner
-    assert pool.allocated() == 0
+        assert strong_pool.allocated() > 0  # the strong entries hold their blocks
+        del runner
+        assert strong_pool.allocated() == 0
+    assert strong > 1.5 * weak, (strong, weak)  # far above the 1.25x goal the weak entries meet
 
 
 def test_clear_graphs_returns_the_memory_and_capture_works_again(pool):

@@ -29,8 +29,9 @@ _keep_strong = [False]
 
 @contextlib.contextmanager
 def strong_references() -> Iterator[None]:
-    """For benchmarks: captures made inside keep their tensors strongly, as before entries
-    held weak views, so the memory that change saves can be measured side by side."""
+    """For benchmarks: entries captured inside keep their capture-time tensors strongly, as
+    before they held weak views, so the memory that saves can be measured side by side (the
+    graphs themselves still pin nothing, as CUDA graphs do not)."""
     saved, _keep_strong[0] = _keep_strong[0], True
     try:
         yield

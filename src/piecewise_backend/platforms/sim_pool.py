@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..weak import keep_strong, mark_weak
+from ..weak import mark_weak
 
 BLOCK = 512  # bytes: allocation granularity (CUDA's caching allocator rounds to 512 too)
 _CPU = torch.device("cpu")
@@ -202,8 +202,6 @@ class SimPool:
 
     def weaken_ops(self, ops: list[Any]) -> list[Any]:
         """Recorded ops (``args``, ``kwargs``, ``fresh``) with their pool tensors held weakly."""
-        if keep_strong():
-            return ops
 
         made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its weak view)
 
