@@ -403,7 +403,9 @@ def test_cuda_inductor_pieces_capture_and_replay_in_a_runner():
     torch._dynamo.reset()
     model = tiny_mlp("cuda")
     compiled = torch.compile(model, backend="piecewise_breakable")
-    config = pb.CompilationConfig(cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="cuda", compile_pieces="eager")
+    config = pb.CompilationConfig(
+        cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="cuda", compile_pieces="eager"
+    )
     runner = pb.GraphRunner(compiled, config, inputs=[pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
     runner.capture(progress=False)
     for _ in range(2):

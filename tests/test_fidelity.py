@@ -137,7 +137,9 @@ def test_inductor_pieces_are_refused_at_capture():
     # only the GraphRunner's config says simulated.
     torch._dynamo.reset()
     compiled = torch.compile(tiny_mlp(), backend="piecewise_breakable")
-    config = pb.CompilationConfig(cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="simulated", compile_pieces="eager")
+    config = pb.CompilationConfig(
+        cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="simulated", compile_pieces="eager"
+    )
     runner = pb.GraphRunner(compiled, config, inputs=[pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
     with pytest.raises(UnrecordableError, match="Inductor") as info:
         runner.capture(progress=False)

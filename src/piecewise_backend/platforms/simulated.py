@@ -5,7 +5,8 @@ them into the same tensors. An op implemented in Python (a ``torch.library`` cus
 such as an attention kernel, or a composite decomposition) is not recorded as a whole: its
 implementation runs with the recorder active, so the ATen ops inside it are recorded,
 recursively, and a replay runs no Python at all, as a CUDA graph replays kernels, not the
-code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a real capture, recording does not count as running: when a segment ends,
+code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a
+real capture, recording does not count as running: when a segment ends,
 in-place writes to tensors that existed before it are undone and tensors it allocated are
 filled with garbage (NaN bits), so only a replay produces values. Host syncs raise as CUDA
 does while a stream is capturing, inside custom ops too. Work the recorder cannot see
