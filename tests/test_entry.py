@@ -171,3 +171,41 @@ def test_each_break_replays_in_the_grad_mode_it_ran_in():
         run(w, M.PIECEWISE, D8, x)
         assert m.modes == [True, True]  # eager: the second break runs after the model re-enabled grad
         assert torch.is_grad_enabled()
+
+
+def test_quickstart_pattern_capture_under_inference_mode_serve_under_no_grad():
+    from tests.helpers import make_model
+
+    torch.manual_seed(0)
+    model = make_model(2, "break")
+    config = SIM.replace(capture_sizes=[1, 2, 4, 8])
+    runner = pb.GraphRunner(model, config, [pb.StaticInput("ids")])
+    with torch.inference_mode():
+        runner.capture(progress=False)
+    with torch.no_grad():
+        for n, uniform in ((5, False), (4, True)):
+            ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n))
+            assert_close(runner.run(ids=ids, uniform_decode=uniform), model(ids))
+            assert runner.last_mode is (M.FULL if uniform else M.PIECEWISE)
+            assert torch.is_grad_enabled() is False and torch.is_inference_mode_enabled() is False
+
+
+@pb.eager_break
+def plain_attention(h: torch.Tensor) -> torch.Tensor:
+    return h * 2
+
+
+def test_grad_mode_set_by_a_segment_around_a_break_does_not_leak():
+    # the switches sit in graph segments (skipped on replay); the break only runs in the mode they set
+    def model(x):
+        torch._C._set_grad_enabled(False)
+        h = plain_attention(x + 1)
+        torch._C._set_grad_enabled(True)
+        return h - 1
+
+    w = pb.BreakableCUDAGraphWrapper(model, M.PIECEWISE, config=SIM)
+    x = x8()
+    with torch.enable_grad():
+        for _ in range(3):
+            assert_close(run(w, M.PIECEWISE, D8, x), (x + 1) * 2 - 1)
+            assert torch.is_grad_enabled()

@@ -176,20 +176,26 @@ def test_persistent_buffer_with_other_strides_raises():
 # ---------------------------------------------------------------- 9: never write into the caller's data
 
 
-def test_moved_input_never_written_and_graph_reads_a_wrapper_buffer():
+@pytest.mark.parametrize("platform", ["simulated", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_moved_input_never_written_and_graph_reads_a_wrapper_buffer(platform):
     """What a real CUDA graph does: it reads the address it captured. Capture with ``mine``,
     then overwrite ``mine`` and replay with ``other``: the replay must use ``other``'s data,
-    and ``mine`` must hold exactly what its owner put there."""
-    m = CountingMLP()
-    w = full(m)
-    mine = x8(0)
-    call(w, mine)
-    mine.fill_(123.0)  # the caller reuses its tensor
-    other = x8(5)
-    assert_close(call(w, other), m(other))
-    assert torch.equal(mine, torch.full((8, 8), 123.0))
-    mine.copy_(x8(7))  # updating the capture-time tensor in place is seen by the next replay
-    assert_close(call(w, mine), m(x8(7)))
+    and ``mine`` must hold exactly what its owner put there. (The CUDA run is the twin.)"""
+    device = "cuda" if platform == "cuda" else "cpu"
+    config = SIM if platform == "simulated" else pb.CompilationConfig(platform="cuda", compile_pieces="eager")
+    m = CountingMLP().to(device)
+    w = pb.CUDAGraphWrapper(m, M.FULL, config=config)
+    mine = x8(0).to(device)
+    with torch.no_grad():
+        call(w, mine)
+        mine.fill_(123.0)  # the caller reuses its tensor
+        other = x8(5).to(device)
+        assert_close(call(w, other), m(other))
+        assert torch.equal(mine, torch.full((8, 8), 123.0, device=device))
+        mine.copy_(x8(7))  # updating the capture-time tensor in place is seen by the next replay
+        assert_close(call(w, mine), m(x8(7).to(device)))
+    (static,) = w.entries[D8].static_inputs
+    assert static.data_ptr() not in (mine.data_ptr(), other.data_ptr())
 
 
 def test_validation_happens_before_any_copy():

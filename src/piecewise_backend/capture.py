@@ -100,7 +100,7 @@ class CaptureSession:
         self.segments: list[Graph | EagerSegment] = []
         self._recorder: Recorder | None = None
         self.start_grad = torch.is_grad_enabled()
-        self._grad_touched = False  # a break changed grad mode: later breaks may enter in another mode on replay
+        self.grad_touched = False  # a break changes grad mode on replay: later breaks may enter in another mode
 
     def begin(self) -> None:
         self._recorder = self.platform.begin()
@@ -125,8 +125,9 @@ class CaptureSession:
             out = fn(*args, **kwargs)
         finally:
             _state.in_break -= 1
-        force = before if before != self.start_grad or self._grad_touched else None
-        self._grad_touched |= torch.is_grad_enabled() != before
+        force = before if before != self.start_grad or self.grad_touched else None
+        # a forced break changes the mode on replay too: later breaks and the entry's end must set theirs
+        self.grad_touched |= force is not None or torch.is_grad_enabled() != before
         self.segments.append(EagerSegment(fn, args, kwargs, out, force))
         counters["breaks"] += 1
         self.begin()

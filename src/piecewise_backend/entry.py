@@ -52,10 +52,13 @@ class GraphEntry:
     """
 
     __slots__ = ("segments", "spec", "output", "output_leaves", "output_spec", "_rebuild", "inference",
-                 "requires_grad")
+                 "requires_grad", "_guard_grad")
 
-    def __init__(self, segments: list[Graph | EagerSegment], spec: InputSpec, output: Any):
+    def __init__(self, segments: list[Graph | EagerSegment], spec: InputSpec, output: Any, grad_touched: bool = True):
         self.segments, self.spec = segments, spec
+        # Only a break (Python) can change grad mode during a replay: without one that did at capture,
+        # the replay skips saving and restoring it.
+        self._guard_grad = grad_touched
         leaves, self.output_spec = tree_flatten(output)
         self.requires_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
         if self.requires_grad:  # the capture's autograd graph describes a run on garbage: drop it
@@ -89,18 +92,11 @@ class GraphEntry:
     def replay(self, args: tuple, kwargs: dict) -> Any:
         """Validate and stage the inputs, replay every segment, return a fresh output container."""
         written = self.spec.prepare(args, kwargs)
-        grad = torch.is_grad_enabled()
-        try:
-            if self.inference and not torch.is_inference_mode_enabled():
-                with torch.inference_mode():
-                    for seg in self.segments:
-                        seg.replay()
-            else:
-                for seg in self.segments:
-                    seg.replay()
-        finally:
-            if torch.is_grad_enabled() is not grad:
-                torch._C._set_grad_enabled(grad)
+        if self._guard_grad or (self.inference and not torch.is_inference_mode_enabled()):
+            self.run()
+        else:
+            for seg in self.segments:
+                seg.replay()
         if written:
             self.spec.copy_back(written)
         if self._rebuild or self.requires_grad:

@@ -174,7 +174,7 @@ class _GraphWrapper:
         # Under FULL nothing breaks: attention is part of the one graph.
         session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
         output = run_session(session, self.runnable, bound_args, bound_kwargs)
-        entry = GraphEntry(session.segments, spec, output)
+        entry = GraphEntry(session.segments, spec, output, grad_touched=session.grad_touched)
         del output
         if self.config.debug_checks:
             poison_stale_outputs(self, mode.value, desc, entry)
