@@ -69,6 +69,8 @@ else
   echo "no time left for the benchmarks" | tee "$LOGS/bench.log"
 fi
 
+[ "$(left)" -gt 60 ] && timeout -k 10 "$(( $(left) - 30 ))" "$PY" benchmarks/bench_memory.py --cuda --quick 2>&1 | tee -a "$LOGS/bench.log"  # graph memory: ladder vs largest, estimate (issue 11)
+
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
   cp "$DOC" "$OUT/benchmarks.md" 2>/dev/null
   for f in env pip cuda_tests bench; do cp "$LOGS/$f.log" "$OUT/$f.log" 2>/dev/null; done

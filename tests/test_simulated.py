@@ -84,13 +84,20 @@ def test_allocations_are_not_replayed_but_keep_their_memory(sim):
     assert all("empty" not in str(op.func) for op in graph.ops)
 
 
-def test_recorded_ops_are_the_memory_measure(sim):
-    before = sim.memory()
-    rec = sim.begin()
-    torch.ones(2) + 1
-    rec.end()
-    assert sim.memory() > before
-    assert "ATen ops" in sim.describe(sim.memory() - before)
+def test_pool_bytes_are_the_memory_measure(sim):
+    from piecewise_backend.platforms.sim_pool import SimPool
+
+    saved, sim.pool = sim.pool, SimPool()
+    x = torch.ones(2)
+    try:
+        with sim.capture_scope():
+            rec = sim.begin()
+            kept = x + 1
+            rec.end()
+        assert sim.memory() == 512 and sim.owns(kept)  # one 512-byte block of the shared pool
+        assert "MiB of simulated graph pool" in sim.describe(sim.memory())
+    finally:
+        sim.pool = saved
 
 
 @pytest.mark.parametrize(

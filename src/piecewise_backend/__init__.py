@@ -18,3 +18,4 @@ __version__ = "0.1.0"
 from .assembly import clear_graphs
 from .inputs import mark_persistent
 from .platforms.cuda import CaptureInvalidatedError
+from .weak import is_weak, weak_ref_tensor, weak_ref_tensors

@@ -25,6 +25,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from .weak import is_weak
+
 # Values a graph bakes in that compare by value; anything else non-tensor compares by identity.
 _VALUE_TYPES = (
     bool, int, float, complex, str, bytes, type(None), type(Ellipsis), enum.Enum,
@@ -52,8 +54,8 @@ def mark_persistent(*tensors: torch.Tensor) -> None:
 
 def is_persistent(t: torch.Tensor) -> bool:
     """True for parameters, Dynamo static addresses, and storages passed to :func:`mark_persistent`."""
-    if isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None):
-        return True
+    if isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) or is_weak(t):
+        return True  # a weak tensor is graph memory: a replay's output, read in place by later graphs
     storage = t.untyped_storage()
     ref = _persistent.get(storage.data_ptr())
     if ref is None:

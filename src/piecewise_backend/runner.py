@@ -25,6 +25,7 @@ from .config import CompilationConfig, effective_mode
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
 from .inputs import mark_persistent
+from .memory import estimate_capture_memory, graphs_created
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
 from .platforms import get_platform, resolve_platform_name, warmup_scope
@@ -43,9 +44,15 @@ from .static_inputs import (
 
 @dataclasses.dataclass
 class CaptureReport:
-    graphs: int
+    graphs: int  # (mode, descriptor) entries captured; ``descriptors`` names it plainly
     seconds: float
     stats: str
+    memory_bytes: int = 0  # graph pool bytes this capture added
+    graph_segments: int = 0  # graphs the platform made: a breakable entry has one per segment
+
+    @property
+    def descriptors(self) -> int:
+        return self.graphs
 
 
 class GraphRunner:
@@ -226,24 +233,42 @@ class GraphRunner:
         before = platform.memory() if platform else 0
         for name, buf in self.buffers.items():
             buf.fill_(self.inputs[name].pad)
+        segments_before = graphs_created()
         start = time.perf_counter()
         with bulk_capture(), _progress(total, progress) as bar:
             for mode, descs in plan:
                 for desc in descs:
-                    views = self._views(desc.num_tokens)
-                    for _ in range(self.config.num_warmups):
-                        for v in views.values():
-                            torch._dynamo.maybe_mark_dynamic(v, 0)
-                        with warmup_scope(platform):  # on the capture stream (CUDA)
-                            self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
-                    self._call(views, mode, desc, {}, capturing=True)
+                    self._capture_one(mode, desc, platform)
                     bar.update(1)
                     bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
-        stats = platform.describe(platform.memory() - before) if platform else "no graphs"
-        self.report = CaptureReport(total, time.perf_counter() - start, stats)
+        added = platform.memory() - before if platform else 0
+        stats = platform.describe(added) if platform else "no graphs"
+        self.report = CaptureReport(total, time.perf_counter() - start, stats, added, graphs_created() - segments_before)
         logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
         self.capture_closed = disable_after
         return self.report
+
+    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
+        """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
+        views = self._views(desc.num_tokens)
+        for _ in range(self.config.num_warmups):
+            for v in views.values():
+                torch._dynamo.maybe_mark_dynamic(v, 0)
+            with warmup_scope(platform):  # on the capture stream (CUDA)
+                self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
+        self._call(views, mode, desc, {}, capturing=True)
+
+    def estimate_capture_memory(self) -> int:
+        """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the
+        largest descriptor of each mode is captured into a scratch pool, which is then released."""
+
+        platform_name = resolve_platform_name(self.config.platform)
+        platform = get_platform(platform_name) if platform_name else None
+
+        def capture_one(mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+            self._capture_one(mode, desc, platform)
+
+        return estimate_capture_memory(self, capture_one)
 
 
 class _NoBar:

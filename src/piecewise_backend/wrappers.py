@@ -20,6 +20,7 @@ from .config import CompilationConfig
 from .context import _CONTEXT, BatchDescriptor, ForwardContext
 from .entry import GraphEntry
 from .inputs import InputSpec
+from .memory import poison_stale_outputs, release_cached, release_capture_memory
 from .modes import CUDAGraphMode
 from .observability import counters, eager_counts, logger
 from .platforms import Platform, get_platform, resolve_platform_name, warm_up
@@ -138,6 +139,8 @@ class _GraphWrapper:
             entry = self._by_mode[ctx._mode_index].get(desc)
             if entry is None:
                 return self._capture(ctx, args, kwargs)
+            if self.config.debug_checks:
+                poison_stale_outputs(self, ctx._mode_index, desc, entry)
             out = entry.replay(args, kwargs)
         finally:
             self._busy.release()
@@ -173,6 +176,9 @@ class _GraphWrapper:
         session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
         output = run_session(session, self.runnable, bound_args, bound_kwargs)
         entry = GraphEntry(session.segments, spec, output, grad_touched=session.grad_touched)
+        del output
+        if self.config.debug_checks:
+            poison_stale_outputs(self, mode.value, desc, entry)
         entry.run()  # a capture does not execute: replay once so this call returns real values
         leaves = spec.leaves(args, kwargs)
         spec.note_writes(leaves)
@@ -183,7 +189,9 @@ class _GraphWrapper:
         counters["captures"] += 1
         counters["replays"] += 1
         logger.debug("%s captured %s (%s): %d segments", type(self).__name__, desc, mode.name, len(entry.segments))
-        return entry.result()
+        result = entry.result()  # the caller gets the capture-time tensors: alive while it uses them,
+        release_capture_memory(self, entry)  # while the entry keeps them only weakly
+        return result
 
     def unwrap(self) -> Any:
         """The innermost runnable below this library's wrappers."""
@@ -197,6 +205,7 @@ class _GraphWrapper:
         """Drop every captured entry (and its graph memory), in every mode."""
         for d in self._by_mode:
             d.clear()
+        release_cached(self._platform)  # give back the pool memory no graph uses any more
 
     def __repr__(self) -> str:
         mode = "any" if self.runtime_mode is None else self.runtime_mode.name

@@ -12,6 +12,8 @@ filled with garbage (NaN bits), so only a replay produces values. Host syncs rai
 does while a stream is capturing, inside custom ops too. Work the recorder cannot see
 (fused Inductor kernels, anything that bypasses the dispatcher) is refused at capture
 time by the checks in :mod:`.sim_checks`.
+Tensors created during a capture come from one shared pool (:mod:`.sim_pool`); a finished
+graph holds them only weakly.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import fresh_outputs
 from .sim_checks import check_caller, refuse, validate_segment
+from .sim_pool import PoolMode, SimPool
 
 _HOST_SYNC = {
     torch.ops.aten._local_scalar_dense.default,
@@ -253,8 +256,10 @@ class _SimRecorder:
         self._close()
         graph = SimulatedGraph(self.mode.ops)
         if self.platform.validate:
-            validate_segment(self.mode, graph, self.rng)  # raises, leaving the capture undone, if unfaithful
+            with self.platform.pool_paused():  # the check's replay is not the program's allocation
+                validate_segment(self.mode, graph, self.rng)  # raises, leaving the capture undone, if unfaithful
         self.mode.undo()  # a capture does not execute
+        self.platform.pool.weaken_ops(graph.ops)  # the graph pins no pool memory
         self.platform.recorded_ops += len(graph)
         return graph
 
@@ -274,6 +279,8 @@ class SimulatedPlatform:
 
     def __init__(self) -> None:
         self.recorded_ops = 0
+        self.pool = SimPool()  # every graph shares it, as on CUDA
+        self._pool_mode: PoolMode | None = None  # set while a capture scope is open
         # Knobs for benchmarks and debugging only: the defaults are what makes the simulator faithful.
         self.record_inside_ops = True  # False: record a custom op whole and re-run its Python on replay
         self.validate = True  # False: skip the checks that refuse unrecordable work (sim_checks)
@@ -281,16 +288,36 @@ class SimulatedPlatform:
 
     @contextlib.contextmanager
     def capture_scope(self) -> Iterator[None]:
-        yield
+        self._pool_mode = PoolMode(self.pool)
+        try:
+            with self._pool_mode:  # segments and the breaks between them allocate in the pool
+                yield
+        finally:
+            self._pool_mode = None
+
+    @contextlib.contextmanager
+    def pool_paused(self) -> Iterator[None]:
+        mode = self._pool_mode
+        if mode is None:
+            yield
+            return
+        paused, mode.paused = mode.paused, True
+        try:
+            yield
+        finally:
+            mode.paused = paused
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self.pool.owns(t)
 
     def begin(self) -> _SimRecorder:
         return _SimRecorder(self)
 
     def memory(self) -> int:
-        return self.recorded_ops
+        return self.pool.reserved()
 
     def describe(self, amount: int) -> str:
-        return f"{amount} ATen ops recorded"
+        return f"{amount / 2**20:.2f} MiB of simulated graph pool ({self.recorded_ops} ATen ops recorded in all)"
 
     def mark_host(self, t: torch.Tensor) -> None:
         """``t`` was made from Python data (``torch.tensor(x)``): on a GPU machine it lives on the host."""
