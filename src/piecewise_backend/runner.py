@@ -25,6 +25,7 @@ from .config import CompilationConfig
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
 from .modes import AttentionGraphSupport, CUDAGraphMode
+from . import parallel as _parallel
 from .observability import logger
 from .platforms import cuda as _cuda_platform
 from .platforms import get_platform, resolve_platform_name
@@ -145,6 +146,8 @@ class GraphRunner:
             logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
             mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
         self.last_mode = mode
+        if self.config.debug_checks:
+            _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
         if mode == CUDAGraphMode.NONE:
             return self._call(batch, mode, desc, context or {})
         padded = desc.num_tokens
@@ -184,7 +187,8 @@ class GraphRunner:
                             for v in views.values():
                                 torch._dynamo.maybe_mark_dynamic(v, 0)
                             self._call(views, CUDAGraphMode.NONE, desc, {})
-                        self._call(views, mode, desc, {})
+                        with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
+                            self._call(views, mode, desc, {})
                         bar.update(1)
                         bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
         finally:

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import fresh_outputs
+from . import fresh_outputs, sim_collectives
 
 _HOST_SYNC = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
@@ -77,7 +77,16 @@ class _RecordingMode(TorchDispatchMode):
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if sim_collectives.has_subclass(types):  # DTensor & co: record the plain ops they desugar into
+            return sim_collectives.dispatch_subclass(func, types, args, kwargs or {})
         kwargs = kwargs or {}
+        if func.namespace in sim_collectives.NAMESPACES:
+            out, collective = sim_collectives.record(func, args, kwargs, len(self.ops))
+            if collective is not None:
+                self.ops.append(_Op(collective.replay, (), {}, []))
+                for t in collective.outputs:
+                    self.allocated.setdefault(_storage_key(t), t)
+            return out
         if func in _HOST_SYNC or (any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS) and _data_dependent(func, args)):
             raise RuntimeError(
                 f"operation not permitted when stream is capturing: {func} needs the host to read device "
