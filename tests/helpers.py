@@ -198,3 +198,62 @@ class FlakyBreakModel(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(self.flaky(self.l1(x)))
+
+
+# --- simulator fidelity helpers (test_fidelity.py and its CUDA twins in test_cuda.py) ---
+
+OP_CALLS: dict[str, int] = {"scale": 0}
+
+
+@torch.library.custom_op("pb_test::scale_from_context", mutates_args=("out",))
+def scale_from_context(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Attention-like: reads per-step metadata (``scale``, a tensor) from the forward context."""
+    OP_CALLS["scale"] += 1
+    out.copy_(x * pb.get_forward_context().scale)
+
+
+@torch.library.custom_op("pb_test::sync_inside", mutates_args=())
+def sync_inside(x: torch.Tensor) -> torch.Tensor:
+    """A host sync hidden inside a custom op."""
+    return x * int(x.sum().item())
+
+
+@sync_inside.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class ContextScale(torch.nn.Module):
+    """The issue-9 repro: ``x`` scaled by the context's ``scale`` tensor inside a custom op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        torch.ops.pb_test.scale_from_context(x, out)
+        return out
+
+
+@pb.eager_break
+def scale_break(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    torch.ops.pb_test.scale_from_context(x, out)
+    return out
+
+
+class ContextScaleBreak(torch.nn.Module):
+    """Like :class:`ContextScale`, with the scaling op as a break point."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scale_break(x + 1) * 2
+
+
+@torch.library.custom_op("pb_test::raw_double", mutates_args=("out",))
+def raw_double(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Stands for a C++ kernel writing through raw pointers: the write never reaches the dispatcher."""
+    with torch._C._DisableTorchDispatch():
+        out.copy_(x * 2)
+
+
+def tiny_mlp(device: str = "cpu") -> torch.nn.Module:
+    """Linear -> ReLU -> Linear (8 wide): Inductor fuses the ReLU into a C++ kernel on the CPU."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).to(device).eval()

@@ -293,3 +293,156 @@ def test_cuda_compile_free_break_attention():
     for _ in range(3):
         static.copy_(torch.randint(0, 128, (8,), device="cuda", generator=gen))
         assert_close(run(w, M.PIECEWISE, D8, static), model(static), **TOL)
+
+
+# ---------------------------------------------------------------- fidelity twins (tests/test_fidelity.py)
+# Each asserts on a GPU what its simulated twin asserts on the CPU, except where the simulator
+# refuses what it cannot record (Inductor, raw kernels): there the GPU captures and replays right.
+
+from tests.helpers import OP_CALLS, ContextScale, ContextScaleBreak, tiny_mlp  # noqa: E402
+
+D4 = pb.BatchDescriptor(4)
+
+
+def _cuda_full(value: float) -> torch.Tensor:
+    return torch.full((4,), value, device="cuda")
+
+
+def _warm_ctx(w, x, **attrs):
+    out = run(w, M.NONE, None, x, **attrs)
+    torch.cuda.synchronize()
+    return out
+
+
+def test_cuda_full_replay_reads_the_capture_time_metadata_tensor():
+    w = full(ContextScale())
+    x = torch.ones(4, device="cuda")
+    captured = _cuda_full(2.0)
+    _warm_ctx(w, x, scale=captured)
+    assert_close(run(w, M.FULL, D4, x, scale=captured), _cuda_full(2.0))
+    calls = OP_CALLS["scale"]
+    assert_close(run(w, M.FULL, D4, x, scale=_cuda_full(3.0)), _cuda_full(2.0))
+    assert OP_CALLS["scale"] == calls
+
+
+def test_cuda_full_replay_sees_in_place_update_of_persistent_metadata_buffer():
+    w = full(ContextScale())
+    x, buf = torch.ones(4, device="cuda"), _cuda_full(2.0)
+    _warm_ctx(w, x, scale=buf)
+    assert_close(run(w, M.FULL, D4, x, scale=buf), _cuda_full(2.0))
+    buf.fill_(3.0)
+    assert_close(run(w, M.FULL, D4, x, scale=buf), _cuda_full(3.0))
+    x.fill_(2.0)
+    assert_close(run(w, M.FULL, D4, x, scale=buf), _cuda_full(6.0))
+
+
+def test_cuda_piecewise_break_reads_this_steps_context():
+    w = breakable(ContextScaleBreak())
+    x = torch.zeros(4, device="cuda")
+    _warm_ctx(w, x, scale=_cuda_full(2.0))
+    assert_close(run(w, M.PIECEWISE, D4, x, scale=_cuda_full(2.0)), _cuda_full(4.0))
+    assert_close(run(w, M.PIECEWISE, D4, x, scale=_cuda_full(3.0)), _cuda_full(6.0))
+
+
+def test_cuda_break_under_full_is_captured_like_any_op():
+    w = breakable(ContextScaleBreak())
+    x, buf = torch.zeros(4, device="cuda"), _cuda_full(2.0)
+    _warm_ctx(w, x, scale=buf)
+    assert_close(run(w, M.FULL, D4, x, scale=buf), _cuda_full(4.0))
+    assert_close(run(w, M.FULL, D4, x, scale=_cuda_full(3.0)), _cuda_full(4.0))
+    buf.fill_(5.0)
+    assert_close(run(w, M.FULL, D4, x, scale=buf), _cuda_full(10.0))
+
+
+def test_cuda_composite_implicit_op_is_captured_inside():
+    calls = []
+
+    def impl(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * pb.get_forward_context().scale
+
+    lib = torch.library.Library("pb_fidelity_cuda", "FRAGMENT")
+    lib.define("ctx_scale(Tensor x) -> Tensor")
+    lib.impl("ctx_scale", impl, "CompositeImplicitAutograd")
+    w = full(lambda x: torch.ops.pb_fidelity_cuda.ctx_scale(x) + 0)
+    x = torch.ones(4, device="cuda")
+    _warm_ctx(w, x, scale=_cuda_full(2.0))
+    calls.clear()
+    assert_close(run(w, M.FULL, D4, x, scale=_cuda_full(2.0)), _cuda_full(2.0))
+    assert_close(run(w, M.FULL, D4, x, scale=_cuda_full(3.0)), _cuda_full(2.0))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
+def test_cuda_host_sync_inside_custom_op_raises(mode):
+    w = breakable(lambda x: torch.ops.pb_test.sync_inside(x) + 1)
+    x = torch.ones(4, device="cuda")
+    warm(w, x)
+    with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+        run(w, mode, D4, x)
+    assert w.entries == {} and not capture_active()
+    assert not torch.cuda.is_current_stream_capturing()
+    assert_close(run(w, M.NONE, None, x), x * 4 + 1)
+
+
+def test_cuda_kernel_bypassing_the_dispatcher_is_captured():
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        torch.ops.pb_test.raw_double(x + 1, out)
+        return out
+
+    w = full(fn)
+    x = torch.ones(4, device="cuda")
+    warm(w, x)
+    assert_close(run(w, M.FULL, D4, x), _cuda_full(4.0))
+    x.fill_(2.0)
+    assert_close(run(w, M.FULL, D4, x), _cuda_full(6.0))
+
+
+def test_cuda_inductor_pieces_capture_and_replay_in_a_runner():
+    torch._dynamo.reset()
+    model = tiny_mlp("cuda")
+    compiled = torch.compile(model, backend="piecewise_breakable")
+    config = pb.CompilationConfig(
+        cudagraph_mode="PIECEWISE", capture_sizes=[4], platform="cuda", compile_pieces="eager"
+    )
+    runner = pb.GraphRunner(compiled, config, inputs=[pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
+    runner.capture(progress=False)
+    for _ in range(2):
+        x = torch.randn(4, 8, device="cuda")
+        assert_close(runner.run(x=x), model(x), **TOL)
+
+
+def test_cuda_whole_graph_inductor_captures_and_replays():
+    torch._dynamo.reset()
+    model = tiny_mlp("cuda")
+    w = full(torch.compile(model))
+    x = torch.randn(4, 8, device="cuda")
+    warm(w, x)
+    assert_close(run(w, M.FULL, D4, x), model(x), **TOL)
+    x.copy_(torch.randn(4, 8, device="cuda"))
+    assert_close(run(w, M.FULL, D4, x), model(x), **TOL)
+
+
+@pytest.mark.parametrize("mode", [M.PIECEWISE, M.FULL])
+def test_cuda_dynamic_toy_model_reads_lifted_eps_on_the_host(mode):
+    torch._dynamo.reset()
+    model = make_model(num_layers=1, attention="inplace", device="cuda")
+    compiled = torch.compile(model, backend=pb.make_backend(CFG), dynamic=True)
+    w = breakable(compiled)
+    ids = torch.randint(0, 128, (8,), device="cuda")
+    warm(w, ids)
+    assert_close(run(w, mode, D8, ids), model(ids), **TOL)
+    ids.copy_(torch.randint(0, 128, (8,), device="cuda"))
+    assert_close(run(w, mode, D8, ids), model(ids), **TOL)
+
+
+def test_cuda_item_of_a_device_scalar_raises():
+    step = torch.zeros((), device="cuda")
+    for fn in (lambda x: x * step.item(), lambda x: x * (x.sum() + step).item()):
+        w = full(fn)
+        x = torch.ones(4, device="cuda")
+        warm(w, x)
+        with pytest.raises(RuntimeError, match="capturing"):
+            run(w, M.FULL, D4, x)
+        assert w.entries == {} and not torch.cuda.is_current_stream_capturing()

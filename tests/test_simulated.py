@@ -9,8 +9,9 @@ from torch.testing import assert_close
 import piecewise_backend as pb
 from piecewise_backend.capture import capture_active
 from piecewise_backend.platforms import get_platform
+from piecewise_backend.platforms.sim_checks import UnrecordableError
 from piecewise_backend.platforms.simulated import SimulatedGraph
-from tests.helpers import SIM, StepCounter, TwoBreakModel, run, segment_kinds
+from tests.helpers import SIM, double_into, StepCounter, TwoBreakModel, run, segment_kinds
 
 M = pb.CUDAGraphMode
 D4 = pb.BatchDescriptor(4)
@@ -107,6 +108,115 @@ def test_host_sync_during_segment_raises(sim, sync):
     try:
         with pytest.raises(RuntimeError, match="capturing"):
             sync(t)
+    finally:
+        rec.abort()
+
+
+# ---------------------------------------------------------------- recording inside ops
+
+
+@torch.library.custom_op("pb_test::nested_double_plus_one", mutates_args=())
+def nested_double_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.pb_test.double(x) + 1
+
+
+def test_custom_ops_are_recorded_as_their_aten_ops_recursively(sim):
+    x, out = torch.arange(4.0), torch.zeros(4)
+    rec = sim.begin()
+    double_into(x, out)  # mutating custom op
+    fresh = nested_double_plus_one(x)  # custom op calling a custom op
+    graph = rec.end()
+    assert {op.func.namespace for op in graph.ops} == {"aten"}
+    assert_close(out, torch.zeros(4))  # capture did not execute
+    assert torch.isnan(fresh).all()
+    graph.replay()
+    assert_close(out, x * 2)
+    assert_close(fresh, x * 2 + 1)
+    x.fill_(1.0)
+    graph.replay()
+    assert_close(out, torch.full((4,), 2.0))
+    assert_close(fresh, torch.full((4,), 3.0))
+
+
+def test_custom_op_with_a_cpp_kernel_is_recorded_whole(sim):
+    # A compiled kernel (here fbgemm's) replays without Python: recording it whole is faithful,
+    # while expanding it would miss its raw writes.
+    w = torch.randn(4, 8)
+    rec = sim.begin()
+    packed = torch.ops.quantized.embedding_bag_byte_prepack(w)
+    graph = rec.end()
+    assert [op.func.name() for op in graph.ops] == ["quantized::embedding_bag_byte_prepack"]
+    w.mul_(2)
+    graph.replay()
+    assert torch.equal(packed, torch.ops.quantized.embedding_bag_byte_prepack(w))
+
+
+def test_tensor_subclass_desugars_before_recording(sim):
+    # A subclass (DTensor, here TwoTensor) must reach the recorder as the plain ops it runs.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.arange(4.0), torch.ones(4)
+    t = TwoTensor(a, b)
+    rec = sim.begin()
+    out = t * 2
+    graph = rec.end()
+    assert all(type(x) is torch.Tensor for op in graph.ops for x in op.args if isinstance(x, torch.Tensor))
+    a.fill_(5.0)
+    graph.replay()
+    assert_close(out.a, torch.full((4,), 10.0))
+    assert_close(out.b, torch.full((4,), 2.0))
+
+
+def test_empty_holds_garbage_during_capture_too(sim):
+    rec = sim.begin()
+    buf = torch.empty(3)
+    seen = buf.clone()
+    rec.end()
+    assert torch.isnan(seen).all()  # what a kernel reading unwritten graph memory would see
+
+
+def test_item_of_host_scalar_made_from_python_data_is_allowed(sim):
+    # torch.tensor(float) builds a host tensor (Dynamo does this for lifted float attributes).
+    device_scalar = torch.ones(())
+    rec = sim.begin()
+    try:
+        eps = torch.tensor(1e-6)
+        assert eps.item() == pytest.approx(1e-6)
+        with pytest.raises(RuntimeError, match="capturing"):
+            device_scalar.item()
+        with pytest.raises(RuntimeError, match="capturing"):
+            (eps * 2).item()  # computed during the capture: device memory
+    finally:
+        rec.abort()
+
+
+@torch.library.custom_op("pb_test::hidden_add_one", mutates_args=("out",))
+def hidden_add_one(out: torch.Tensor) -> None:
+    with torch._C._DisableTorchDispatch():  # a write the dispatcher never sees, as from raw pointers
+        out.add_(1)
+
+
+def test_hidden_write_to_declared_output_is_refused_and_undone(sim):
+    pre = torch.zeros(4)
+    rec = sim.begin()
+    hidden_add_one(pre)
+    with pytest.raises(UnrecordableError, match="did not reproduce 1 of the 1 tensors"):
+        rec.end()
+    assert_close(pre, torch.zeros(4))
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+@torch.library.custom_op("pb_test::hidden_fresh", mutates_args=())
+def hidden_fresh(x: torch.Tensor) -> torch.Tensor:
+    with torch._C._DisableTorchDispatch():
+        return x + 1
+
+
+def test_custom_op_result_made_behind_the_dispatcher_is_refused(sim):
+    rec = sim.begin()
+    try:
+        with pytest.raises(UnrecordableError, match="no recorded ATen op produced"):
+            hidden_fresh(torch.ones(2))
     finally:
         rec.abort()
 

@@ -21,6 +21,8 @@ Tensor subclasses (DTensor, AsyncCollectiveTensor) are not recorded: the recorde
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +35,19 @@ _PASS_THROUGH = ("wait_tensor", "_wrap_tensor_autograd")
 
 # How many collectives the simulator recorded and replayed in this process (tests read it).
 stats = {"recorded": 0, "replayed": 0}
+_validating = False
+Register = Callable[[torch.Tensor], torch.Tensor]
+
+
+@contextlib.contextmanager
+def validating() -> Iterator[None]:
+    """While the recorder checks a segment by replaying it, collectives do what capture did: no communication."""
+    global _validating
+    saved, _validating = _validating, True
+    try:
+        yield
+    finally:
+        _validating = saved
 
 
 def dispatch_subclass(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
@@ -52,8 +67,12 @@ def has_subclass(types: Any) -> bool:
     return any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types)
 
 
-def record(func: Any, args: tuple, kwargs: dict, index: int) -> tuple[Any, CollectiveOp | None]:
-    """Run ``func`` (of :data:`NAMESPACES`) as a capture would: ``(output, op to replay or None)``."""
+def record(func: Any, args: tuple, kwargs: dict, index: int, register: Register) -> tuple[Any, CollectiveOp | None]:
+    """Run ``func`` (of :data:`NAMESPACES`) as a capture would: ``(output, op to replay or None)``.
+
+    ``register`` is the recorder's hook for memory allocated during the segment; it returns
+    the tensor the program gets (a pool may hand back its own), which replays write into.
+    """
     if func.namespace == "c10d":
         raise RuntimeError(
             f"operation not permitted when stream is capturing: {func} is an eager torch.distributed "
@@ -63,7 +82,7 @@ def record(func: Any, args: tuple, kwargs: dict, index: int) -> tuple[Any, Colle
         )
     if func._schema.name.split("::")[1] in _PASS_THROUGH:
         return func(*args, **kwargs), None
-    return CollectiveOp.record(func, args, kwargs, index)
+    return CollectiveOp.record(func, args, kwargs, index, register)
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -79,20 +98,26 @@ class CollectiveOp:
         self.func, self.args, self.kwargs, self.outputs, self.index = func, args, kwargs, outputs, index
 
     @classmethod
-    def record(cls, func: Any, args: tuple, kwargs: dict, index: int) -> tuple[Any, CollectiveOp]:
+    def record(cls, func: Any, args: tuple, kwargs: dict, index: int, register: Register) -> tuple[Any, CollectiveOp]:
         """Allocate the collective's result without communicating (a capture does not execute)."""
         device = next(t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
         meta = func(*tree_map_only(torch.Tensor, _to_meta, args), **tree_map_only(torch.Tensor, _to_meta, kwargs))
-        out = tree_map_only(
-            torch.Tensor, lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device), meta
-        )
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        for t in outputs:
+
+        def allocate(m: torch.Tensor) -> torch.Tensor:
+            t = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device)
             t.untyped_storage().fill_(0xFF)  # NaN bits: nothing was communicated yet
+            return register(t)
+
+        out = tree_map_only(torch.Tensor, allocate, meta)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         stats["recorded"] += 1
         return out, cls(func, args, kwargs, outputs, index)
 
     def replay(self) -> None:
+        if _validating:  # the simulator's own check of the segment: redo what the capture did
+            for t in self.outputs:
+                t.untyped_storage().fill_(0xFF)
+            return
         stats["replayed"] += 1
         try:
             fresh = self.func(*self.args, **self.kwargs)

@@ -1,15 +1,26 @@
 """Simulated platform: CUDA graph semantics on the CPU, for tests and CI.
 
 A segment records the ATen ops run while it is open (a TorchDispatchMode) and replays
-them into the same tensors. Like a real capture, recording does not count as running:
-when a segment ends, in-place writes to tensors that existed before it are undone and
-tensors it allocated are filled with garbage (NaN bits), so only a replay produces values.
-Host syncs raise as CUDA does while a stream is capturing.
+them into the same tensors. An op implemented in Python (a ``torch.library`` custom op
+such as an attention kernel, or a composite decomposition) is not recorded as a whole: its
+implementation runs with the recorder active, so the ATen ops inside it are recorded,
+recursively, and a replay runs no Python at all, as a CUDA graph replays kernels, not the
+code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a
+real capture, recording does not count as running: when a segment ends,
+in-place writes to tensors that existed before it are undone and tensors it allocated are
+filled with garbage (NaN bits), so only a replay produces values. Host syncs raise as CUDA
+does while a stream is capturing, inside custom ops too. Work the recorder cannot see
+(fused Inductor kernels, anything that bypasses the dispatcher) is refused at capture
+time by the checks in :mod:`.sim_checks`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
+import re
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,24 +29,83 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import fresh_outputs, sim_collectives
+from .sim_checks import check_caller, refuse, validate_segment
 
-_HOST_SYNC = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+_HOST_SYNC = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+}
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
-_NO_REPLAY = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
-
-
+_ALLOCATIONS = {
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::empty_permuted",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+}
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+_NATIVE_NAMESPACES = {"aten"}
+_HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+_PY_SITE = re.compile(r"registered at \S+\.py:\d+")
 
 
-def _data_dependent(func: Any, args: tuple) -> bool:
+class OpKind(enum.Enum):
+    HOST_SYNC = "host sync"  # the host reads device data: illegal while capturing
+    ALLOCATION = "allocation"  # empty*: memory with no values, nothing to replay
+    NATIVE = "native"  # an ATen op or a C++ kernel: recorded, replayed as it is (no Python runs)
+    OPAQUE = "opaque"  # an op implemented in Python: its implementation runs under the recorder
+
+
+def classify(func: Any, args: tuple) -> OpKind:
+    """What the recorder does with ``func``: the one place an op is classified."""
+    if func in _HOST_SYNC:
+        return OpKind.HOST_SYNC
+    schema_name = func._schema.name
+    if any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS) and _data_dependent(schema_name, args):
+        return OpKind.HOST_SYNC
+    if schema_name in _ALLOCATIONS:
+        return OpKind.ALLOCATION
+    if func.namespace in _NATIVE_NAMESPACES:
+        return OpKind.NATIVE
+    name = func.name()
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA) or _python_kernel(name):
+        return OpKind.OPAQUE
+    return OpKind.NATIVE
+
+
+@functools.cache
+def _python_kernel(name: str) -> bool:
+    # The dispatcher records where each kernel was registered: "<file>.py:<line>" for a Python
+    # one (torch.library, custom_op), a C++ source for compiled kernels such as vLLM's or fbgemm's.
+    for line in torch._C._dispatch_dump_table(name).splitlines():
+        if line.startswith("CPU:"):
+            return _PY_SITE.search(line) is not None
+    return False
+
+
+def _data_dependent(schema_name: str, args: tuple) -> bool:
     # Indexing with integer tensors has a static output shape (fine under CUDA capture); with masks it does not.
-    if func._schema.name in _INDEX_OPS:
+    if schema_name in _INDEX_OPS:
         return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
     return True
 
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _kernel_keys(args: tuple, kwargs: dict) -> torch._C.DispatchKeySet:
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            keys = keys | torch._C._dispatch_keys(t)
+    return keys & _BELOW_PYTHON
 
 
 class _Op:
@@ -46,6 +116,8 @@ class _Op:
 
 
 class SimulatedGraph:
+    """The ATen ops of one segment, replayed in order on the capture-time tensors."""
+
     def __init__(self, ops: list[_Op]):
         self.ops = ops
 
@@ -64,51 +136,101 @@ class SimulatedGraph:
         return len(self.ops)
 
 
+def _raise_host_sync(func: Any) -> None:
+    raise RuntimeError(
+        f"operation not permitted when stream is capturing: {func} needs the host to read device "
+        "data (a sync or a data-dependent shape); move it out of the captured region"
+    )
+
+
 class _RecordingMode(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Let torch.compile trace and compile under an open segment, as it can under a CUDA capture.
         return True
 
-    def __init__(self) -> None:
+    def __init__(self, platform: SimulatedPlatform) -> None:
         super().__init__()
+        self.platform = platform
+        self.record_inside_ops, self.check = platform.record_inside_ops, platform.validate
         self.ops: list[_Op] = []
         self.allocated: dict[int, torch.Tensor] = {}  # storage key -> a tensor on it
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if sim_collectives.has_subclass(types):  # DTensor & co: record the plain ops they desugar into
+        if any(t not in _PLAIN_TYPES for t in types):  # DTensor & co desugar into plain tensors first
             return sim_collectives.dispatch_subclass(func, types, args, kwargs or {})
         kwargs = kwargs or {}
-        if func.namespace in sim_collectives.NAMESPACES:
-            out, collective = sim_collectives.record(func, args, kwargs, len(self.ops))
+        kind = classify(func, args)
+        if kind is OpKind.HOST_SYNC:
+            if not self.platform.is_host_scalar(args[0]):
+                _raise_host_sync(func)
+            return func(*args, **kwargs)
+        if self.check:
+            check_caller(func)
+        if func.namespace in sim_collectives.NAMESPACES:  # recorded, not run: replays communicate
+            out, collective = sim_collectives.record(func, args, kwargs, len(self.ops), self.register_fresh)
             if collective is not None:
                 self.ops.append(_Op(collective.replay, (), {}, []))
-                for t in collective.outputs:
-                    self.allocated.setdefault(_storage_key(t), t)
             return out
-        if func in _HOST_SYNC or (any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS) and _data_dependent(func, args)):
-            raise RuntimeError(
-                f"operation not permitted when stream is capturing: {func} needs the host to read device "
-                "data (a sync or a data-dependent shape); move it out of the captured region"
-            )
-        schema = func._schema
-        for i, arg in enumerate(schema.arguments):
+        if func in _HOST_FROM_DATA:
+            self.platform.mark_host(args[0])
+        self._snapshot_writes(func, args, kwargs)
+        if kind is OpKind.OPAQUE and self.record_inside_ops:
+            return self._run_inside(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if kind is OpKind.ALLOCATION:
+            out = self.register_fresh(out)
+            out.untyped_storage().fill_(0xFF)  # fresh memory holds garbage, for eager and replay alike
+            return out
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        fresh = fresh_outputs(args, kwargs, outs)
+        if fresh:
+            fresh = [(i, self.register_fresh(t)) for i, t in fresh]
+            for i, t in fresh:
+                outs[i] = t
+            out = outs[0] if single else type(out)(outs)
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        # Decide by real storage, not the schema: under inference_mode composite ops such as
+        # contiguous/reshape reach the mode whole, and their "alias" result may be a copy.
+        if writes or fresh:
+            self.ops.append(_Op(func, args, kwargs, fresh))
+        return out
+
+    def register_fresh(self, t: torch.Tensor) -> torch.Tensor:
+        """The one place a tensor allocated during the segment is registered.
+
+        Returns the tensor the program gets from now on (and a replay writes into); a
+        memory pool may hand back its own tensor holding the same values.
+        """
+        self.allocated.setdefault(_storage_key(t), t)
+        return t
+
+    def _run_inside(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # Run the op's implementation with this mode active again (dispatch popped it), so
+        # the ATen ops it runs, and those of any op it calls, are recorded one by one.
+        with self:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _CIA):
+                out = func.decompose(*args, **kwargs)
+            else:
+                out = func.redispatch(_kernel_keys(args, kwargs), *args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        for _, t in fresh_outputs(args, kwargs, outs):
+            if _storage_key(t) not in self.allocated:
+                refuse(
+                    f"{func} returned a tensor that no recorded ATen op produced (its kernel allocates or "
+                    "writes behind the dispatcher, or it returns a tensor made outside the op)"
+                )
+        return out
+
+    def _snapshot_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
                 for t in tree_leaves(value):
                     if isinstance(t, torch.Tensor):
                         self._snapshot(t)
-        out = func(*args, **kwargs)
-        fresh = fresh_outputs(args, kwargs, out if isinstance(out, (tuple, list)) else [out])
-        for _, t in fresh:
-            self.allocated.setdefault(_storage_key(t), t)
-        # Decide by real storage, not the schema: under inference_mode composite ops such as
-        # contiguous/reshape reach the mode whole, and their "alias" result may be a copy.
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        if (writes or fresh) and schema.name not in _NO_REPLAY:
-            self.ops.append(_Op(func, args, kwargs, fresh))
-        return out
 
     def _snapshot(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
@@ -116,21 +238,29 @@ class _RecordingMode(TorchDispatchMode):
             storage = t.untyped_storage()
             self.snapshots[key] = (storage, storage.clone())
 
+    def undo(self) -> None:
+        """Back to what a capture leaves: older tensors as they were, new ones garbage."""
+        for storage, saved in self.snapshots.values():
+            storage.copy_(saved)
+        for t in self.allocated.values():
+            t.untyped_storage().fill_(0xFF)  # NaN for floats, -1 for ints: memory holds garbage
+
 
 class _SimRecorder:
     def __init__(self, platform: SimulatedPlatform) -> None:
         self.platform = platform
-        self.mode = _RecordingMode()
+        self.mode = _RecordingMode(platform)
+        self.rng = torch.get_rng_state()
         self.mode.__enter__()
         self.open = True
 
     def end(self) -> SimulatedGraph:
         self._close()
-        for storage, saved in self.mode.snapshots.values():
-            storage.copy_(saved)  # a capture does not execute: undo writes to older tensors
-        for t in self.mode.allocated.values():
-            t.untyped_storage().fill_(0xFF)  # NaN for floats, -1 for ints: memory holds garbage
         graph = SimulatedGraph(self.mode.ops)
+        if self.platform.validate:
+            with sim_collectives.validating():  # its collectives redo the capture's, without communicating
+                validate_segment(self.mode, graph, self.rng)  # raises, leaving the capture undone, if unfaithful
+        self.mode.undo()  # a capture does not execute
         self.platform.recorded_ops += len(graph)
         return graph
 
@@ -150,6 +280,10 @@ class SimulatedPlatform:
 
     def __init__(self) -> None:
         self.recorded_ops = 0
+        # Knobs for benchmarks and debugging only: the defaults are what makes the simulator faithful.
+        self.record_inside_ops = True  # False: record a custom op whole and re-run its Python on replay
+        self.validate = True  # False: skip the checks that refuse unrecordable work (sim_checks)
+        self._host: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> tensor (weak: never keep it alive)
 
     @contextlib.contextmanager
     def capture_scope(self) -> Iterator[None]:
@@ -163,3 +297,15 @@ class SimulatedPlatform:
 
     def describe(self, amount: int) -> str:
         return f"{amount} ATen ops recorded"
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """``t`` was made from Python data (``torch.tensor(x)``): on a GPU machine it lives on the host."""
+        if t.dim() == 0:
+            key = id(t)
+            self._host[key] = weakref.ref(t, lambda _: self._host.pop(key, None))
+
+    def is_host_scalar(self, t: Any) -> bool:
+        # Dynamo (dynamic=True) lifts float attributes such as RMSNorm.eps to 0-d CPU tensors and
+        # reads them with .item() inside the graph: a host read under a real capture, not a sync.
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
