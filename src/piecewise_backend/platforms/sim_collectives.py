@@ -27,11 +27,13 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 FUNCTIONAL_NAMESPACE = "_c10d_functional"
 NAMESPACES = frozenset({FUNCTIONAL_NAMESPACE, "c10d"})  # the recorder hands ops of these here
 _PASS_THROUGH = ("wait_tensor", "_wrap_tensor_autograd")
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 # How many collectives the simulator recorded and replayed in this process (tests read it).
 stats = {"recorded": 0, "replayed": 0}
@@ -50,21 +52,37 @@ def validating() -> Iterator[None]:
         _validating = saved
 
 
-def dispatch_subclass(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
-    """The recorder's answer for a dispatch that carries tensor subclasses (``types`` not plain).
+def unrecorded(types: Any, args: tuple, kwargs: dict | None) -> bool:
+    """True for a dispatch the recorder must not record as it is: tensor subclasses or metadata only.
 
-    Fake tensors (DTensor's sharding propagation runs ops on them) hold no data: run them
-    unrecorded. Any other subclass (DTensor, AsyncCollectiveTensor) gets ``NotImplemented``
-    and desugars into the plain ops the recorder then sees.
+    DTensor's sharding propagation runs ops on fake and meta tensors: they hold no data.
     """
-    if any(issubclass(t, FakeTensor) for t in types):
-        return func(*args, **kwargs)
+    if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
+        return True
+    if kwargs and str(kwargs.get("device")) == "meta":
+        return True
+    if torch._C._get_dispatch_mode(_FAKE) is not None:  # e.g. DTensor rebuilding tensors from metadata
+        return True
+    for a in (*args, *kwargs.values()) if kwargs else args:  # cheaper than pytree: this runs for every op
+        if isinstance(a, torch.Tensor):
+            if a.is_meta:
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.is_meta for t in a):
+            return True
+    return False
+
+
+def dispatch_unrecorded(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """The recorder's answer when :func:`unrecorded` is true.
+
+    Fake and meta tensors run as they are, outside the recorder. Other subclasses (DTensor,
+    AsyncCollectiveTensor) get ``NotImplemented`` and desugar into plain ops, which the
+    recorder then sees.
+    """
+    if all(t is torch.Tensor or t is torch.nn.Parameter or issubclass(t, FakeTensor) for t in types):
+        with _disable_current_modes():  # the recorder may sit twice on the stack (inside a custom op)
+            return func(*args, **kwargs)
     return NotImplemented
-
-
-def has_subclass(types: Any) -> bool:
-    """True when ``types`` holds a tensor subclass (it may list plain ``torch.Tensor`` too)."""
-    return any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types)
 
 
 def record(func: Any, args: tuple, kwargs: dict, index: int, register: Register) -> tuple[Any, CollectiveOp | None]:
@@ -101,14 +119,14 @@ class CollectiveOp:
     def record(cls, func: Any, args: tuple, kwargs: dict, index: int, register: Register) -> tuple[Any, CollectiveOp]:
         """Allocate the collective's result without communicating (a capture does not execute)."""
         device = next(t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
-        meta = func(*tree_map_only(torch.Tensor, _to_meta, args), **tree_map_only(torch.Tensor, _to_meta, kwargs))
-
-        def allocate(m: torch.Tensor) -> torch.Tensor:
-            t = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device)
+        with _disable_current_modes():  # shape inference and allocation are not part of the graph
+            meta = func(*tree_map_only(torch.Tensor, _to_meta, args), **tree_map_only(torch.Tensor, _to_meta, kwargs))
+            fresh = tree_map_only(
+                torch.Tensor, lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device), meta
+            )
+        for t in tree_flatten(fresh)[0]:
             t.untyped_storage().fill_(0xFF)  # NaN bits: nothing was communicated yet
-            return register(t)
-
-        out = tree_map_only(torch.Tensor, allocate, meta)
+        out = tree_map_only(torch.Tensor, register, fresh)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         stats["recorded"] += 1
         return out, cls(func, args, kwargs, outputs, index)

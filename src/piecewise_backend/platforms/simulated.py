@@ -158,8 +158,8 @@ class _RecordingMode(TorchDispatchMode):
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if any(t not in _PLAIN_TYPES for t in types):  # DTensor & co desugar into plain tensors first
-            return sim_collectives.dispatch_subclass(func, types, args, kwargs or {})
+        if sim_collectives.unrecorded(types, args, kwargs):  # DTensor desugars first; fake/meta: no data
+            return sim_collectives.dispatch_unrecorded(func, types, args, kwargs or {})
         kwargs = kwargs or {}
         kind = classify(func, args)
         if kind is OpKind.HOST_SYNC:
