@@ -252,6 +252,18 @@ def _worker_peer_never_arrives(rank: int, mesh: Any) -> str:
     return "no error"
 
 
+def _worker_different_capture_plans(rank: int, mesh: Any) -> str:
+    """Ranks configured with different capture sizes (a model without collectives, so nothing hangs)."""
+    config = SIM.replace(cudagraph_mode="FULL", capture_sizes=[2 + 2 * rank])
+    runner = pb.GraphRunner(torch.nn.Linear(8, 8), config, [pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
+    try:
+        with torch.no_grad():
+            runner.capture(progress=False)
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _worker_healthy_group(rank: int, mesh: Any) -> dict[str, Any]:
     """The scenarios that leave the group usable, in one spawn (starting ranks costs seconds each)."""
     results = {}
@@ -260,6 +272,7 @@ def _worker_healthy_group(rank: int, mesh: Any) -> dict[str, Any]:
         ("capture_alone", _worker_capture_alone),
         ("mismatched_steps", _worker_mismatched_steps),
         ("host_sync", _worker_host_sync_in_collective),
+        ("different_plans", _worker_different_capture_plans),
     ]:
         try:
             results[name] = ("ok", fn(rank, mesh))
@@ -301,6 +314,12 @@ def test_ranks_dispatching_different_steps_fail_clearly_with_debug_checks(health
     for seen in healthy("mismatched_steps"):
         assert len(seen) == 1, seen
         assert re.search(r"ranks dispatched different steps \(rank 0: FULL .*num_tokens=2.*rank 1: FULL .*num_tokens=4", seen[0]), seen
+
+
+def test_ranks_capturing_different_descriptors_fail_clearly(healthy):
+    for msg in healthy("different_plans"):
+        assert msg.startswith("PeerCaptureError: ranks captured different descriptors in the same slot"), msg
+        assert "rank 0: FULL BatchDescriptor(num_tokens=2" in msg and "rank 1: FULL BatchDescriptor(num_tokens=4" in msg, msg
 
 
 def test_rank_failing_during_capture_stops_every_rank():

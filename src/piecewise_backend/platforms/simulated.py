@@ -49,7 +49,6 @@ _ALLOCATIONS = {
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _NATIVE_NAMESPACES = {"aten"}
 _HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 _PY_SITE = re.compile(r"registered at \S+\.py:\d+")
