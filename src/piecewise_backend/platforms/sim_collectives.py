@@ -13,10 +13,12 @@ functional collectives (``_c10d_functional::*``, what DTensor and torch.compile 
 * ``wait_tensor`` and ``_wrap_tensor_autograd`` (the AsyncCollectiveTensor wrapper, whose
   storage Python cannot read) pass through unrecorded: replay already waits;
 * the eager ``c10d`` ops (``dist.all_reduce(t)`` and friends) return a ``Work`` the caller
-  waits on from the host: inside a capture they are refused with a clear error.
+  waits on from the host, and the in-place functional variants write into a given tensor:
+  inside a capture both are refused with a clear error.
 
 Tensor subclasses (DTensor, AsyncCollectiveTensor) are not recorded: the recorder returns
-``NotImplemented`` for them so they desugar into the plain ops it does record.
+``NotImplemented`` for them so they desugar into the plain ops it does record. Fake and
+meta tensors (DTensor's sharding propagation) hold no data and run unrecorded.
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ def record(func: Any, args: tuple, kwargs: dict, index: int, register: Register)
         )
     if func._schema.name.split("::")[1] in _PASS_THROUGH:
         return func(*args, **kwargs), None
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        raise RuntimeError(
+            f"{func} writes its result into a tensor it is given; the simulator records the out-of-place "
+            "functional collectives (all_reduce, all_gather_into_tensor, ...) that DTensor and "
+            "torch._functional_collectives emit: call those inside a simulated capture"
+        )
     return CollectiveOp.record(func, args, kwargs, index, register)
 
 
