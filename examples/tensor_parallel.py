@@ -43,7 +43,10 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def schedule(rng: random.Random, running: dict[int, list[int]], admit_left: int) -> tuple[list[tuple[int, list[int]]], int]:
+Work = list[tuple[int, list[int]]]  # (slot, new tokens) per request in a step
+
+
+def schedule(rng: random.Random, running: dict[int, list[int]], admit_left: int) -> tuple[Work, int]:
     """One step: ``[(slot, new tokens)]`` and how many prompts joined (0: a pure decode step).
 
     Drawn from ``rng`` alone, never from model outputs, so every rank schedules the same batch.
@@ -104,7 +107,8 @@ def main() -> int:
             modes.add(runner.last_mode.name)
             line = f"step {step:2d}: {len(ids):2d} tokens, {len(work)} reqs -> {runner.last_mode.name:9s}"
             if reference is not None:
-                with pb.set_forward_context(attn_metadata=AttnMetadata(batch["slot_mapping"], batch["positions"], ref_kv)):
+                meta = AttnMetadata(batch["slot_mapping"], batch["positions"], ref_kv)
+                with pb.set_forward_context(attn_metadata=meta):
                     ref = reference(batch["input_ids"])
                 diff = (logits - ref).abs().max().item()
                 worst = diff if not diff <= worst else worst  # NaN sticks
@@ -122,7 +126,7 @@ def main() -> int:
         say(f"max |sharded - unsharded| over {args.steps} steps: {worst:.2e}")
         failed = not worst < TOLERANCE
         if failed:
-            print(f"rank 0: tensor-parallel logits differ from the unsharded model by {worst} (> {TOLERANCE})", file=sys.stderr)
+            print(f"rank 0: sharded logits differ from the unsharded model by {worst} (> {TOLERANCE})", file=sys.stderr)
     dist.destroy_process_group()
     return 1 if failed else 0
 

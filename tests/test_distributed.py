@@ -1,17 +1,14 @@
 """Tensor parallel on torch.distributed: collectives captured and replayed, faults reported, the example.
 
-Multi-rank tests spawn real processes (gloo on the CPU, a free port) under a deadline, so
-a hang fails the test instead of blocking CI. Worker functions live at module level: the
-spawned ranks import this module to find them.
+Multi-rank tests spawn real processes (``dist_harness.run_ranks``: gloo, a free port, a
+deadline, so a hang fails the test instead of blocking CI). Worker functions live at module
+level: the spawned ranks import this module to find them.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -37,75 +34,11 @@ from piecewise_backend.parallel import (
 )
 from piecewise_backend.platforms import sim_collectives
 
+from dist_harness import oks, run_ranks
 from helpers import SIM, fresh_break, make_model, run
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL, PIECEWISE = pb.CUDAGraphMode.FULL, pb.CUDAGraphMode.PIECEWISE
-
-
-# --- harness -------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout_s: float, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        mesh = init_tensor_parallel("gloo", timeout_s=pg_timeout_s)
-        outcome = ("ok", fn(rank, mesh))
-    except BaseException as e:  # noqa: BLE001 - reported to the test process
-        outcome = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    results.put((rank, *outcome))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable[..., Any], world: int = 2, *, timeout_s: float = 120, pg_timeout_s: float = 30) -> list[tuple[str, Any]]:
-    """Run ``fn(rank, mesh)`` on ``world`` spawned ranks; ``[(status, result or error text)]`` per rank.
-
-    Fails the test when a rank has not reported within ``timeout_s`` (a hang) or died without reporting.
-    """
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, pg_timeout_s, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    done: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(done) < world:
-            missing = [r for r in range(world) if r not in done]
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks {missing} did not finish within {timeout_s} s (a hang); finished: {done}")
-            try:
-                rank, status, payload = results.get(timeout=1)
-                done[rank] = (status, payload)
-            except queue.Empty:
-                dead = [r for r in missing if procs[r].exitcode is not None]
-                if dead:
-                    time.sleep(1)  # its report may still be in flight
-                    while not results.empty():
-                        rank, status, payload = results.get()
-                        done[rank] = (status, payload)
-                    if any(r not in done for r in dead):
-                        pytest.fail(f"ranks {dead} died without reporting (exit codes {[procs[r].exitcode for r in dead]})")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [done[r] for r in range(world)]
-
-
-def _oks(outcomes: list[tuple[str, Any]]) -> list[Any]:
-    assert all(status == "ok" for status, _ in outcomes), "\n\n".join(str(p) for _, p in outcomes)
-    return [payload for _, payload in outcomes]
 
 
 # --- rank workers ------------------------------------------------------------------
@@ -241,7 +174,7 @@ def _worker_host_sync_in_collective(rank: int, mesh: Any) -> list[str]:
 def _worker_peer_never_arrives(rank: int, mesh: Any) -> str:
     model, _ = _mlp_pair(mesh)
     if rank == 1:
-        time.sleep(6)  # alive but absent: rank 0's all-reduce must time out, not wait forever
+        time.sleep(4)  # alive but absent: rank 0's all-reduce must time out, not wait forever
         return "slept"
     start = time.monotonic()
     try:
@@ -283,10 +216,10 @@ def _worker_healthy_group(rank: int, mesh: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def healthy() -> Callable[[str], list[Any]]:
-    per_rank = _oks(run_ranks(_worker_healthy_group, timeout_s=240))
+    per_rank = oks(run_ranks(_worker_healthy_group, timeout_s=240))
 
     def scenario(name: str) -> list[Any]:
-        return _oks([r[name] for r in per_rank])
+        return oks([r[name] for r in per_rank])
 
     return scenario
 
@@ -313,13 +246,15 @@ def test_capture_does_not_communicate(healthy):
 def test_ranks_dispatching_different_steps_fail_clearly_with_debug_checks(healthy):
     for seen in healthy("mismatched_steps"):
         assert len(seen) == 1, seen
-        assert re.search(r"ranks dispatched different steps \(rank 0: FULL .*num_tokens=2.*rank 1: FULL .*num_tokens=4", seen[0]), seen
+        pattern = r"ranks dispatched different steps \(rank 0: FULL .*num_tokens=2.*rank 1: FULL .*num_tokens=4"
+        assert re.search(pattern, seen[0]), seen
 
 
 def test_ranks_capturing_different_descriptors_fail_clearly(healthy):
     for msg in healthy("different_plans"):
         assert msg.startswith("PeerCaptureError: ranks captured different descriptors in the same slot"), msg
-        assert "rank 0: FULL BatchDescriptor(num_tokens=2" in msg and "rank 1: FULL BatchDescriptor(num_tokens=4" in msg, msg
+        assert "rank 0: FULL BatchDescriptor(num_tokens=2" in msg, msg
+        assert "rank 1: FULL BatchDescriptor(num_tokens=4" in msg, msg
 
 
 def test_rank_failing_during_capture_stops_every_rank():
@@ -327,21 +262,23 @@ def test_rank_failing_during_capture_stops_every_rank():
     assert (s0, s1) == ("ok", "ok"), (msg0, msg1)
     assert msg1.startswith("ValueError: model bug on rank 1 during capture"), msg1
     # rank 0 finished its capture; the replay that follows needs rank 1, which left the group
-    assert msg0.startswith("RuntimeError: simulated replay of collective _c10d_functional.all_reduce") and "a peer rank stopped" in msg0, msg0
+    assert msg0.startswith("RuntimeError: simulated replay of collective _c10d_functional.all_reduce"), msg0
+    assert "a peer rank stopped" in msg0, msg0
 
 
 def test_host_sync_inside_captured_collective_fails_clearly(healthy):
     for errors in healthy("host_sync"):
         assert len(errors) == 2, errors
-        assert errors[0].startswith("operation not permitted when stream is capturing: aten._local_scalar_dense"), errors
+        assert errors[0].startswith("operation not permitted when stream is capturing"), errors[0]
+        assert "_local_scalar_dense" in errors[0], errors[0]
         assert "c10d.allreduce_" in errors[1] and "host sync inside a captured collective" in errors[1], errors
 
 
 def test_absent_peer_times_out_instead_of_hanging():
-    (s0, msg0), (s1, msg1) = run_ranks(_worker_peer_never_arrives, timeout_s=120, pg_timeout_s=3)
+    (s0, msg0), (s1, msg1) = run_ranks(_worker_peer_never_arrives, timeout_s=120, pg_timeout_s=2)
     assert (s0, s1, msg1) == ("ok", "ok", "slept"), (msg0, msg1)
     seconds = float(msg0.split("s ", 1)[0])
-    assert 2 < seconds < 6 and "timed out" in msg0.lower(), msg0
+    assert 1.5 < seconds < 4 and "timed out" in msg0.lower(), msg0
 
 
 def test_example_two_ranks_check():

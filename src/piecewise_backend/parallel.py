@@ -115,7 +115,10 @@ def capture_agreement(mode: CUDAGraphMode, desc: BatchDescriptor) -> Iterator[No
     try:
         yield
     except Exception:
-        logger.error("capture of %s failed on rank %d: leaving the process group so the peers stop", _describe_key(_step_key(mode, desc)), dist.get_rank())
+        logger.error(
+            "capture of %s failed on rank %d: leaving the process group so the peers stop",
+            _describe_key(_step_key(mode, desc)), dist.get_rank(),
+        )
         dist.destroy_process_group()
         raise
     key = _step_key(mode, desc)
@@ -161,7 +164,9 @@ def shard_mlp(model: ToyMLP, mesh: Any) -> ToyMLP:
 
 def _check_divides(what: str, value: int, ranks: int) -> None:
     if value % ranks:
-        raise ValueError(f"{what} {value} is not divisible by the tensor-parallel size {ranks}; use a size that divides it")
+        raise ValueError(
+            f"{what} {value} is not divisible by the tensor-parallel size {ranks}; use a size that divides it"
+        )
 
 
 def _group_rows(weight: torch.Tensor, parts: int, ranks: int) -> torch.Tensor:
