@@ -55,6 +55,7 @@ else
 fi
 echo "pytest exit status $TEST_RC" >>"$LOGS/cuda_tests.log"
 
+if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then echo "== tensor parallel example (NCCL, 2 GPUs)"; timeout -k 10 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py --check --steps 8 2>&1 | tee "$LOGS/tp.log" ${OUT:+"$OUT/tp.log"}; echo "tensor parallel example exit status ${PIPESTATUS[0]}"; else echo "== tensor parallel example: skipped (needs >= 2 GPUs)"; fi
 echo "== CUDA benchmarks ($(left) s left)"
 BUDGET=$(( $(left) - 30 ))
 BENCH_RC=0

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .weak import is_weak
@@ -48,6 +49,9 @@ def mark_persistent(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"mark_persistent takes tensors, got {type(t).__name__}")
+        if is_traceable_wrapper_subclass(t):  # DTensor, AsyncCollectiveTensor: no storage of their own
+            mark_persistent(*(getattr(t, name) for name in t.__tensor_flatten__()[0]))
+            continue
         storage = t.untyped_storage()
         _persistent[storage.data_ptr()] = StorageWeakRef(storage)
 

@@ -27,6 +27,7 @@ from .dispatch import CudagraphDispatcher
 from .inputs import mark_persistent
 from .memory import estimate_capture_memory, graphs_created
 from .modes import AttentionGraphSupport, CUDAGraphMode
+from . import parallel as _parallel
 from .observability import logger
 from .platforms import get_platform, resolve_platform_name, warmup_scope
 from .static_inputs import (
@@ -202,6 +203,8 @@ class GraphRunner:
         if mode == CUDAGraphMode.FULL and context:
             check_full_context(context, self._buffer_storages)
         self.last_mode = mode
+        if self.config.debug_checks:
+            _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
         if mode == CUDAGraphMode.NONE:
             views = {
                 k: eager_tensor(self.inputs[k], t, self._rows(self.inputs[k], n), self.device) for k, t in batch.items()
@@ -256,7 +259,8 @@ class GraphRunner:
                 torch._dynamo.maybe_mark_dynamic(v, 0)
             with warmup_scope(platform):  # on the capture stream (CUDA)
                 self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
-        self._call(views, mode, desc, {}, capturing=True)
+        with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
+            self._call(views, mode, desc, {}, capturing=True)
 
     def estimate_capture_memory(self) -> int:
         """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the

@@ -11,6 +11,7 @@ import functools
 from typing import Any, Protocol
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -39,8 +40,15 @@ class Platform(Protocol):
 def fresh_outputs(args: tuple, kwargs: dict, outs: list[Any]) -> list[tuple[int, torch.Tensor]]:
     """(position, tensor) of each output in memory none of the inputs own: a result a replay
     must copy into place, since later work reads the capture-time tensor."""
-    owned = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-    return [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in owned]
+    owned = {p for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for p in _storage_ptrs(t)}
+    return [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and owned.isdisjoint(_storage_ptrs(t))]
+
+
+def _storage_ptrs(t: torch.Tensor) -> list[int]:
+    # A wrapper subclass (DTensor, AsyncCollectiveTensor) has no storage of its own: use its inner tensors'.
+    if is_traceable_wrapper_subclass(t):
+        return [p for name in t.__tensor_flatten__()[0] for p in _storage_ptrs(getattr(t, name))]
+    return [t.untyped_storage().data_ptr()]
 
 
 def resolve_platform_name(name: str) -> str | None:

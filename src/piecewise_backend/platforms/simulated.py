@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import fresh_outputs
+from . import fresh_outputs, sim_collectives
 from .sim_checks import check_caller, refuse, validate_segment
 from .sim_pool import PoolMode, SimPool
 
@@ -52,7 +52,6 @@ _ALLOCATIONS = {
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _NATIVE_NAMESPACES = {"aten"}
 _HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 _PY_SITE = re.compile(r"registered at \S+\.py:\d+")
@@ -161,8 +160,8 @@ class _RecordingMode(TorchDispatchMode):
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if any(t not in _PLAIN_TYPES for t in types):
-            return NotImplemented  # tensor subclasses (DTensor) desugar into plain tensors first
+        if sim_collectives.unrecorded(types, args, kwargs):  # DTensor desugars first; fake/meta: no data
+            return sim_collectives.dispatch_unrecorded(func, types, args, kwargs or {})
         kwargs = kwargs or {}
         kind = classify(func, args)
         if kind is OpKind.HOST_SYNC:
@@ -171,6 +170,11 @@ class _RecordingMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if self.check:
             check_caller(func)
+        if func.namespace in sim_collectives.NAMESPACES:  # recorded, not run: replays communicate
+            out, collective = sim_collectives.record(func, args, kwargs, len(self.ops), self.register_fresh)
+            if collective is not None:
+                self.ops.append(_Op(collective.replay, (), {}, []))
+            return out
         if func in _HOST_FROM_DATA:
             self.platform.mark_host(args[0])
         self._snapshot_writes(func, args, kwargs)
@@ -256,7 +260,7 @@ class _SimRecorder:
         self._close()
         graph = SimulatedGraph(self.mode.ops)
         if self.platform.validate:
-            with self.platform.pool_paused():  # the check's replay is not the program's allocation
+            with self.platform.pool_paused(), sim_collectives.validating():  # the check's replay neither allocates from the pool nor communicates
                 validate_segment(self.mode, graph, self.rng)  # raises, leaving the capture undone, if unfaithful
         self.mode.undo()  # a capture does not execute
         self.platform.pool.weaken_ops(graph.ops)  # the graph pins no pool memory

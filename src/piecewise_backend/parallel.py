@@ -1,0 +1,217 @@
+"""Tensor parallelism on ``torch.distributed``: process setup, cross-rank checks, sharded toy models.
+
+Engine-level, like ``kv`` and ``hf``: the runner calls :func:`capture_agreement` and
+:func:`check_same_step`; nothing below the runner imports this module. Models are sharded
+with torch's own API (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``
+on a ``DeviceMesh``); the DTensor code they run compiles with this library's backend and
+is captured, collectives included (see ``docs/distributed.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .context import BatchDescriptor
+from .modes import CUDAGraphMode
+from .observability import logger
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def distributed() -> bool:
+    """True in a process group of more than one rank (the checks below are no-ops otherwise)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def init_tensor_parallel(
+    backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> torch.distributed.device_mesh.DeviceMesh:
+    """Join the process group ``torchrun`` describes and return a 1-D mesh over every rank.
+
+    ``backend`` defaults to NCCL with CUDA (each rank on GPU ``LOCAL_RANK``), else gloo.
+    ``timeout_s`` bounds every collective: a rank whose peer died or never arrives raises
+    after that long instead of waiting for torch's default of 10 to 30 minutes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not timeout_s > 0:
+        raise ValueError(f"init_tensor_parallel: timeout_s must be > 0 seconds, got {timeout_s!r}")
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"init_tensor_parallel: backend must be 'nccl' or 'gloo', got {backend!r}")
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _step_key(mode: CUDAGraphMode, desc: BatchDescriptor | None) -> tuple[int, int, int, int]:
+    if desc is None:
+        return (mode.value, -1, -1, 0)
+    return (mode.value, desc.num_tokens, -1 if desc.num_reqs is None else desc.num_reqs, int(desc.uniform))
+
+
+def _describe_key(key: tuple[int, ...]) -> str:
+    mode, tokens, reqs, uniform = key
+    desc = "no descriptor" if tokens < 0 else str(BatchDescriptor(tokens, None if reqs < 0 else reqs, bool(uniform)))
+    return f"{CUDAGraphMode(mode).name} {desc}"
+
+
+def _gather_keys(key: tuple[int, ...]) -> list[tuple[int, ...]]:
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor(key, dtype=torch.long, device=device)
+    keys = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(keys, mine)
+    return [tuple(k.tolist()) for k in keys]
+
+
+def check_same_step(mode: CUDAGraphMode, desc: BatchDescriptor | None) -> None:
+    """Raise on every rank when the ranks are about to run different descriptors in one step.
+
+    A debug check (``CompilationConfig(debug_checks=True)``; one small all-gather per step):
+    ranks that replay different graphs pair collectives of different shapes, which hangs or
+    returns wrong values; this names the mismatch before any collective runs.
+    """
+    if not distributed():
+        return
+    keys = _gather_keys(_step_key(mode, desc))
+    if len(set(keys)) > 1:
+        per_rank = ", ".join(f"rank {r}: {_describe_key(k)}" for r, k in enumerate(keys))
+        raise RuntimeError(
+            f"ranks dispatched different steps ({per_rank}); every rank must run the same batch "
+            "(same token count, request count and decode flag) in each step: schedule on one rank "
+            "and broadcast the batch, or seed every rank's scheduler the same"
+        )
+
+
+class PeerCaptureError(RuntimeError):
+    """Another rank failed while capturing, or captured a different descriptor."""
+
+
+@contextlib.contextmanager
+def capture_agreement(mode: CUDAGraphMode, desc: BatchDescriptor) -> Iterator[None]:
+    """Around one descriptor's capture (and its first replay): no rank is left waiting on a failed one.
+
+    A rank that raises here leaves the process group, so the peers' next collective (the
+    replay that follows their capture) fails at once instead of waiting for a rank that
+    will never come; then every rank checks that all captured the same descriptor.
+    Capture failures are fatal in tensor parallel: restart the ranks.
+    """
+    if not distributed():
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        logger.error(
+            "capture of %s failed on rank %d: leaving the process group so the peers stop",
+            _describe_key(_step_key(mode, desc)), dist.get_rank(),
+        )
+        dist.destroy_process_group()
+        raise
+    key = _step_key(mode, desc)
+    keys: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(keys, key)
+    except RuntimeError as e:
+        raise PeerCaptureError(
+            f"capture of {_describe_key(key)}: a peer rank left the process group (it failed during this "
+            f"capture; its log says why): {e}"
+        ) from e
+    if len(set(keys)) > 1:
+        per_rank = ", ".join(f"rank {r}: {_describe_key(k)}" for r, k in enumerate(keys))
+        raise PeerCaptureError(
+            f"ranks captured different descriptors in the same slot ({per_rank}): every rank needs the same "
+            "CompilationConfig (capture sizes, mode, max_num_seqs) so the graphs hold the same collectives"
+        )
+
+
+# --- sharded toy models -------------------------------------------------------
+
+
+class ToyMLP(nn.Module):
+    """``up -> relu -> down``: colwise then rowwise sharding needs one all-reduce."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def shard_mlp(model: ToyMLP, mesh: Any) -> ToyMLP:
+    """Shard ``model`` in place over ``mesh``: ``up`` colwise, ``down`` rowwise (all-reduce)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _check_divides("ToyMLP hidden size", model.up.out_features, mesh.size())
+    return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def _check_divides(what: str, value: int, ranks: int) -> None:
+    if value % ranks:
+        raise ValueError(
+            f"{what} {value} is not divisible by the tensor-parallel size {ranks}; use a size that divides it"
+        )
+
+
+def _group_rows(weight: torch.Tensor, parts: int, ranks: int) -> torch.Tensor:
+    """Reorder a fused ``(parts * out, in)`` weight so rank r's contiguous row block holds its slice of each part."""
+    rows, cols = weight.shape
+    return weight.reshape(parts, ranks, rows // (parts * ranks), cols).transpose(0, 1).reshape(rows, cols)
+
+
+def shard_toy_llama(model: nn.Module, mesh: Any) -> nn.Module:
+    """Shard a :class:`~piecewise_backend.toy_llama.ToyLlama` in place over ``mesh``, Megatron style.
+
+    Per layer: fused QKV and gate/up colwise (rows regrouped so each rank holds whole heads
+    of q, k and v), o_proj and down_proj rowwise (one all-reduce each); ``lm_head`` is
+    vocab-parallel with a replicated output (one all-gather). Embedding and norms stay
+    replicated. Each layer then sees its local head count, as attention needs.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg, ranks = model.cfg, mesh.size()
+    _check_divides("ToyLlama num_heads", cfg.num_heads, ranks)
+    _check_divides("ToyLlama intermediate_size", cfg.intermediate_size, ranks)
+    _check_divides("ToyLlama vocab_size", cfg.vocab_size, ranks)
+    local = dataclasses.replace(
+        cfg, hidden_size=cfg.hidden_size // ranks, num_heads=cfg.num_heads // ranks,
+        intermediate_size=cfg.intermediate_size // ranks,
+    )
+    plan: dict[str, Any] = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            layer.qkv_proj.weight.copy_(_group_rows(layer.qkv_proj.weight, 3, ranks))
+            layer.gate_up_proj.weight.copy_(_group_rows(layer.gate_up_proj.weight, 2, ranks))
+            layer.cfg = local  # the layer's forward reads its (local) head count from here
+            plan.update({
+                f"layers.{i}.qkv_proj": ColwiseParallel(), f"layers.{i}.o_proj": RowwiseParallel(),
+                f"layers.{i}.gate_up_proj": ColwiseParallel(), f"layers.{i}.down_proj": RowwiseParallel(),
+            })
+    return parallelize_module(model, mesh, plan)
+
+
+def make_kv_caches(model: nn.Module, num_slots: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer KV caches for this rank's heads of a (sharded or not) ToyLlama."""
+    device, dtype = model.embed.weight.device, model.embed.weight.dtype
+    caches = []
+    for layer in model.layers:
+        shape = (num_slots, max_len, layer.cfg.num_heads, layer.cfg.head_dim)
+        caches.append((torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)))
+    return caches
