@@ -13,6 +13,10 @@ replay machinery, on the simulated platform (CPU):
 * ``eager_break``: the compile-free path (a plain module whose attention is an
   ``eager_break`` function) in a ``BreakableCUDAGraphWrapper``;
 * ``eager``: the same computations without any graph, for scale;
+* ``breakable, persistent input``: the breakable variant fed a buffer marked with
+  ``pb.mark_persistent`` (what ``GraphRunner`` does with its buffers): the graph reads it in
+  place, where a plain caller tensor is first copied into the wrapper's staging buffer (the
+  replay contract: a replay never writes into a caller's tensor);
 * ``machinery only``: identity breaks between *empty* graph segments: what remains is the
   Python cost of walking the segment list (wrapper call, input check, one replay call per
   segment), without the simulator's ATen ops.
@@ -122,6 +126,9 @@ def _variants(n: int) -> tuple[list[Variant], dict[str, int]]:
     eb_model = TrivialBreakLayers(n)
     eb = pb.BreakableCUDAGraphWrapper(eb_model, M.PIECEWISE, config=brk_cfg)
     empty = pb.BreakableCUDAGraphWrapper(EmptyLayers(n), M.PIECEWISE, config=brk_cfg)
+    x_static = x.clone()
+    pb.mark_persistent(x_static)
+    breakable_static = pb.BreakableCUDAGraphWrapper(compiled, M.PIECEWISE, config=brk_cfg)
 
     variants = [
         Variant(f"N={n} eager (no graphs)", eb_model, (x,)),
@@ -129,6 +136,7 @@ def _variants(n: int) -> tuple[list[Variant], dict[str, int]]:
         Variant(f"N={n} per-piece (use_breakable=False)", per_piece, (x,), _ctx(desc)),
         Variant(f"N={n} eager_break + Breakable wrapper", eb, (x,), _ctx(desc)),
         Variant(f"N={n} empty pieces, identity breaks (machinery only)", empty, (x,), _ctx(desc)),
+        Variant(f"N={n} breakable, persistent input", breakable_static, (x_static,), _ctx(desc)),
     ]
     # capture now (the first call under PIECEWISE), then check every variant against eager
     segments = {}
@@ -159,12 +167,13 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
             for v in variants:
                 t = s.times[v.name]
                 rows.append([v.name, fmt_spread(t, 1e6, 1), fmt_spread([x / nseg for x in t], 1e6, 2)])
-            eager, brk, pp, eb, _ = (v.name for v in variants)
+            eager, brk, pp, eb, _, brk_static = (v.name for v in variants)
             ratio_rows.append([
                 n, nseg,
                 fmt_ratio(s.ratios(brk, pp)),
                 fmt_ratio(s.ratios(eb, pp)),
                 fmt_ratio(s.ratios(brk, eager)),
+                fmt_ratio(s.ratios(brk_static, brk)),
             ])
             data[n] = {"breakable_us": s.median(brk) * 1e6, "per_piece_us": s.median(pp) * 1e6}
     body = (
@@ -172,8 +181,8 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
         f"{WIDTH} elements, torch.inference_mode; median [p25, p75] over interleaved repetitions.\n\n"
         + table(["variant", "us per replay", "us per segment"], rows)
         + "\n\nRatios, paired per repetition (median [p25, p75]; below 1 means the first is faster):\n\n"
-        + table(["N layers", "segments", "breakable / per-piece", "eager_break / per-piece", "breakable / eager"],
-                ratio_rows)
+        + table(["N layers", "segments", "breakable / per-piece", "eager_break / per-piece", "breakable / eager",
+                 "persistent / staged input"], ratio_rows)
     )
     return [Section("Breakable replay vs per-piece replay (CPU, simulated platform)", body, data)]
 
