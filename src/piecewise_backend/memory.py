@@ -45,8 +45,10 @@ def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
     Optional platform hooks used here: ``owns(t)`` (the simulated platform), ``pool`` (a
     :class:`~.platforms.sim_pool.SimPool`, or a CUDA pool id), ``pools`` (CUDA ``MemPool``
     objects), ``release_cached()``. A CUDA platform without ``owns`` is asked through one
-    ``torch.cuda.memory_snapshot()`` per capture: tensors outside its pools (a break's result
-    allocated outside the capture) stay strongly held, never weakened into memory nobody owns.
+    ``torch.cuda.memory_snapshot()`` per capture: a tensor in one of the pools the platform
+    holds is pool memory (the graphs' tensors, and a break's results, which the platform
+    routes to the pool while breaks run); a tensor outside them (allocated before the
+    capture, or by another thread) stays strongly held, never weakened into memory nobody owns.
     """
     owns = getattr(platform, "owns", None)
     if owns is not None:
@@ -66,7 +68,8 @@ def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
     ]
 
     def owns(t: torch.Tensor) -> bool:
-        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        # by address alone: host and device addresses never overlap (one unified address space)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return False
         ptr = t.untyped_storage().data_ptr()
         return any(lo <= ptr < hi for lo, hi in ranges)
@@ -209,14 +212,9 @@ def fresh_pool(platform: Any) -> Iterator[Any]:
             yield scratch
         finally:
             platform.pool = pool  # dropped, the scratch pool keeps only memory still viewed
-    elif hasattr(platform, "_new_pool"):  # CUDA, MemPool-based: the new pool is the current one
-        saved_id, count = platform.pool_id, len(platform.pools)
-        platform._new_pool()
-        try:
-            yield platform.pools[-1]
-        finally:
-            del platform.pools[count:]
-            platform.pool_id = saved_id
+    elif hasattr(platform, "fresh_pool"):  # CUDA, MemPool-based
+        with platform.fresh_pool() as scratch:
+            yield scratch
     else:  # CUDA, one graph_pool_handle() id
         platform.pool = scratch = torch.cuda.graph_pool_handle()
         try:
