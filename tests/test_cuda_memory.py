@@ -14,6 +14,7 @@ import torch
 
 import piecewise_backend as pb
 from piecewise_backend.capture import EagerSegment
+from piecewise_backend.memory import fresh_pool
 from piecewise_backend.platforms import cuda as cuda_platform
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.weak import is_weak
@@ -125,6 +126,25 @@ def test_clear_graphs_returns_the_pool_memory(fake):
     with pb.expect(captures=1):
         run(a, M.PIECEWISE, D8, x8())
     assert p.memory() > 0 and fake.pool_bytes(p.pool_id) == p.memory()
+
+
+def test_clear_graphs_inside_a_scratch_pool_returns_its_memory(fake):
+    # as bench_memory.py and the GPU twins measure: a pool of its own, emptied by clear_graphs()
+    p = platform()
+    outer = p.pool_id
+    w = pb.BreakableCUDAGraphWrapper(DeviceBreakModel(), config=CFG)
+    with fresh_pool(p) as scratch:
+        run(w, M.PIECEWISE, D8, x8())
+        assert p.pool_id == scratch != outer and fake.pool_bytes(scratch) > 0
+        w.clear_graphs()
+        assert fake.pool_bytes(scratch) == 0 and scratch not in fake.pools, "the scratch pool kept its memory"
+        with pb.expect(captures=1):
+            run(w, M.PIECEWISE, D8, x8())
+        w.clear_graphs()
+    assert p.pool_id == outer and fake.pools[outer].use_count == 1
+    with pb.expect(captures=1):
+        run(w, M.PIECEWISE, D8, x8())
+    assert w.entries[D8].segments[0].pool() == outer
 
 
 def test_estimate_matches_the_capture_and_releases_its_scratch_pool(fake):

@@ -309,14 +309,15 @@ class CudaPlatform:
             return before - torch.cuda.memory_reserved(self.device)
 
     @contextlib.contextmanager
-    def fresh_pool(self) -> Iterator[Any]:
-        """Capture into a new pool for the duration (the estimate's scratch pool); yields it.
+    def fresh_pool(self) -> Iterator[tuple[int, int]]:
+        """Capture into a new pool for the duration (the estimate's scratch pool); yields its id
+        (not the MemPool: a caller holding it would keep release_cached() from retiring it).
         Afterwards the pools held before are current again; the new one lives on only in
         graphs still captured into it."""
         saved = list(self.pools)
         self._new_pool()
         try:
-            yield self.pools[-1]
+            yield self.pool_id
         finally:
             self._retired.update(tuple(p.id) for p in self.pools if all(p is not q for q in saved))
             self.pools = saved
