@@ -2,11 +2,11 @@
 
 The rules it keeps (each one checked on the CPU against ``tests/cuda_double.py``):
 
-* The pool lives as long as the platform. A graph pool is alive only while something uses
+* Captures go to a pool the platform holds. A graph pool is alive only while something uses
   it (each ``capture_begin`` adds a use, each graph's reset drops one), and capturing into
   an id whose uses fell to 0 trips an allocator INTERNAL ASSERT. A ``torch.cuda.MemPool``
-  held by the platform keeps one use, so ``clear_graphs()`` or a failed capture can be
-  followed by another capture.
+  held by the platform keeps one use, so a failed capture can be followed by another, and a
+  pool the platform drops (see ``release_cached``) is never captured into again.
 * A capture CUDA invalidated (a host sync, another thread's sync or cudaMalloc, an
   unjoined side stream) fails in ``capture_end`` before the allocator stops routing to the
   pool. The platform ends that routing, drops the graph and moves later captures to a fresh
