@@ -111,8 +111,8 @@ class CachingAllocator:
             cap = stream.capture
             pool = self._routed_pool(cap)
             for seg in self.segments:
-                if (not seg.allocated and seg.pool == pool and seg.size >= nbytes and (seg.memory is not None or not backed)
-                        and (pool != (0, 0) or seg.stream is stream)):
+                fits = seg.pool == pool and seg.size >= nbytes and (seg.memory is not None or not backed)
+                if fits and not seg.allocated and (pool != (0, 0) or seg.stream is stream):
                     seg.allocated = True
                     return seg
             # CCA cudaMallocMaybeCapturing: a cudaMalloc on a *capturing* stream runs under a relaxed
