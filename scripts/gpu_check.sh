@@ -5,7 +5,9 @@
 #
 # For a CUDA machine with torch (2.11+) and pytest already installed: installs nothing from
 # the network (the package itself goes in with pip --no-deps --no-build-isolation, else
-# PYTHONPATH=src), and needs no expecttest (only tests/test_cuda_double.py and tests/test_cuda.py run).
+# PYTHONPATH=src), and needs no expecttest (only the -m cuda tests of tests/test_cuda_double.py,
+# test_cuda.py, test_memory.py, test_kv.py and test_hf.py run; test_hf.py and the HF example need
+# transformers and say so when it is missing).
 # Everything is bounded by `timeout` to finish within 8 minutes (GPU_CHECK_SECONDS).
 # It rewrites the GPU section of DOC (date, torch, GPU, test summary, tables). When $OUT is
 # set (the device runner's output folder), DOC and the logs are copied there too.
@@ -18,6 +20,7 @@ TOTAL="${GPU_CHECK_SECONDS:-480}"
 LOGS="$(mktemp -d /tmp/gpu_check.XXXXXX)"
 START=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
+upto() { local l; l=$(left); [ "$l" -lt "$1" ] && echo $(( l > 10 ? l : 10 )) || echo "$1"; }  # a step's timeout: N s, or what is left
 export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
@@ -37,25 +40,39 @@ else
   echo "pip install -e . failed (see $LOGS/pip.log); running from PYTHONPATH=src"
 fi
 
-echo "== CUDA tests (-m cuda: the CPU double's rules on this GPU, then tests/test_cuda.py)"
+echo "== CUDA tests (-m cuda: the CPU double's rules on this GPU, tests/test_cuda.py, graph memory, KV cache, HF)"
 TEST_RC=0
 if "$PY" -c "import pytest" 2>/dev/null; then
   # The rule checks leave the allocator as CUDA does after a failure: a process of their own.
   timeout -k 10 60 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda_double.py \
     2>&1 | tee "$LOGS/cuda_tests.log"
   RULES_RC=${PIPESTATUS[0]}
-  timeout -k 10 "$(( $(left) / 2 ))" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda.py \
+  timeout -k 10 "$(( $(left) / 3 ))" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda.py \
     2>&1 | tee -a "$LOGS/cuda_tests.log"
   TEST_RC=${PIPESTATUS[0]}
   [ "$TEST_RC" = 124 ] && echo "CUDA tests: killed by timeout" | tee -a "$LOGS/cuda_tests.log"
-  [ "$TEST_RC" = 0 ] && TEST_RC=$RULES_RC
+  # graph memory on the GPU, then the paged KV cache and the HF adapter (a step each, own timeout)
+  timeout -k 10 "$(upto 60)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_memory.py \
+    2>&1 | tee -a "$LOGS/cuda_tests.log"
+  MEM_RC=${PIPESTATUS[0]}
+  timeout -k 10 "$(upto 120)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_kv.py tests/test_hf.py \
+    2>&1 | tee -a "$LOGS/cuda_tests.log"
+  KVHF_RC=${PIPESTATUS[0]}
+  for rc in $RULES_RC $MEM_RC $KVHF_RC; do [ "$TEST_RC" = 0 ] && TEST_RC=$rc; done
 else
   TEST_RC=127
   echo "pytest is not installed: CUDA tests not run" | tee "$LOGS/cuda_tests.log"
 fi
 echo "pytest exit status $TEST_RC" >>"$LOGS/cuda_tests.log"
 
+echo "== HF example on the GPU (greedy tokens checked against model.generate)"
+timeout -k 10 "$(upto 90)" "$PY" examples/hf_generate.py --arch llama --check 2>&1 | tee "$LOGS/example.log"
+EXAMPLE_RC=${PIPESTATUS[0]}
+[ "$EXAMPLE_RC" = 124 ] && echo "example: killed by timeout" | tee -a "$LOGS/example.log"
+[ "$TEST_RC" = 0 ] && TEST_RC=$EXAMPLE_RC
+
 if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then echo "== tensor parallel example (NCCL, 2 GPUs)"; timeout -k 10 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py --check --steps 8 2>&1 | tee "$LOGS/tp.log" ${OUT:+"$OUT/tp.log"}; echo "tensor parallel example exit status ${PIPESTATUS[0]}"; else echo "== tensor parallel example: skipped (needs >= 2 GPUs)"; fi
+
 echo "== CUDA benchmarks ($(left) s left)"
 BUDGET=$(( $(left) - 30 ))
 BENCH_RC=0
@@ -74,7 +91,7 @@ fi
 
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
   cp "$DOC" "$OUT/benchmarks.md" 2>/dev/null
-  for f in env pip cuda_tests bench; do cp "$LOGS/$f.log" "$OUT/$f.log" 2>/dev/null; done
+  for f in env pip cuda_tests example bench; do cp "$LOGS/$f.log" "$OUT/$f.log" 2>/dev/null; done
 fi
 echo "== done in $(( $(date +%s) - START )) s: tests rc=$TEST_RC, benchmarks rc=$BENCH_RC; results in $DOC"
 [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

@@ -304,6 +304,18 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
         monkeypatch.setattr(cuda, name, value)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: fake._end_allocate(tuple(pool)), raising=False)
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: fake._release(tuple(pool)), raising=False)
+    # torch/cuda/memory.py use_mem_pool (run as it is) calls these through its module globals:
+    # CCA beginAllocateToPool with a current-thread filter (incref, "already recording" check),
+    # then endAllocateToPool and releasePool (a decref) on exit.
+    memory = sys.modules["torch.cuda.memory"]
+
+    def begin_thread(device: int, pool: tuple[int, int]) -> None:
+        with fake.lock:
+            fake._begin_allocate(tuple(pool), threading.get_ident())
+
+    monkeypatch.setattr(memory, "_cuda_beginAllocateCurrentThreadToPool", begin_thread)
+    monkeypatch.setattr(memory, "_cuda_endAllocateToPool", lambda device, pool: fake._end_allocate(tuple(pool)))
+    monkeypatch.setattr(memory, "_cuda_releasePool", lambda device, pool: fake._release(tuple(pool)))
     from piecewise_backend import platforms
     from piecewise_backend.platforms import cuda as cuda_platform
 

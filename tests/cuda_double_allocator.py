@@ -3,8 +3,12 @@ use counts, capture routing and segments, after c10/cuda/CUDACachingAllocator.cp
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 if TYPE_CHECKING:
     from tests.cuda_double import Capture, FakeStream
@@ -13,11 +17,24 @@ NOT_PERMITTED = "CUDA error: operation not permitted when stream is capturing"
 
 
 class Segment:
-    """One cudaMalloc'd segment; the double never splits one (one allocation each)."""
+    """One cudaMalloc'd segment; the double never splits one (one allocation each).
 
-    def __init__(self, address: int, size: int, pool: tuple[int, int], stream: FakeStream):
-        self.address, self.size, self.pool, self.stream, self.allocated = address, size, pool, stream, True
+    A segment that :meth:`CachingAllocator.empty` made has device memory (``memory``, a CPU
+    buffer the segment holds until it is freed back to the driver); while a tensor viewing
+    it lives the segment is allocated, as a CUDA block is until its last tensor is freed.
+    """
 
+    def __init__(self, address: int, size: int, pool: tuple[int, int], stream: FakeStream, memory: Any = None):
+        self.address, self.size, self.pool, self.stream, self.memory = address, size, pool, stream, memory
+        self._held, self._user = True, None
+
+    @property
+    def allocated(self) -> bool:
+        return self._held or (self._user is not None and not self._user.expired())
+
+    @allocated.setter
+    def allocated(self, value: bool) -> None:
+        self._held, self._user = value, None
 
 class PrivatePool:
     def __init__(self) -> None:
@@ -33,7 +50,10 @@ class CachingAllocator:
 
     def __init__(self) -> None:
         self.pools: dict[tuple[int, int], PrivatePool] = {}
-        self.routing: list[tuple[tuple[int, int], Capture]] = []  # CCA captures_underway
+        # CCA captures_underway: (pool, filter); the filter is a capture (CUDAGraph capture_begin
+        # routes the allocations of streams in that capture) or a thread id (use_mem_pool ->
+        # beginAllocateCurrentThreadToPool routes every allocation of that thread, any stream).
+        self.routing: list[tuple[tuple[int, int], Capture | int]] = []
         self.segments: list[Segment] = []
 
     def _create_or_incref(self, pool_id: tuple[int, int]) -> None:
@@ -45,7 +65,7 @@ class CachingAllocator:
             raise RuntimeError(f"INTERNAL ASSERT FAILED: it->second->use_count > 0 (pool {pool_id} has no user left)")
         pool.use_count += 1
 
-    def _begin_allocate(self, pool_id: tuple[int, int], cap: Capture) -> None:
+    def _begin_allocate(self, pool_id: tuple[int, int], cap: Capture | int) -> None:
         self._create_or_incref(pool_id)  # CCA beginAllocateToPool: incref first, then the check
         if any(p == pool_id for p, _ in self.routing):
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
@@ -67,7 +87,11 @@ class CachingAllocator:
                 raise RuntimeError("INTERNAL ASSERT FAILED: uc >= 0")
 
     def _free_unused(self, pool_ids: set[tuple[int, int]]) -> None:
+        # CCA release_cached_blocks: free blocks of the default pool, and of private pools only
+        # once they are freeable (graph_pools_freeable: use_count fell to 0); a live pool keeps
+        # its free blocks cached for its own later allocations, whoever asks for empty_cache.
         with self.lock:
+            pool_ids = {p for p in pool_ids if p == (0, 0) or (p in self.pools and self.pools[p].use_count == 0)}
             self.segments = [s for s in self.segments if s.allocated or s.pool not in pool_ids]
             for pid in pool_ids:  # a freeable pool with no segment left is erased
                 if self.pools.get(pid) and self.pools[pid].use_count == 0 and not any(s.pool == pid for s in self.segments):
@@ -79,14 +103,16 @@ class CachingAllocator:
             raise RuntimeError("INTERNAL ASSERT FAILED: captures_underway.empty()")
         self._free_unused({(0, 0)} | {p for p, pool in self.pools.items() if pool.use_count == 0})
 
-    def malloc(self, nbytes: int) -> Segment:
-        """An allocation on the current stream (routed to a pool while that stream captures)."""
+    def malloc(self, nbytes: int, *, backed: bool = False) -> Segment:
+        """An allocation on the current stream (routed to a pool while that stream captures, or
+        while a use_mem_pool of this thread is open); ``backed``: with memory (see ``empty``)."""
         stream = self.current_stream()
         with self.lock:
             cap = stream.capture
-            pool = next((p for p, c in self.routing if cap is not None and c is cap), (0, 0))
+            pool = self._routed_pool(cap)
             for seg in self.segments:
-                if not seg.allocated and seg.pool == pool and seg.size >= nbytes and (pool != (0, 0) or seg.stream is stream):
+                fits = seg.pool == pool and seg.size >= nbytes and (seg.memory is not None or not backed)
+                if fits and not seg.allocated and (pool != (0, 0) or seg.stream is stream):
                     seg.allocated = True
                     return seg
             # CCA cudaMallocMaybeCapturing: a cudaMalloc on a *capturing* stream runs under a relaxed
@@ -96,9 +122,41 @@ class CachingAllocator:
                 for c in others:
                     self._invalidate(c, "cudaMalloc from another stream")
                 raise RuntimeError(NOT_PERMITTED)
-            seg = Segment(next(self._ids) << 20, nbytes, pool, stream)
+            memory = torch.empty(nbytes, dtype=torch.uint8) if backed else None
+            address = memory.data_ptr() if backed else next(self._ids) << 20
+            seg = Segment(address, nbytes, pool, stream, memory)
             self.segments.append(seg)
             return seg
+
+    def _routed_pool(self, cap: Capture | None) -> tuple[int, int]:
+        # CCA malloc -> get_pool: the first routing entry whose filter accepts this allocation.
+        me = threading.get_ident()
+        for pool, f in self.routing:
+            if (cap is not None and f is cap) or (isinstance(f, int) and f == me):
+                return pool
+        return (0, 0)
+
+    def empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor allocated as a CUDA tensor is: a block (here a whole segment) of the pool
+        routing picks, reused once free, allocated while the tensor's storage lives. The tensor
+        views the segment's memory without owning it, so graph pools are told apart by address
+        as in ``torch.cuda.memory_snapshot()``, and a view kept past the block's free reads
+        whatever reused it."""
+        nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+        seg = self.malloc(nbytes, backed=True)
+        storage = torch._C._construct_storage_from_data_pointer(seg.address, torch.device("cpu"), nbytes)
+        t = torch.empty(0, dtype=dtype).set_(storage, 0, shape, torch.empty(shape, device="meta").stride())
+        seg._held, seg._user = False, StorageWeakRef(t.untyped_storage())
+        return t
+
+    def segment_of(self, t: torch.Tensor) -> Segment | None:
+        address = t.untyped_storage().data_ptr()
+        with self.lock:
+            return next((s for s in self.segments if s.address <= address < s.address + s.size), None)
+
+    def allocated_bytes(self, pool_id: tuple[int, int]) -> int:
+        with self.lock:
+            return sum(s.size for s in self.segments if s.pool == tuple(pool_id) and s.allocated)
 
     def free(self, seg: Segment) -> None:
         seg.allocated = False

@@ -14,7 +14,9 @@ from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend.capture import EagerSegment, capture_active
+from piecewise_backend.memory import fresh_pool
 from piecewise_backend.platforms import get_platform, warmup_scope
+from piecewise_backend.weak import is_weak
 from tests.helpers import (
     BREAK_CALLS,
     CountingMLP,
@@ -466,10 +468,12 @@ def test_cuda_clear_graphs_then_capture_again():
     w.clear_graphs()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    assert platform.pools[-1].use_count() >= 1  # the platform's MemPool keeps the pool alive
+    assert platform.pools[-1].use_count() >= 1  # the platform's MemPool keeps the current pool alive
     with pb.expect(captures=1):
         assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
-    assert w.entries[D8].segments[0].pool() == pool
+    # the same pool if another graph still uses it, else a fresh one (never the dead pool's id)
+    assert w.entries[D8].segments[0].pool() == platform.pool_id
+    assert pool == platform.pool_id or pool not in {tuple(p.id) for p in platform.pools}
     x.copy_(xc(3))
     assert_close(run(w, M.FULL, D8, x), m(x), **TOL)
 
@@ -612,7 +616,7 @@ def test_cuda_memory_is_the_pool():
     run(w, M.FULL, D8, x)
     grown = platform.memory() - before
     assert 0 <= grown < 64 << 20
-    ids = {tuple(p.id) for p in platform.pools}
+    ids = {tuple(p.id) for p in platform.pools} | platform._retired  # dropped pools a tensor still holds
     assert platform.memory() == sum(
         s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) in ids
     )
@@ -645,3 +649,73 @@ def test_cuda_empty_segment_between_breaks_is_skipped():
     assert not [c for c in caught if "empty" in str(c.message)]
     assert_close(out, m(x), **TOL)
     assert sum(isinstance(s, torch.cuda.CUDAGraph) for s in w.entries[D8].segments) == 2
+
+
+# Graph memory on CUDA (twins of tests/test_cuda_memory.py).
+
+
+def _pool_ranges(platform) -> list[tuple[int, int]]:
+    ids = {tuple(p.id) for p in platform.pools}
+    return [
+        (s["address"], s["address"] + s["total_size"])
+        for s in torch.cuda.memory_snapshot()
+        if tuple(s["segment_pool_id"]) in ids
+    ]
+
+
+def test_cuda_break_results_are_pool_memory_held_weakly():
+    m = TwoBreakModel(fresh=True).cuda()
+    w = breakable(m)
+    x = xc()
+    warm(w, x)
+    platform = get_platform("cuda")
+    assert_close(run(w, M.PIECEWISE, D8, x), m(x), **TOL)
+    torch.cuda.synchronize()
+    ranges = _pool_ranges(platform)
+    fresh = [t for s in w.entries[D8].segments if isinstance(s, EagerSegment) for _, t in s.fresh]
+    assert len(fresh) == 2
+    for t in fresh:
+        assert is_weak(t), "a break's result is pinned by the entry"
+        assert any(lo <= t.data_ptr() < hi for lo, hi in ranges), "a break's result lies outside the graph pool"
+    x.copy_(xc(3))
+    assert_close(run(w, M.PIECEWISE, D8, x), m(x), **TOL)
+
+
+def test_cuda_smaller_sizes_reuse_the_larger_sizes_memory():
+    m = TwoBreakModel(dim=256, fresh=True).cuda()
+    w = breakable(m)
+    platform = get_platform("cuda")
+    xs = [torch.randn(n, 256, device="cuda") for n in (512, 384, 256, 128)]
+    for x in xs:
+        warm(w, x)
+    with fresh_pool(platform):  # a pool no other test's graph uses
+        before = platform.memory()
+        run(w, M.PIECEWISE, pb.BatchDescriptor(512), xs[0])
+        alone = platform.memory() - before
+        for x in xs[1:]:
+            run(w, M.PIECEWISE, pb.BatchDescriptor(len(x)), x)
+        total = platform.memory() - before
+        for x in xs:
+            assert_close(run(w, M.PIECEWISE, pb.BatchDescriptor(len(x)), x), m(x), **TOL)
+        w.clear_graphs()
+    assert 0 < alone and total <= 1.25 * alone, (total, alone)
+
+
+def test_cuda_clear_graphs_returns_the_memory():
+    m = TwoBreakModel(dim=256, fresh=True).cuda()
+    w = breakable(m)
+    platform = get_platform("cuda")
+    x = torch.randn(512, 256, device="cuda")
+    warm(w, x)
+    with fresh_pool(platform):  # a pool no other test's graph uses
+        run(w, M.PIECEWISE, pb.BatchDescriptor(512), x)
+        torch.cuda.synchronize()
+        pool, reserved = platform.pool_id, torch.cuda.memory_reserved()
+        assert any(tuple(s["segment_pool_id"]) == pool for s in torch.cuda.memory_snapshot())
+        w.clear_graphs()
+        assert not any(tuple(s["segment_pool_id"]) == pool for s in torch.cuda.memory_snapshot())
+        assert torch.cuda.memory_reserved() < reserved
+        assert pool not in {tuple(p.id) for p in platform.pools}
+        with pb.expect(captures=1):  # into a fresh pool: the dead one's id would trip use_count > 0
+            assert_close(run(w, M.PIECEWISE, pb.BatchDescriptor(512), x), m(x), **TOL)
+        w.clear_graphs()

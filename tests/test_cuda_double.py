@@ -88,7 +88,66 @@ def test_double_rule_an_empty_capture_warns(fake):
     assert any(cuda_platform._EMPTY_WARNING in str(c.message) for c in caught)
 
 
+# Rules of MemPool lifetime and use_mem_pool routing: one set of steps, given an allocator of
+# n bytes (the double's ``empty`` here, ``torch.empty(device="cuda")`` on a GPU). 16 MiB each,
+# so that on a GPU every allocation is a segment of its own (CCA rounds >= 10 MiB to 2 MiB).
+BIG = 16 << 20
+
+
+def _pool_bytes(pool_id) -> int:
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool_id))
+
+
+def _rule_use_mem_pool_routes_and_excludes_a_capture_into_its_pool(alloc) -> None:
+    pool, s = torch.cuda.MemPool(), torch.cuda.Stream()
+    with torch.cuda.use_mem_pool(pool):
+        t = alloc(BIG)  # MP/CCA: beginAllocateCurrentThreadToPool routes this thread's allocations
+        assert _pool_bytes(pool.id) == BIG
+        # CCA beginAllocateToPool: "already recording to mempool_id" while the thread routes to it
+        with torch.cuda.stream(s), pytest.raises(RuntimeError, match="already recording"):
+            torch.cuda.CUDAGraph().capture_begin(pool=pool.id)
+    assert not torch.cuda.is_current_stream_capturing()
+    del t
+
+
+def _rule_a_pools_blocks_are_freed_only_once_it_is_dead(alloc) -> None:
+    pool = torch.cuda.MemPool()
+    pool_id = tuple(pool.id)
+    with torch.cuda.use_mem_pool(pool):
+        kept, dropped = alloc(BIG), alloc(BIG)
+    del dropped
+    torch.cuda.empty_cache()  # CCA release_cached_blocks: a live pool keeps its free blocks
+    assert _pool_bytes(pool_id) == 2 * BIG
+    del pool  # ~MemPool: releasePool (no use left), then emptyCache of the pool: its free blocks go
+    assert _pool_bytes(pool_id) == BIG
+    del kept  # the last block goes back once free, at the next empty_cache
+    torch.cuda.empty_cache()
+    assert _pool_bytes(pool_id) == 0
+
+
+def test_double_rule_use_mem_pool_routes_and_excludes_a_capture_into_its_pool(fake):
+    _rule_use_mem_pool_routes_and_excludes_a_capture_into_its_pool(lambda n: fake.empty(n, dtype=torch.uint8))
+
+
+def test_double_rule_a_pools_blocks_are_freed_only_once_it_is_dead(fake):
+    _rule_a_pools_blocks_are_freed_only_once_it_is_dead(lambda n: fake.empty(n, dtype=torch.uint8))
+
+
 # ---------------------------------------------------------------- on a real GPU
+
+
+def _cuda_bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+
+
+@pytest.mark.cuda
+def test_gpu_rule_use_mem_pool_routes_and_excludes_a_capture_into_its_pool():
+    _rule_use_mem_pool_routes_and_excludes_a_capture_into_its_pool(_cuda_bytes)
+
+
+@pytest.mark.cuda
+def test_gpu_rule_a_pools_blocks_are_freed_only_once_it_is_dead():
+    _rule_a_pools_blocks_are_freed_only_once_it_is_dead(_cuda_bytes)
 
 
 @pytest.mark.cuda

@@ -43,10 +43,12 @@ def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
     """A test "was this tensor allocated in ``platform``'s graph pool?" (a capture-time tensor).
 
     Optional platform hooks used here: ``owns(t)`` (the simulated platform), ``pool`` (a
-    :class:`~.platforms.sim_pool.SimPool`, or a CUDA pool id), ``pools`` (CUDA ``MemPool``
-    objects), ``release_cached()``. A CUDA platform without ``owns`` is asked through one
-    ``torch.cuda.memory_snapshot()`` per capture: tensors outside its pools (a break's result
-    allocated outside the capture) stay strongly held, never weakened into memory nobody owns.
+    :class:`~.platforms.sim_pool.SimPool`), ``pools`` (CUDA ``MemPool`` objects),
+    ``release_cached()`` and ``fresh_pool()``. A CUDA platform without ``owns`` is asked through one
+    ``torch.cuda.memory_snapshot()`` per capture: a tensor in one of the pools the platform
+    holds is pool memory (the graphs' tensors, and a break's results, which the platform
+    routes to the pool while breaks run); a tensor outside them (allocated before the
+    capture, or by another thread) stays strongly held, never weakened into memory nobody owns.
     """
     owns = getattr(platform, "owns", None)
     if owns is not None:
@@ -58,7 +60,7 @@ def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
 
 def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
     # Address ranges of the pools' segments; one snapshot per capture, not per tensor.
-    ids = _cuda_pool_ids(platform)
+    ids = {tuple(p.id) for p in platform.pools}
     ranges = [
         (s["address"], s["address"] + s["total_size"])
         for s in torch.cuda.memory_snapshot()
@@ -66,19 +68,13 @@ def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
     ]
 
     def owns(t: torch.Tensor) -> bool:
-        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        # by address alone: host and device addresses never overlap (one unified address space)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return False
         ptr = t.untyped_storage().data_ptr()
         return any(lo <= ptr < hi for lo, hi in ranges)
 
     return owns
-
-
-def _cuda_pool_ids(platform: Any) -> set[tuple[int, int]]:
-    pools = getattr(platform, "pools", None)  # torch.cuda.MemPool objects
-    if pools is not None:
-        return {tuple(p.id) for p in pools}
-    return {tuple(platform.pool)}  # a graph_pool_handle() id
 
 
 def _weakener(platform: Platform) -> Callable[[Any], Any]:
@@ -192,10 +188,6 @@ def release_cached(platform: Platform | None) -> int:
     pool = getattr(platform, "pool", None)
     if hasattr(pool, "release_cached"):
         return pool.release_cached()
-    if getattr(platform, "name", None) == "cuda":
-        before = torch.cuda.memory_reserved()
-        torch.cuda.empty_cache()
-        return before - torch.cuda.memory_reserved()
     return 0
 
 
@@ -209,20 +201,14 @@ def fresh_pool(platform: Any) -> Iterator[Any]:
             yield scratch
         finally:
             platform.pool = pool  # dropped, the scratch pool keeps only memory still viewed
-    elif hasattr(platform, "_new_pool"):  # CUDA, MemPool-based: the new pool is the current one
-        saved_id, count = platform.pool_id, len(platform.pools)
-        platform._new_pool()
-        try:
-            yield platform.pools[-1]
-        finally:
-            del platform.pools[count:]
-            platform.pool_id = saved_id
-    else:  # CUDA, one graph_pool_handle() id
-        platform.pool = scratch = torch.cuda.graph_pool_handle()
-        try:
+    elif hasattr(platform, "fresh_pool"):  # CUDA
+        with platform.fresh_pool() as scratch:
             yield scratch
-        finally:
-            platform.pool = pool
+    else:
+        raise TypeError(
+            f"platform {getattr(platform, 'name', platform)!r} has no graph pool to replace: fresh_pool needs the "
+            "simulated platform (a SimPool) or the CUDA platform (MemPools)"
+        )
 
 
 @contextlib.contextmanager

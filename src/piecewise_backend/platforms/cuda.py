@@ -2,11 +2,11 @@
 
 The rules it keeps (each one checked on the CPU against ``tests/cuda_double.py``):
 
-* The pool lives as long as the platform. A graph pool is alive only while something uses
+* Captures go to a pool the platform holds. A graph pool is alive only while something uses
   it (each ``capture_begin`` adds a use, each graph's reset drops one), and capturing into
   an id whose uses fell to 0 trips an allocator INTERNAL ASSERT. A ``torch.cuda.MemPool``
-  held by the platform keeps one use, so ``clear_graphs()`` or a failed capture can be
-  followed by another capture.
+  held by the platform keeps one use, so a failed capture can be followed by another, and a
+  pool the platform drops (see ``release_cached``) is never captured into again.
 * A capture CUDA invalidated (a host sync, another thread's sync or cudaMalloc, an
   unjoined side stream) fails in ``capture_end`` before the allocator stops routing to the
   pool. The platform ends that routing, drops the graph and moves later captures to a fresh
@@ -16,6 +16,15 @@ The rules it keeps (each one checked on the CPU against ``tests/cuda_double.py``
   warms up first (Inductor/Triton autotuning syncs, which a capture forbids).
 * One capture at a time per process (global capture mode): captures, warm-ups on the capture
   stream and ``memory()`` (a device sync) wait for an open capture of another thread.
+* Between the segments of a capture (while its eager breaks run) the capturing thread
+  allocates from the pool too (``torch.cuda.use_mem_pool``), so a break's fresh result is
+  pool memory that entries hold weakly, like the graphs' own tensors, instead of pinning a
+  block per captured size. The routing ends before the next segment's ``capture_begin``
+  (which refuses a pool something already routes to).
+* ``release_cached()`` (called by ``clear_graphs()``) retires a pool no graph uses any more:
+  the platform drops its ``MemPool``, the allocator frees the pool's free blocks and, once
+  freed, the blocks a live tensor still holds; the next capture gets a fresh pool. A pool a
+  graph still uses keeps its free blocks cached (CUDA frees them only when the pool dies).
 * ``memory()`` is the bytes held by the platform's pools, measured on the pools themselves.
 """
 
@@ -111,6 +120,7 @@ class _CudaRecorder:
                 f"CUDA invalidated this graph capture ({e}); an illegal operation ran while it was open. "
                 f"The platform released the capture and later captures use a fresh pool: {_RULES}, then capture again"
             ) from e
+        self.platform._route_breaks()  # a break may follow: its results come from the pool too
         empty = False
         for w in caught:
             if _EMPTY_WARNING in str(w.message):
@@ -141,17 +151,34 @@ class CudaPlatform:
     def __init__(self, device: int = 0) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # capture off the default stream, as CUDA requires
-        self.pools: list[Any] = []  # torch.cuda.MemPool: the current one last, retired ones before it
-        self.pool_id: tuple[int, int] = (0, 0)
+        # torch.cuda.MemPool: the current one last; before it, pools graphs captured before an
+        # invalidated capture still use
+        self.pools: list[Any] = []
+        self._retired: set[tuple[int, int]] = set()  # dropped pools whose blocks may still be held
         self.broken: str | None = None
         self._local = threading.local()
         self._new_pool()
 
+    @property
+    def pool_id(self) -> tuple[int, int]:
+        """The id of the pool the next capture allocates from."""
+        return tuple(self.pools[-1].id)
+
     def _new_pool(self) -> None:
         with torch.cuda.device(self.device):
-            pool = torch.cuda.MemPool()  # holds a use of its id for the platform's lifetime
+            pool = torch.cuda.MemPool()  # holds a use of its id while the platform holds it
         self.pools.append(pool)
-        self.pool_id = tuple(pool.id)
+
+    def _route_breaks(self) -> None:
+        if getattr(self._local, "routing", None) is None:
+            routing = torch.cuda.use_mem_pool(self.pools[-1], device=self.device)
+            routing.__enter__()  # a use of the pool and a current-thread routing to it, until _stop_routing
+            self._local.routing = routing
+
+    def _stop_routing(self) -> None:
+        routing, self._local.routing = getattr(self._local, "routing", None), None
+        if routing is not None:
+            routing.__exit__(None, None, None)
 
     def _usable(self) -> None:
         if self.broken is not None:
@@ -164,7 +191,10 @@ class CudaPlatform:
             _open.captures = getattr(_open, "captures", 0) + 1
             try:
                 with self._capture_stream():
-                    yield
+                    try:
+                        yield
+                    finally:
+                        self._stop_routing()
             finally:
                 _open.captures -= 1
                 self._local.warmed = False
@@ -215,6 +245,7 @@ class CudaPlatform:
                 fn(*args, **kwargs)
 
     def begin(self) -> _CudaRecorder:
+        self._stop_routing()  # capture_begin into a pool a thread still routes to fails
         return _CudaRecorder(self)
 
     def _recover(self, graph: torch.cuda.CUDAGraph, pool: tuple[int, int], error: BaseException) -> None:
@@ -249,8 +280,47 @@ class CudaPlatform:
                 raise RuntimeError("CudaPlatform.memory() synchronizes the device, which invalidates an open capture; call it outside captures")
             torch.cuda.synchronize()
             segments = torch.cuda.memory_snapshot()
-        ids = {tuple(p.id) for p in self.pools}
+        held = {tuple(s["segment_pool_id"]) for s in segments}
+        self._retired &= held  # a retired pool is gone once its last segment is
+        ids = {tuple(p.id) for p in self.pools} | self._retired
         return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) in ids)
+
+    def _drop(self, pools: list[Any]) -> None:
+        self._retired.update(tuple(p.id) for p in pools)
+        self.pools = [p for p in self.pools if all(p is not q for q in pools)]
+
+    def release_cached(self) -> int:
+        """Give back the graph memory no graph uses (see the module docstring); returns the
+        bytes the allocator released."""
+        if getattr(_open, "captures", 0):
+            return 0  # inside a capture the pool is in use, and empty_cache is not allowed
+        if not gc_managed():
+            gc.collect()  # a graph in a reference cycle holds its pool until it is collected
+        with _exclusive("releasing graph memory"), torch.cuda.device(self.device):
+            before = torch.cuda.memory_reserved(self.device)
+            # the platform's MemPool holds one use; a captured graph (or a routing) holds another
+            current = self.pools[-1]
+            self._drop([p for p in self.pools if p.use_count() <= 1])
+            if not self.pools or self.pools[-1] is not current:
+                self._new_pool()  # never back into an older pool (one kept after an invalidated capture)
+            del current
+            # dropped MemPools are gone now (~MemPool: releasePool, then emptyCache of the pool)
+            torch.cuda.empty_cache()
+            return before - torch.cuda.memory_reserved(self.device)
+
+    @contextlib.contextmanager
+    def fresh_pool(self) -> Iterator[tuple[int, int]]:
+        """Capture into a new pool for the duration (the estimate's scratch pool); yields its id
+        (not the MemPool: a caller holding it would keep release_cached() from retiring it).
+        Afterwards the pools held before are current again; the new one lives on only in
+        graphs still captured into it."""
+        saved = list(self.pools)
+        self._new_pool()
+        try:
+            yield self.pool_id
+        finally:
+            self._retired.update(tuple(p.id) for p in self.pools if all(p is not q for q in saved))
+            self.pools = saved
 
     def describe(self, amount: int) -> str:
         return f"{amount / 2**20:.1f} MiB in the CUDA graph pool of cuda:{self.device}"
