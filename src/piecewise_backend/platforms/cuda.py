@@ -205,27 +205,27 @@ class CudaPlatform:
             gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
-            current = torch.cuda.current_stream()
-            self.stream.wait_stream(current)
-            try:
-                with torch.cuda.stream(self.stream):
-                    yield
-            finally:
-                current.wait_stream(self.stream)  # order the capture stream's eager work before what follows
+            with self._on_stream():
+                yield
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """Run on the capture stream, after the current stream's work and before what follows it."""
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            current.wait_stream(self.stream)
 
     @contextlib.contextmanager
     def warmup_scope(self) -> Iterator[None]:
         """Run eager warm-up work on the capture stream, so per-stream state (the cuBLAS
         workspace, lazily initialized handles) exists before the capture, outside the pool."""
         self._usable()
-        with _exclusive("warming up"), torch.cuda.device(self.device):
-            current = torch.cuda.current_stream()
-            self.stream.wait_stream(current)
-            try:
-                with torch.cuda.stream(self.stream):
-                    yield
-            finally:
-                current.wait_stream(self.stream)
+        with _exclusive("warming up"), torch.cuda.device(self.device), self._on_stream():
+            yield
         self._local.warmed = True  # consumed by the next capture on this thread
 
     def warm_up(self, fn: Callable[..., Any], args: tuple, kwargs: dict, times: int) -> None:
