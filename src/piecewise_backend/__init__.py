@@ -15,3 +15,5 @@ from .split import Piece, SplitGraph, split_graph
 from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, GraphEntry, unwrap_model
 
 __version__ = "0.1.0"
+from .aot import CompiledModel, aot_compile, load_compiled
+from .shapes import mark_token_dim
