@@ -131,6 +131,18 @@ def as_piece_callable(artifact: Any, bare: bool) -> Callable[..., Any]:
     return first
 
 
+def check_frame(data: bytes, key: str) -> str | None:
+    """What is wrong with ``data`` as the cache entry for ``key``, or None."""
+    head = len(MAGIC) + _DIGEST + _KEY_LEN
+    if len(data) < head or not data.startswith(MAGIC):
+        return "not a piecewise_backend cache entry (bad header or truncated)"
+    if data[len(MAGIC) + _DIGEST : head].decode("ascii", "replace") != key:
+        return "entry holds another key"
+    if hashlib.sha256(data[head:]).digest() != data[len(MAGIC) : len(MAGIC) + _DIGEST]:
+        return "checksum mismatch (truncated or corrupt)"
+    return None
+
+
 class PieceCache:
     """The files of one ``cache_dir``: ``load(key)`` -> artifact or None, ``save(key, artifact)``."""
 
@@ -149,18 +161,10 @@ class PieceCache:
         except OSError as e:
             logger.warning("compile cache: cannot read %s (%s); compiling the piece", path, e)
             return None
-        head = len(MAGIC) + _DIGEST + _KEY_LEN
-        payload = data[head:]
-        problem = None
-        if len(data) < head or not data.startswith(MAGIC):
-            problem = "not a piecewise_backend cache entry (bad header or truncated)"
-        elif data[len(MAGIC) + _DIGEST : head].decode("ascii", "replace") != key:
-            problem = "entry holds another key"
-        elif hashlib.sha256(payload).digest() != data[len(MAGIC) : len(MAGIC) + _DIGEST]:
-            problem = "checksum mismatch (truncated or corrupt)"
+        problem = check_frame(data, key)
         if problem is None:
             try:
-                return load_artifact(payload)
+                return load_artifact(data[len(MAGIC) + _DIGEST + _KEY_LEN :])
             except Exception as e:  # any failure of torch's loader: recompile rather than crash
                 problem = f"torch could not load it ({type(e).__name__}: {e})"
         counters["cache_rejects"] += 1

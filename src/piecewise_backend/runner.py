@@ -28,6 +28,7 @@ from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
 from .platforms import cuda as _cuda_platform
 from .platforms import get_platform, resolve_platform_name
+from .shapes import mark_token_views
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +182,7 @@ class GraphRunner:
                     for desc in descs:
                         views = self._views(desc.num_tokens)
                         for _ in range(self.config.num_warmups):
-                            for v in views.values():
-                                torch._dynamo.maybe_mark_dynamic(v, 0)
+                            mark_token_views(views, self.inputs)  # one Dynamo graph for every size, 1 too
                             self._call(views, CUDAGraphMode.NONE, desc, {})
                         self._call(views, mode, desc, {})
                         bar.update(1)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+TOKENS = "pb_num_tokens"  # the shape_id shared by every per-token input
 
 
 def mark_token_dim(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -15,3 +19,11 @@ def mark_token_dim(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """
     torch._dynamo.decorators.mark_unbacked(t, dim)
     return t
+
+
+def mark_token_views(views: dict[str, torch.Tensor], specs: dict[str, Any]) -> None:
+    """Mark dim 0 of every per-token view (``specs[name].per`` is ``"token"``, or absent) as one
+    shared unbacked size: all per-token inputs of a step have the same token count."""
+    for name, v in views.items():
+        if getattr(specs.get(name), "per", "token") == "token" and v.dim():
+            torch._dynamo.decorators.mark_unbacked(v, 0, shape_id=TOKENS)
