@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-from tests.helpers import TINY_LLAMA, make_model, tiny_llama
+from tests.helpers import SIM, TINY_LLAMA, make_model, tiny_llama
 
 EAGER = pb.CompilationConfig(compile_pieces="eager")
 
@@ -87,3 +87,15 @@ def test_bad_arguments_name_the_type():
         pb.aot_compile(lambda x: x, [ids(2)])
     with pytest.raises(TypeError, match="CompilationConfig, got dict"):
         pb.aot_compile(tiny_llama(1), [ids(2)], config={})
+
+
+def test_marked_inputs_and_the_runner_work_with_a_loaded_model(saved):
+    # the runner marks its views for tracing; a loaded model is traced already and drops the marks
+    model = tiny_llama(2)
+    loaded = pb.load_compiled(saved, model)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(pb.mark_token_dim(ids(5))), model(ids(5)))
+        runner = pb.GraphRunner(loaded, SIM.replace(capture_sizes=[1, 2, 8]), [pb.StaticInput("input_ids")])
+        runner.capture(progress=False)
+        torch.testing.assert_close(runner.run(input_ids=ids(5)), model(ids(5)))
+        torch.testing.assert_close(runner.run(input_ids=ids(1)), model(ids(1)))

@@ -144,21 +144,25 @@ class PiecewiseArtifact(SerializableCallable):
 class CompiledModel:
     """A model compiled ahead of time: call it like the model; ``save(path)`` for a later process."""
 
-    def __init__(self, fn: Any, model: torch.nn.Module, grad_enabled: bool):
-        self.fn, self.model, self.grad_enabled = fn, model, grad_enabled
+    def __init__(self, fn: Any, model: torch.nn.Module, grad_enabled: bool, inference_mode: bool):
+        self.fn, self.model, self.grad_enabled, self.inference_mode = fn, model, grad_enabled, inference_mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() != self.grad_enabled:
             want = "enabled" if self.grad_enabled else "disabled (torch.no_grad() or torch.inference_mode())"
             raise RuntimeError(f"this model was compiled with grad mode {want}; call it the same way "
                                f"(grad mode is now {'enabled' if torch.is_grad_enabled() else 'disabled'})")
+        if any(hasattr(a, "_has_dynamo_dim_marking") for a in args):
+            # Dynamic-dim marks steer a trace; this model is traced already, and its guards
+            # refuse a marked tensor. A plain view of it carries no mark.
+            args = tuple(a.view(a.shape) if hasattr(a, "_has_dynamo_dim_marking") else a for a in args)
         return self.fn(self.model, *args, **kwargs)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write to ``path`` atomically (temp file, then rename)."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
-        data = pickle.dumps({"env": _environment(), "grad_enabled": self.grad_enabled,
+        data = pickle.dumps({"env": _environment(), "grad_enabled": self.grad_enabled, "inference_mode": self.inference_mode,
                              "function": AOTCompiledFunction.serialize(self.fn).serialized_data})
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pb_aot.", suffix=".tmp")
@@ -184,7 +188,7 @@ def aot_compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, config
         raise TypeError(f"aot_compile's config must be a CompilationConfig, got {type(config).__name__}")
     backend = _AOTBackend(config or CompilationConfig())
     compiled = torch.compile(model.forward, fullgraph=True, backend=backend).aot_compile((tuple(example_inputs), {}))
-    result = CompiledModel(compiled, model, torch.is_grad_enabled())
+    result = CompiledModel(compiled, model, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
     if path is not None:
         result.save(path)
     return result
@@ -200,5 +204,8 @@ def load_compiled(path: str | os.PathLike[str], model: torch.nn.Module) -> Compi
     if not isinstance(state, dict) or state.get("env") != _environment():
         found = state.get("env") if isinstance(state, dict) else None
         raise RuntimeError(f"{path} was saved by {found}; this process is {_environment()}: compile again")
-    fn = torch.compiler.load_compiled_function(io.BytesIO(state["function"]))
-    return CompiledModel(fn, model, state["grad_enabled"])
+    # Guards record dispatch keys relative to the thread-local modes they are built under:
+    # rebuild them under the modes of the compile.
+    with torch.inference_mode(state["inference_mode"]), torch.set_grad_enabled(state["grad_enabled"]):
+        fn = torch.compiler.load_compiled_function(io.BytesIO(state["function"]))
+    return CompiledModel(fn, model, state["grad_enabled"], state["inference_mode"])
