@@ -95,11 +95,13 @@ def run(quick: bool = False, layer_counts: tuple[int, ...] = (1, 8), warm_reps: 
                 order = list(VARIANTS)
                 rng.shuffle(order)
                 for variant in order:
-                    log(f"  restart: {variant} {layers} layer(s), {phase}")
                     try:
                         r = _spawn(layers, variant, phase, works[variant, layers], timeout=900)
+                        log(f"  restart: {variant} {layers} layer(s), {phase}: first output {r['first_output_s']:.1f} s, "
+                            f"process {r['process_s']:.1f} s, {r['counters']}")
                     except Exception as e:  # keep the table: record the failure
-                        r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                        log(f"  restart: {variant} {layers} layer(s), {phase}: FAILED {e}")
+                        r = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
                     data.setdefault(f"{variant}/{layers}/{phase}", []).append(r)
     finally:
         for w in works.values():
@@ -114,7 +116,7 @@ def run(quick: bool = False, layer_counts: tuple[int, ...] = (1, 8), warm_reps: 
         base = med("inductor", layers, "warm")
         for variant in VARIANTS:
             cold, warm = med(variant, layers, "cold"), med(variant, layers, "warm")
-            runs = data.get(f"{variant}/{layers}/warm", []) + data.get(f"{variant}/{layers}/cold", [])
+            runs = data.get(f"{variant}/{layers}/cold", []) + data.get(f"{variant}/{layers}/warm", [])
             errors = [r["error"] for r in runs if "error" in r]
             last = next((r for r in reversed(runs) if "error" not in r), None)
             c = last["counters"] if last else {}
@@ -126,7 +128,7 @@ def run(quick: bool = False, layer_counts: tuple[int, ...] = (1, 8), warm_reps: 
                 f"{med(variant, layers, 'warm', 'process_s'):.1f}" if warm is not None else "-",
                 f"{c.get('compiles', 0)} / {c.get('cache_loads', 0)}" if variant != "inductor" else "-",
                 "yes" if all(r.get("matches_eager") for r in runs if "error" not in r) else "NO",
-                "; ".join(errors)[:200],
+                "; ".join(e.splitlines()[-1] for e in errors)[:200],
             ])
     body = (
         "Fresh process per cell; seconds from `torch.compile` / `pb.aot_compile` / `pb.load_compiled` to the first "

@@ -3,8 +3,9 @@
 :func:`aot_compile` traces ``model.forward`` once with Dynamo (``fullgraph``), splits and
 compiles it like the ``piecewise_breakable`` backend, and can save the result; in a later
 process :func:`load_compiled` rebuilds the callable from the file without tracing: Dynamo's
-guards are restored from the file, the Dynamo graph is unpickled and re-split, and each
-compiled piece is deserialized (``standalone_compile(..., aot=True)`` bytes).
+guards are restored from the file, the split graph and its pieces are unpickled (as code, without
+their fake-tensor metadata), and each compiled piece is deserialized (``standalone_compile(...,
+aot=True)`` bytes). docs/restart.md lists the guards and limits.
 
 Built on torch's ``torch.compile(...).aot_compile`` and ``torch.compiler.load_compiled_function``
 (experimental in torch 2.13). Limits, checked where possible: the grad mode of every call must be
