@@ -52,13 +52,11 @@ def _environment(device_type: str) -> str:
 
     from . import __version__
 
-    inductor = torch._inductor.config.save_config_portable()
     parts = [
         f"torch={torch.__version__}",
         f"torch_key={torch_key().hex()}",
         f"python={sys.version_info[:3]}",
         f"piecewise_backend={__version__}",
-        f"inductor_config={hashlib.sha256(repr(sorted(inductor.items())).encode()).hexdigest()}",
     ]
     if device_type == "cpu":
         from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -101,6 +99,8 @@ def piece_key(gm: fx.GraphModule) -> str:
             else:
                 h.update(repr(value).encode())
     h.update(f"grad={torch.is_grad_enabled()}".encode())
+    # read on every key, not cached: a user may change Inductor's config between compiles
+    h.update(repr(sorted(torch._inductor.config.save_config_portable().items())).encode())
     for device in sorted(devices) or ["cpu"]:
         h.update(_environment(device).encode())
     return h.hexdigest()
