@@ -149,11 +149,13 @@ def main() -> None:
     ap.add_argument("--work", default="")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--warm-reps", type=int, default=2)
+    ap.add_argument("--layer-counts", default="1,8", help="comma-separated, e.g. 1,8")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.layers, args.variant, args.phase, args.work)))
         return
-    for s in run(quick=args.quick, warm_reps=args.warm_reps):
+    counts = tuple(int(n) for n in args.layer_counts.split(","))
+    for s in run(quick=args.quick, layer_counts=counts, warm_reps=args.warm_reps):
         print(s.markdown())
 
 
