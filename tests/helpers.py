@@ -257,3 +257,16 @@ def tiny_mlp(device: str = "cpu") -> torch.nn.Module:
     """Linear -> ReLU -> Linear (8 wide): Inductor fuses the ReLU into a C++ kernel on the CPU."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).to(device).eval()
+# --- compile cache and AOT restart helpers (test_compile_cache, test_aot, test_shapes) ---
+
+TINY_LLAMA = dict(hidden_size=16, num_heads=2, intermediate_size=32, vocab_size=64)
+
+
+def tiny_llama(num_layers: int = 3) -> torch.nn.Module:
+    """The smallest ToyLlama: pieces first / middle / last, so Inductor compiles 3 whatever the depth."""
+    return make_model(num_layers, "inplace", **TINY_LLAMA)
+
+
+def piece_fn(x: torch.Tensor) -> torch.Tensor:
+    """One compiled piece (compile with splitting_ops=[]): the cheapest Inductor compile."""
+    return (x * 2 + 1).relu()

@@ -19,3 +19,5 @@ from .assembly import clear_graphs
 from .inputs import mark_persistent
 from .platforms.cuda import CaptureInvalidatedError
 from .weak import is_weak, weak_ref_tensor, weak_ref_tensors
+from .aot import CompiledModel, aot_compile, load_compiled
+from .shapes import mark_token_dim

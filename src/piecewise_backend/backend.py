@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from .capture import BreakPoint
+from .compile_cache import PieceCache, compile_cached
 from .config import CompilationConfig, effective_mode
 from .modes import CUDAGraphMode
 from .observability import counters, dump_split, logger
@@ -100,6 +101,9 @@ class PiecewiseBackend:
         self._compiled: dict[str, Callable[..., Any]] = {}
         self.splits: list[SplitGraph] = []  # every split made, for inspection and tests
         self.piece_wrappers: list[CUDAGraphWrapper] = []  # use_breakable=False: one per compiled piece
+        self._cache = PieceCache(self.config.cache_dir) if self.config.cache_dir is not None else None
+        self._serializable = False  # True: every piece compiles to a savable artifact (the AOT path)
+        self._artifacts: dict[str, Any] = {}  # structural key -> savable artifact, when there is one
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         # torch passes mode=/options= only when the user set them; they have no meaning here.
@@ -125,18 +129,32 @@ class PiecewiseBackend:
         if self.config.compile_pieces == "eager":
             fn: Callable[..., Any] = _direct_forward(piece.module)
         else:
-            key = structural_key(piece.module)
-            fn = self._compiled.get(key)
-            if fn is None:
-                logger.debug("compiling %s with Inductor", piece.name)
-                fn = self._compiled[key] = _compile_inductor(piece.module)
-                counters["compiles"] += 1
-            else:
-                counters["compile_cache_hits"] += 1
+            fn = self._compile(piece)
         if not self.config.use_breakable and effective_mode(self.config) != CUDAGraphMode.NONE:
             wrapper = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, config=self.config)
             self.piece_wrappers.append(wrapper)
             return wrapper
+        return fn
+
+    def _compile(self, piece: Piece) -> Callable[..., Any]:
+        """Compiled code for ``piece``: once per distinct piece in this backend, then from
+        ``cache_dir`` when set (loaded by a later process), else Inductor."""
+        key = structural_key(piece.module)
+        fn = self._compiled.get(key)
+        if fn is not None:
+            counters["compile_cache_hits"] += 1
+            return fn
+        if self._cache is None and not self._serializable:
+            logger.debug("compiling %s with Inductor", piece.name)
+            fn = _compile_inductor(piece.module)
+            counters["compiles"] += 1
+        else:
+            fn, artifact, loaded = compile_cached(piece.module, self._cache)
+            self._artifacts[key] = artifact
+            if not loaded:
+                logger.debug("compiled %s with Inductor (serializable)", piece.name)
+                counters["compiles"] += 1
+        self._compiled[key] = fn
         return fn
 
     def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
@@ -172,6 +190,7 @@ class PiecewiseBackend:
         """Forget compiled pieces, recorded splits and per-piece wrappers (with their graphs)."""
         self.clear_graphs()
         self._compiled.clear()
+        self._artifacts.clear()
         self.splits.clear()
         self.piece_wrappers.clear()
 

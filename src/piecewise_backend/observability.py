@@ -25,6 +25,9 @@ COUNTER_KEYS = (
     "compiled_pieces",  # pieces that run compiled code (Inductor or eager GraphModule)
     "compiles",  # Inductor compilations actually run (identical pieces share one)
     "compile_cache_hits",  # pieces that reused an identical piece's compiled code
+    "cache_loads",  # compiled pieces loaded from disk (cache_dir or an AOT file) instead of compiled
+    "cache_saves",  # compiled pieces written to cache_dir
+    "cache_rejects",  # cache entries ignored (corrupt, truncated, unloadable): those pieces compiled
     "captures",  # graph entries captured (one per wrapper and descriptor)
     "replays",  # entry replays
     "breaks",  # eager segments recorded during breakable captures

@@ -30,6 +30,7 @@ from .modes import AttentionGraphSupport, CUDAGraphMode
 from . import parallel as _parallel
 from .observability import logger
 from .platforms import get_platform, resolve_platform_name, warmup_scope
+from .shapes import mark_token_views
 from .static_inputs import (
     StaticInput,
     check_context,
@@ -255,8 +256,7 @@ class GraphRunner:
         """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
         views = self._views(desc.num_tokens)
         for _ in range(self.config.num_warmups):
-            for v in views.values():
-                torch._dynamo.maybe_mark_dynamic(v, 0)
+            mark_token_views(views, self.inputs)  # one Dynamo graph for every size, 1 too
             with warmup_scope(platform):  # on the capture stream (CUDA)
                 self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
         with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too

@@ -1,0 +1,101 @@
+"""pb.aot_compile / pb.load_compiled: a compiled model saved to a file and loaded without Dynamo.
+
+In-process tests with eager pieces (no Inductor); the fresh-process load of Inductor pieces is
+in test_compile_cache.py (``test_fresh_process_loads_aot_file_without_dynamo``).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import piecewise_backend as pb
+from tests.helpers import SIM, TINY_LLAMA, make_model, tiny_llama
+
+EAGER = pb.CompilationConfig(compile_pieces="eager")
+
+
+def ids(n: int) -> torch.Tensor:
+    return torch.arange(n) % TINY_LLAMA["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("aot") / "model.pb"
+    torch._dynamo.reset()
+    model = tiny_llama(2)
+    with torch.inference_mode():
+        compiled = pb.aot_compile(model, [pb.mark_token_dim(ids(8))], config=EAGER, path=path)
+        torch.testing.assert_close(compiled(ids(8)), model(ids(8)))
+    return path
+
+
+def test_load_runs_every_size_without_tracing(saved):
+    model = tiny_llama(2)
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    with torch.inference_mode(), pb.expect(graphs=0, compiles=0, cache_loads=0):
+        loaded = pb.load_compiled(saved, model)
+        for n in (1, 3, 8, 13):
+            torch.testing.assert_close(loaded(ids(n)), model(ids(n)))
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames
+
+
+def test_weights_come_from_the_model_given_at_load(saved):
+    other = make_model(2, "inplace", seed=1, **TINY_LLAMA)
+    with torch.inference_mode():
+        out = pb.load_compiled(saved, other)(ids(4))
+        torch.testing.assert_close(out, other(ids(4)))
+        assert not torch.allclose(out, tiny_llama(2)(ids(4)))
+
+
+def test_grad_mode_must_match_compile_time(saved):
+    loaded = pb.load_compiled(saved, tiny_llama(2))
+    with pytest.raises(RuntimeError, match="grad mode disabled"):
+        loaded(ids(4))
+
+
+def test_input_outside_the_guards_is_refused(saved):
+    loaded = pb.load_compiled(saved, tiny_llama(2))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="[Gg]uard"):
+        loaded(ids(4).to(torch.int32))
+
+
+def test_other_torch_version_refuses_to_load(saved, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "0.0.0+other")
+    with pytest.raises(RuntimeError, match="compile again"):
+        pb.load_compiled(saved, tiny_llama(2))
+
+
+def test_not_an_aot_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.pb"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(RuntimeError, match="not a file saved by"):
+        pb.load_compiled(bad, tiny_llama(2))
+    bad.write_bytes(pickle.dumps({"something": "else"}))
+    with pytest.raises(RuntimeError, match="compile again"):
+        pb.load_compiled(bad, tiny_llama(2))
+
+
+def test_save_leaves_no_temp_file(saved):
+    assert [p.name for p in saved.parent.iterdir()] == [saved.name]
+
+
+def test_bad_arguments_name_the_type():
+    with pytest.raises(TypeError, match="nn.Module, got function"):
+        pb.aot_compile(lambda x: x, [ids(2)])
+    with pytest.raises(TypeError, match="CompilationConfig, got dict"):
+        pb.aot_compile(tiny_llama(1), [ids(2)], config={})
+
+
+def test_marked_inputs_and_the_runner_work_with_a_loaded_model(saved):
+    # the runner marks its views for tracing; a loaded model is traced already and drops the marks
+    model = tiny_llama(2)
+    loaded = pb.load_compiled(saved, model)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(pb.mark_token_dim(ids(5))), model(ids(5)))
+        runner = pb.GraphRunner(loaded, SIM.replace(capture_sizes=[1, 2, 8]), [pb.StaticInput("input_ids")])
+        runner.capture(progress=False)
+        torch.testing.assert_close(runner.run(input_ids=ids(5)), model(ids(5)))
+        torch.testing.assert_close(runner.run(input_ids=ids(1)), model(ids(1)))
