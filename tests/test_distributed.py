@@ -185,6 +185,20 @@ def _worker_peer_never_arrives(rank: int, mesh: Any) -> str:
     return "no error"
 
 
+def _worker_warmup_collectives_waited(rank: int, mesh: Any) -> list[int]:
+    """An eager DTensor step returns an AsyncCollectiveTensor, waited on when used; capture() drops its warm-ups'."""
+    model, _ = _mlp_pair(mesh)
+    registry = torch._C._distributed_c10d._get_work_registry_size  # collectives not waited on yet
+    with torch.no_grad():
+        before = registry()
+        out = model(torch.randn(2, 8))
+        pending = registry() - before  # the measure sees an unused result
+        out + 0  # using it waits
+        before = registry()
+        _mlp_runner(False, model).capture(progress=False)  # warm-ups run eagerly (mode NONE)
+    return [pending, registry() - before]
+
+
 def _worker_different_capture_plans(rank: int, mesh: Any) -> str:
     """Ranks configured with different capture sizes (a model without collectives, so nothing hangs)."""
     config = SIM.replace(cudagraph_mode="FULL", capture_sizes=[2 + 2 * rank])
@@ -206,6 +220,7 @@ def _worker_healthy_group(rank: int, mesh: Any) -> dict[str, Any]:
         ("mismatched_steps", _worker_mismatched_steps),
         ("host_sync", _worker_host_sync_in_collective),
         ("different_plans", _worker_different_capture_plans),
+        ("warmup_waited", _worker_warmup_collectives_waited),
     ]:
         try:
             results[name] = ("ok", fn(rank, mesh))
@@ -250,6 +265,12 @@ def test_ranks_dispatching_different_steps_fail_clearly_with_debug_checks(health
         assert re.search(pattern, seen[0]), seen
 
 
+def test_capture_waits_on_its_warm_ups_collectives(healthy):
+    # Left unwaited they stay in c10d's work registry: gloo warns "unwaited collective calls" at exit.
+    for pending, after_capture in healthy("warmup_waited"):
+        assert (pending, after_capture) == (1, 0)
+
+
 def test_ranks_capturing_different_descriptors_fail_clearly(healthy):
     for msg in healthy("different_plans"):
         assert msg.startswith("PeerCaptureError: ranks captured different descriptors in the same slot"), msg
@@ -290,6 +311,7 @@ def test_example_two_ranks_check():
     steps = re.findall(r"^step\s+\d+:.*-> (\w+)\s+max\|diff\| (\S+)$", proc.stdout, re.MULTILINE)
     assert len(steps) == 10 and {m for m, _ in steps} == {"FULL", "PIECEWISE"}, proc.stdout
     assert all(float(d) < 1e-3 for _, d in steps), proc.stdout
+    assert "unwaited collective" not in proc.stderr, proc.stderr[-5000:]
 
 
 # --- single-process -----------------------------------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 from .context import BatchDescriptor
 from .modes import CUDAGraphMode
@@ -94,6 +96,24 @@ def check_same_step(mode: CUDAGraphMode, desc: BatchDescriptor | None) -> None:
             "(same token count, request count and decode flag) in each step: schedule on one rank "
             "and broadcast the batch, or seed every rank's scheduler the same"
         )
+
+
+def wait_collectives(outputs: Any) -> None:
+    """Wait on the functional-collective results in ``outputs`` that nothing will use.
+
+    An eager DTensor step returns ``AsyncCollectiveTensor`` results, waited on when first
+    used; a warm-up's outputs are dropped unused, and a collective never waited on stays in
+    c10d's work registry (gloo warns about "unwaited collective calls" at exit).
+    """
+    if not distributed():
+        return
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    for t in tree_leaves(outputs):
+        if isinstance(t, AsyncCollectiveTensor):
+            t.trigger_wait()
+        elif isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):  # a DTensor holding one
+            wait_collectives([getattr(t, name) for name in t.__tensor_flatten__()[0]])
 
 
 class PeerCaptureError(RuntimeError):

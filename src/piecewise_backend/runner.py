@@ -258,7 +258,8 @@ class GraphRunner:
         for _ in range(self.config.num_warmups):
             mark_token_views(views, self.inputs)  # one Dynamo graph for every size, 1 too
             with warmup_scope(platform):  # on the capture stream (CUDA)
-                self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
+                out = self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
+            _parallel.wait_collectives(out)  # the warm-up's outputs are dropped unused
         with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
             self._call(views, mode, desc, {}, capturing=True)
 
