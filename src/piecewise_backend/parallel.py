@@ -1,7 +1,7 @@
 """Tensor parallelism on ``torch.distributed``: process setup, cross-rank checks, sharded toy models.
 
-Engine-level, like ``kv`` and ``hf``: the runner calls :func:`capture_agreement` and
-:func:`check_same_step`; nothing below the runner imports this module. Models are sharded
+Engine-level, like ``kv`` and ``hf``: the runner calls :func:`capture_agreement`,
+:func:`check_same_step` and :func:`wait_collectives`; nothing below the runner imports this module. Models are sharded
 with torch's own API (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``
 on a ``DeviceMesh``); the DTensor code they run compiles with this library's backend and
 is captured, collectives included (see ``docs/distributed.md``).
