@@ -200,6 +200,21 @@ def test_lazy_capture_warms_up_first(fake):
     assert m.calls == CFG.num_warmups + 1
 
 
+def test_runner_warm_up_without_a_capture_leaves_no_mark(fake):
+    # A second capture() finds every entry: its warm-ups are followed by replays, not captures.
+    # The "warmed" mark must end with each descriptor's step, else this thread's next lazy
+    # capture (another size, another model) skips its warm-up and autotunes inside the capture.
+    runner = _runner(DeviceMLP())
+    runner.capture(progress=False)
+    with pb.expect(captures=0):
+        runner.capture(progress=False)
+    m = DeviceMLP()
+    w = pb.BreakableCUDAGraphWrapper(m, config=CFG)
+    with pb.expect(captures=1):
+        run(w, M.PIECEWISE, pb.BatchDescriptor(6), x8(6))  # a shape not autotuned yet
+    assert fake.invalidations == [] and m.calls == CFG.num_warmups + 1
+
+
 def test_lazy_capture_without_warmups_fails_and_recovers(fake):
     m = DeviceMLP()
     w = pb.BreakableCUDAGraphWrapper(m, config=CFG.replace(num_warmups=0))

@@ -29,7 +29,7 @@ from .memory import estimate_capture_memory, graphs_created
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from . import parallel as _parallel
 from .observability import logger
-from .platforms import get_platform, resolve_platform_name, warmup_scope
+from .platforms import get_platform, resolve_platform_name, warmed_step, warmup_scope
 from .shapes import mark_token_views
 from .static_inputs import (
     StaticInput,
@@ -255,13 +255,14 @@ class GraphRunner:
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
         """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
         views = self._views(desc.num_tokens)
-        for _ in range(self.config.num_warmups):
-            mark_token_views(views, self.inputs)  # one Dynamo graph for every size, 1 too
-            with warmup_scope(platform):  # on the capture stream (CUDA)
-                out = self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
-            _parallel.wait_collectives(out)  # the warm-up's outputs are dropped unused
-        with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
-            self._call(views, mode, desc, {}, capturing=True)
+        with warmed_step(platform):  # the warm-ups count for this descriptor's capture only
+            for _ in range(self.config.num_warmups):
+                mark_token_views(views, self.inputs)  # one Dynamo graph for every size, 1 too
+                with warmup_scope(platform):  # on the capture stream (CUDA)
+                    out = self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
+                _parallel.wait_collectives(out)  # the warm-up's outputs are dropped unused
+            with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
+                self._call(views, mode, desc, {}, capturing=True)
 
     def estimate_capture_memory(self) -> int:
         """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the

@@ -86,6 +86,13 @@ def warmup_scope(platform: Platform | None) -> contextlib.AbstractContextManager
     return contextlib.nullcontext() if scope is None else scope()
 
 
+def warmed_step(platform: Platform | None) -> contextlib.AbstractContextManager[None]:
+    """Around warm-ups and the capture they prepare: what they warmed up counts for that
+    capture only, whether or not one happens (CUDA: skips the lazy warm-up; elsewhere a no-op)."""
+    scope = getattr(platform, "warmed_step", None)
+    return contextlib.nullcontext() if scope is None else scope()
+
+
 def warm_up(platform: Platform, fn: Any, args: tuple, kwargs: dict, times: int) -> None:
     """Before a lazy capture, warm ``fn`` up ``times`` times where ``platform`` needs it (CUDA)."""
     hook = getattr(platform, "warm_up", None)

@@ -226,7 +226,17 @@ class CudaPlatform:
         self._usable()
         with _exclusive("warming up"), torch.cuda.device(self.device), self._on_stream():
             yield
-        self._local.warmed = True  # consumed by the next capture on this thread
+        self._local.warmed = True  # consumed by the next capture on this thread, or by warmed_step's end
+
+    @contextlib.contextmanager
+    def warmed_step(self) -> Iterator[None]:
+        """Around a caller's warm-ups and the capture they prepare (the runner's step for one
+        descriptor): the warm-up mark ends with it, also when the step replayed instead of
+        capturing, so it never lets a later capture of another shape skip its warm-up."""
+        try:
+            yield
+        finally:
+            self._local.warmed = False
 
     def warm_up(self, fn: Callable[..., Any], args: tuple, kwargs: dict, times: int) -> None:
         """Before a lazy capture: run ``fn`` ``times`` times eagerly (runtime mode NONE) on the
@@ -240,9 +250,10 @@ class CudaPlatform:
         ctx = _CONTEXT.get()
         desc = ctx.batch_descriptor if ctx is not None else None
         attrs = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "batch_descriptor"} if ctx else {}
-        for _ in range(times):
-            with self.warmup_scope(), set_forward_context(CUDAGraphMode.NONE, desc, **attrs):
-                fn(*args, **kwargs)
+        with self.warmed_step():  # the capture follows at once; if it cannot start, no mark is left
+            for _ in range(times):
+                with self.warmup_scope(), set_forward_context(CUDAGraphMode.NONE, desc, **attrs):
+                    fn(*args, **kwargs)
 
     def begin(self) -> _CudaRecorder:
         self._stop_routing()  # capture_begin into a pool a thread still routes to fails
