@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the schedule")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait (default 120)")
     p.add_argument("--debug-checks", action="store_true", help="all-gather every step's key to catch rank drift")
+    # tests only: shift this rank's shard of one weight, so --check must fail
+    p.add_argument("--perturb-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < 1 or args.layers < 1:
         p.error(f"--steps and --layers must be >= 1, got {args.steps} and {args.layers}")
@@ -76,6 +78,9 @@ def main() -> int:
     model = make_model(num_layers=args.layers, seed=args.seed, device=device)
     reference = make_model(num_layers=args.layers, seed=args.seed, device=device) if args.check and rank == 0 else None
     shard_toy_llama(model, mesh)
+    if args.perturb_rank == rank:
+        with torch.no_grad():
+            model.layers[0].o_proj.weight.to_local().add_(0.01)
     kv = make_kv_caches(model, MAX_REQS + 1, MAX_LEN)  # slot MAX_REQS: scratch for padding tokens
     ref_kv = make_kv_caches(reference, MAX_REQS + 1, MAX_LEN) if reference is not None else None
     runner = pb.GraphRunner(

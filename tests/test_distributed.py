@@ -302,16 +302,29 @@ def test_absent_peer_times_out_instead_of_hanging():
     assert 1.5 < seconds < 4 and "timed out" in msg0.lower(), msg0
 
 
-def test_example_two_ranks_check():
+def _run_example(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "tensor_parallel.py"), "--check", "--layers", "1", "--steps", "10"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+           str(ROOT / "examples" / "tensor_parallel.py"), "--check", "--layers", "1", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+
+
+def test_example_two_ranks_check():
+    proc = _run_example("--steps", "10")
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-5000:]}"
     steps = re.findall(r"^step\s+\d+:.*-> (\w+)\s+max\|diff\| (\S+)$", proc.stdout, re.MULTILINE)
     assert len(steps) == 10 and {m for m, _ in steps} == {"FULL", "PIECEWISE"}, proc.stdout
     assert all(float(d) < 1e-3 for _, d in steps), proc.stdout
     assert "unwaited collective" not in proc.stderr, proc.stderr[-5000:]
+
+
+def test_example_check_fails_when_a_shard_is_wrong():
+    # Rank 1's shard of one o_proj weight is shifted by 0.01: every step's logits differ a little.
+    proc = _run_example("--steps", "2", "--perturb-rank", "1")
+    assert proc.returncode != 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-5000:]}"
+    diffs = [float(d) for d in re.findall(r"^step\s+\d+:.* max\|diff\| (\S+)$", proc.stdout, re.MULTILINE)]
+    assert len(diffs) == 2 and all(d > 1e-3 for d in diffs), proc.stdout
+    assert "rank 0: sharded logits differ from the unsharded model" in proc.stderr, proc.stderr[-5000:]
 
 
 # --- single-process -----------------------------------------------------------------------
