@@ -13,7 +13,8 @@ from typing import Any
 
 from .modes import CUDAGraphMode
 
-_RUNTIME_MODES = CUDAGraphMode.valid_runtime_modes()
+# Values, not members: hashing an Enum member and reading ``.value`` run Python code, once per step.
+_RUNTIME_VALUES = frozenset(m._value_ for m in CUDAGraphMode.valid_runtime_modes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +54,12 @@ class ForwardContext:
 
     @runtime_mode.setter
     def runtime_mode(self, mode: CUDAGraphMode) -> None:
-        if mode not in _RUNTIME_MODES:
+        if type(mode) is not CUDAGraphMode or mode._value_ not in _RUNTIME_VALUES:
             raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {getattr(mode, 'name', mode)}")
         self._runtime_mode = mode
         # Ints for the wrappers' passthrough test (hashing or comparing Enum members is slow).
-        self._mode_index = mode.value
-        self._mode_bit = 1 << mode.value
+        self._mode_index = mode._value_
+        self._mode_bit = 1 << mode._value_
 
     def __repr__(self) -> str:
         shown = [f"runtime_mode={self.runtime_mode!r}"]

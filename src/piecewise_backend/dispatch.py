@@ -9,6 +9,7 @@ from .context import BatchDescriptor
 from .modes import CUDAGraphMode
 
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+_EAGER_KEYS = 1 << 16  # bounds the NONE keys kept (one small object per token count seen)
 
 
 def _is_int(value: object) -> bool:
@@ -36,9 +37,11 @@ class CudagraphDispatcher:
         seqs = config.max_num_seqs
         # FULL graphs of mixed batches: metadata that depends on the request count is keyed by it (vLLM)
         self._full_mixed = {s: BatchDescriptor(s, num_reqs=min(s, seqs)) if seqs else self._relaxed[s] for s in self.sizes}
+        self._eager: dict[int, BatchDescriptor] = {}  # NONE steps' keys, built once per token count
         self.mode = _NONE
         self.uniform_decode_query_len = 1
         self.keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_PIECEWISE: set(), _FULL: set()}
+        self._routes()
 
     def initialize_keys(self, mode: CUDAGraphMode | str, uniform_decode_query_len: int = 1) -> None:
         """Build the set of keys ``dispatch`` may return for ``mode``."""
@@ -62,6 +65,16 @@ class CudagraphDispatcher:
             self.keys[_FULL].update(
                 BatchDescriptor(s, num_reqs=s // q, uniform=True) for s in self.sizes if s % q == 0
             )
+        self._routes()
+
+    def _routes(self) -> None:
+        """Per padded size, the key each branch of ``dispatch`` finds in ``keys`` (absent: none);
+        dicts of ints, since hashing descriptors and modes runs Python code on every step."""
+        full, q = self.keys[_FULL], self.uniform_decode_query_len
+        exact = {s: BatchDescriptor(s, num_reqs=s // q, uniform=True) for s in self.sizes if s % q == 0}
+        self._exact_full = {s: d for s, d in exact.items() if d in full}
+        self._mixed_full = {s: d for s, d in self._full_mixed.items() if d in full}
+        self._mixed_piecewise = {s: d for s, d in self._relaxed.items() if d in self.keys[_PIECEWISE]}
 
     def pad(self, num_tokens: int) -> int:
         """The captured size a batch of ``num_tokens`` runs at (``num_tokens`` itself above the largest)."""
@@ -92,20 +105,28 @@ class CudagraphDispatcher:
                 f"(uniform_decode_query_len={q}), got num_tokens={num_tokens}"
             )
         if self.mode == _NONE or num_tokens > self.max_size:
-            return _NONE, BatchDescriptor(num_tokens)
+            return _NONE, self._eager_key(num_tokens)
         padded = self._pad[num_tokens]
         if not disable_full:
-            if uniform_decode and padded % q == 0:
-                exact = BatchDescriptor(padded, num_reqs=padded // q, uniform=True)
-                if exact in self.keys[_FULL]:
+            if uniform_decode:
+                exact = self._exact_full.get(padded)
+                if exact is not None:
                     return _FULL, exact
-            mixed = self._full_mixed[padded]
-            if mixed in self.keys[_FULL]:
+            mixed = self._mixed_full.get(padded)
+            if mixed is not None:
                 return _FULL, mixed
-        relaxed = self._relaxed[padded]
-        if relaxed in self.keys[_PIECEWISE]:
+        relaxed = self._mixed_piecewise.get(padded)
+        if relaxed is not None:
             return _PIECEWISE, relaxed
-        return _NONE, BatchDescriptor(num_tokens)
+        return _NONE, self._eager_key(num_tokens)
+
+    def _eager_key(self, num_tokens: int) -> BatchDescriptor:
+        desc = self._eager.get(num_tokens)
+        if desc is None:
+            desc = BatchDescriptor(num_tokens)
+            if len(self._eager) < _EAGER_KEYS:
+                self._eager[num_tokens] = desc
+        return desc
 
     def capture_descriptors(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
         """Every key to capture at startup, per mode, largest first (PIECEWISE before FULL)."""

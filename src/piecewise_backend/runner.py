@@ -22,7 +22,7 @@ except ImportError:  # a bare GPU box may lack it: capture works, without a prog
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .capture import bulk_capture
 from .config import CompilationConfig, effective_mode
-from .context import BatchDescriptor, set_forward_context
+from .context import _CONTEXT, BatchDescriptor, ForwardContext
 from .dispatch import CudagraphDispatcher
 from .inputs import mark_persistent
 from .memory import estimate_capture_memory, graphs_created
@@ -117,6 +117,7 @@ class GraphRunner:
             )
         self.max_num_reqs = max_num_reqs
         self._per_request = frozenset(per_request)
+        self._request_rows = {name: max_num_reqs for name in per_request}  # other inputs: the step's token rows
         mode = resolve_cudagraph_mode(
             effective_mode(config), attention_support, attention_split=attention_split,
             uniform_decode_query_len=uniform_decode_query_len,
@@ -134,6 +135,7 @@ class GraphRunner:
         }
         mark_persistent(*self.buffers.values())  # graphs read them in place: no staging copy per replay
         self._buffer_storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
+        self._replays = mode != CUDAGraphMode.NONE  # a step may replay a graph
         self.last_mode = CUDAGraphMode.NONE
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
@@ -142,10 +144,8 @@ class GraphRunner:
     def mode(self) -> CUDAGraphMode:
         return self.config.cudagraph_mode
 
-    def _rows(self, spec: StaticInput, tokens: int | None = None) -> int:
-        if spec.per == "request":
-            return self.max_num_reqs  # type: ignore[return-value]
-        return self.dispatcher.max_size if tokens is None else tokens
+    def _rows(self, spec: StaticInput) -> int:
+        return self.max_num_reqs if spec.per == "request" else self.dispatcher.max_size  # type: ignore[return-value]
 
     def _views(self, padded: int) -> dict[str, torch.Tensor]:
         return {name: buf if name in self._per_request else buf[:padded] for name, buf in self.buffers.items()}
@@ -154,13 +154,17 @@ class GraphRunner:
         self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
         capturing: bool = False,
     ) -> Any:
-        attrs = dict(self.context_fn(dict(views)) if self.context_fn else {}, **extra)
+        attrs = dict(self.context_fn(dict(views)), **extra) if self.context_fn else dict(extra)
         if capturing:
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
         elif self.capture_closed:
             attrs.setdefault("allow_capture", False)
-        with set_forward_context(mode, desc, **attrs):
-            return self.model(*(views[a] for a in self.model_args), **{k: views[k] for k in self.model_kwargs})
+        # set_forward_context without its argument checks: mode and desc come from the dispatcher
+        token = _CONTEXT.set(ForwardContext(mode, desc, **attrs))
+        try:
+            return self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+        finally:
+            _CONTEXT.reset(token)
 
     def run(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
@@ -194,7 +198,7 @@ class GraphRunner:
                 num_reqs = reqs
             elif num_reqs != reqs:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
-        context = check_context(context, replays=self.mode != CUDAGraphMode.NONE)
+        context = {} if context is None else check_context(context, replays=self._replays)
         mode, desc = self.dispatcher.dispatch(
             n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter
         )
@@ -207,16 +211,17 @@ class GraphRunner:
         if self.config.debug_checks:
             _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
         if mode == CUDAGraphMode.NONE:
-            views = {
-                k: eager_tensor(self.inputs[k], t, self._rows(self.inputs[k], n), self.device) for k, t in batch.items()
-            }
+            rows = self._request_rows
+            views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
             return self._call(views, mode, desc, context)
         padded = desc.num_tokens
+        rows = self._request_rows
         for name, t in batch.items():
-            spec = self.inputs[name]
-            fill(self.buffers[name], t, self._rows(spec, padded), spec.pad)
+            fill(self.buffers[name], t, rows.get(name, padded), self.inputs[name].pad)
         out = self._call(self._views(padded), mode, desc, context)
-        return tree_map(lambda o: o[:n] if isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == padded else o, out)
+        if isinstance(out, torch.Tensor):  # the common case, without tree_map's flatten and unflatten
+            return _unpad(out, n, padded)
+        return tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out)
 
     def clear_graphs(self) -> None:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
@@ -296,6 +301,11 @@ def _progress(total: int, progress: bool | None) -> Any:
     if tqdm is None or progress is False:
         return _NoBar()
     return tqdm(total=total, desc="capturing graphs", disable=None if progress is None else False)
+
+
+def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:
+    """A step output without its padding rows (one of ``padded`` rows per token)."""
+    return out[:n] if out.dim() and out.shape[0] == padded else out
 
 
 def _drafter_mode(mode: CUDAGraphMode) -> CUDAGraphMode:
