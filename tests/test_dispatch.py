@@ -95,6 +95,21 @@ def test_full_and_piecewise_dispatch():
     assert d.dispatch(15, uniform_decode=True, num_reqs=15) == (M.NONE, BD(15))
 
 
+def test_dispatch_follows_keys_initialized_again(monkeypatch):
+    # dispatch reads per-size tables built from the keys: a second initialize_keys must rebuild them
+    d = dispatcher(M.FULL_AND_PIECEWISE)
+    assert d.dispatch(8, uniform_decode=True) == (M.FULL, BD(8, num_reqs=8, uniform=True))
+    d.initialize_keys(M.PIECEWISE)
+    assert d.dispatch(8, uniform_decode=True) == (M.PIECEWISE, BD(8))
+    d.initialize_keys(M.NONE)
+    assert d.dispatch(3) == (M.NONE, BD(3))
+    # NONE keys are kept per token count, up to a bound
+    monkeypatch.setattr(pb.dispatch, "_EAGER_KEYS", 2)
+    d = pb.CudagraphDispatcher(SIM.replace(cudagraph_mode=M.NONE))
+    assert [d.dispatch(n)[1] for n in (1, 2, 3, 3)] == [BD(1), BD(2), BD(3), BD(3)]
+    assert sorted(d._eager) == [1, 2]
+
+
 def test_disable_full_falls_back_to_piecewise():
     d = dispatcher(M.FULL_AND_PIECEWISE)
     assert d.dispatch(8, uniform_decode=True, num_reqs=8, disable_full=True) == (M.PIECEWISE, BD(8))
