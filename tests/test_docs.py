@@ -173,3 +173,27 @@ def test_api_reference_lists_every_public_name() -> None:
         ]
     missing = [n for n in public if f"`{n.split(': ')[-1]}" not in text]
     assert not missing, f"docs/api.md does not list {missing}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_doc_links_resolve(path: Path) -> None:
+    """Relative links ``[..](file.md#anchor)`` name an existing file and one of its headings."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if "://" in target:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md":
+            headings = [line.lstrip("#") for line in dest.read_text().splitlines() if line.startswith("#")]
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"{path.name}: broken links {broken}"
