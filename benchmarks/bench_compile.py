@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import ROOT, Section, log, table
+from benchmarks.common import Section, log, spawn_child, table
 
 MODEL = dict(hidden_size=256, num_heads=4, intermediate_size=512, vocab_size=1024)
 
@@ -61,18 +60,7 @@ def child(layers: int, variant: str) -> dict:
 
 
 def _spawn(layers: int, variant: str, cache_dir: str, timeout: float) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
-    cmd = [sys.executable, "-m", "benchmarks.bench_compile", "--child", "--layers", str(layers), "--variant", variant]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["process_s"] = wall
-    return result
+    return spawn_child("benchmarks.bench_compile", ["--layers", str(layers), "--variant", variant], cache_dir, timeout)
 
 
 PLAN = {"piecewise": (1, 4, 8), "inductor": (1, 8)}

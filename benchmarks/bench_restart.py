@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import ROOT, Section, log, table
+from benchmarks.common import Section, log, spawn_child, table
 
 MODEL = dict(hidden_size=256, num_heads=4, intermediate_size=512, vocab_size=1024)
 VARIANTS = ("inductor", "piecewise", "cache_dir", "aot")
@@ -68,19 +67,8 @@ def child(layers: int, variant: str, phase: str, work: str) -> dict:
 
 
 def _spawn(layers: int, variant: str, phase: str, work: str, timeout: float) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "inductor"), PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
-    cmd = [sys.executable, "-m", "benchmarks.bench_restart", "--child", "--layers", str(layers),
-           "--variant", variant, "--phase", phase, "--work", work]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["process_s"] = wall
-    return result
+    args = ["--layers", str(layers), "--variant", variant, "--phase", phase, "--work", work]
+    return spawn_child("benchmarks.bench_restart", args, os.path.join(work, "inductor"), timeout)
 
 
 def run(quick: bool = False, layer_counts: tuple[int, ...] = (1, 8), warm_reps: int = 2, seed: int = 0) -> list[Section]:

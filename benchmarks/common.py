@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import gc
 import itertools
+import json
 import os
 import platform
 import random
@@ -70,6 +71,23 @@ class Samples:
 
     def diffs(self, name: str, baseline: str) -> list[float]:
         return [a - b for a, b in zip(self.times[name], self.times[baseline])]
+
+
+def spawn_child(module: str, args: Sequence[str], inductor_cache: str, timeout: float) -> dict:
+    """Run ``python -m <module> --child <args>`` in a fresh process with its own Inductor cache dir;
+    returns the JSON its last stdout line holds, plus ``process_s`` (the child's wall time)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", module, "--child", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_s"] = wall
+    return result
 
 
 def quartiles(xs: Sequence[float]) -> tuple[float, float]:

@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 import piecewise_backend as pb
-from tests.helpers import SIM, CountingMLP, run
+from tests.helpers import SIM, CountingMLP
 
 M = pb.CUDAGraphMode
 D8 = pb.BatchDescriptor(8)

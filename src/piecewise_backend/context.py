@@ -5,10 +5,8 @@ Stored in a ``contextvars.ContextVar`` so every thread and asyncio task sees its
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 from .modes import CUDAGraphMode
@@ -70,22 +68,34 @@ class ForwardContext:
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pb_forward_context", default=None)
 
 
-@contextlib.contextmanager
-def set_forward_context(
-    runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
-    batch_descriptor: BatchDescriptor | None = None,
-    **attrs: Any,
-) -> Iterator[ForwardContext]:
-    """Run a step under ``runtime_mode`` (NONE, PIECEWISE or FULL) keyed by ``batch_descriptor``."""
-    runtime_mode = CUDAGraphMode.parse(runtime_mode)  # ForwardContext checks it is a runtime mode
-    if batch_descriptor is not None and not isinstance(batch_descriptor, BatchDescriptor):
-        raise TypeError(f"batch_descriptor must be a BatchDescriptor, got {type(batch_descriptor).__name__}")
-    ctx = ForwardContext(runtime_mode, batch_descriptor, **attrs)
-    token = _CONTEXT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CONTEXT.reset(token)
+class set_forward_context:  # noqa: N801 - a context manager used like a function, as torch.no_grad
+    """Run a step under ``runtime_mode`` (NONE, PIECEWISE or FULL) keyed by ``batch_descriptor``.
+
+    ``with pb.set_forward_context(mode, desc, **attrs) as ctx:``. A class rather than a
+    generator-based context manager: it is entered on every step, and a generator's setup
+    and teardown cost several times the checks themselves.
+    """
+
+    __slots__ = ("ctx", "_token")
+
+    def __init__(
+        self,
+        runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+        batch_descriptor: BatchDescriptor | None = None,
+        **attrs: Any,
+    ) -> None:
+        if type(runtime_mode) is not CUDAGraphMode:
+            runtime_mode = CUDAGraphMode.parse(runtime_mode)  # ForwardContext checks it is a runtime mode
+        if batch_descriptor is not None and not isinstance(batch_descriptor, BatchDescriptor):
+            raise TypeError(f"batch_descriptor must be a BatchDescriptor, got {type(batch_descriptor).__name__}")
+        self.ctx = ForwardContext(runtime_mode, batch_descriptor, **attrs)
+
+    def __enter__(self) -> ForwardContext:
+        self._token = _CONTEXT.set(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc: object) -> None:
+        _CONTEXT.reset(self._token)
 
 
 def get_forward_context() -> ForwardContext:

@@ -22,7 +22,7 @@ except ImportError:  # a bare GPU box may lack it: capture works, without a prog
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .capture import bulk_capture
 from .config import CompilationConfig, effective_mode
-from .context import _CONTEXT, BatchDescriptor, ForwardContext
+from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
 from .inputs import mark_persistent
 from .memory import estimate_capture_memory, graphs_created
@@ -159,12 +159,8 @@ class GraphRunner:
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
         elif self.capture_closed:
             attrs.setdefault("allow_capture", False)
-        # set_forward_context without its argument checks: mode and desc come from the dispatcher
-        token = _CONTEXT.set(ForwardContext(mode, desc, **attrs))
-        try:
+        with set_forward_context(mode, desc, **attrs):
             return self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
-        finally:
-            _CONTEXT.reset(token)
 
     def run(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
