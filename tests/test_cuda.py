@@ -719,3 +719,68 @@ def test_cuda_clear_graphs_returns_the_memory():
         with pb.expect(captures=1):  # into a fresh pool: the dead one's id would trip use_count > 0
             assert_close(run(w, M.PIECEWISE, pb.BatchDescriptor(512), x), m(x), **TOL)
         w.clear_graphs()
+
+
+# ---------------------------------------------------------------- replay contract (issue 10)
+# Twins of tests/test_wrappers.py and tests/test_entry.py.
+
+from tests.test_entry import NoGradAttention  # noqa: E402
+
+
+def test_cuda_any_mode_wrapper_keeps_full_and_piecewise_entries_apart():
+    # A FULL graph holds the breaks' kernels as they ran at capture; a PIECEWISE step of the same
+    # descriptor must get its own graph whose breaks run eagerly with this step's data.
+    m = TwoBreakModel().cuda()
+    w = breakable(m)
+    static = xc()
+    warm(w, static)
+    run(w, M.FULL, D8, static)
+    run(w, M.PIECEWISE, D8, static)
+    by_mode = w.entries_by_mode
+    assert segment_kinds(by_mode[M.FULL][D8]) == "G" and segment_kinds(by_mode[M.PIECEWISE][D8]) == "G E G E G"
+    static.copy_(xc(2))
+    assert_close(run(w, M.PIECEWISE, D8, static), m(static), **TOL)
+    assert_close(run(w, M.FULL, D8, static), m(static), **TOL)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_cuda_grad_mode_after_replay_is_the_callers(grad):
+    # A graph replay runs kernels only: the Python that set grad mode inside the captured region
+    # does not run, so whatever a break sets must be undone by the wrapper, as eager would leave it.
+    w = breakable(NoGradAttention().cuda(), M.PIECEWISE)
+    x = xc()
+    with torch.set_grad_enabled(grad):
+        warm(w, x)
+        torch._C._set_grad_enabled(grad)
+        run(w, M.PIECEWISE, D8, x)
+        torch._C._set_grad_enabled(grad)
+        for _ in range(2):
+            run(w, M.PIECEWISE, D8, x)
+            assert torch.is_grad_enabled() is grad
+
+
+def test_cuda_replay_returns_a_fresh_container():
+    # The tensors of a replay are the graph's memory; the list around them is Python the caller may mutate.
+    w = full(lambda x: [x * 2, x + 1])
+    x = xc()
+    warm(w, x)
+    o = run(w, M.FULL, D8, x)
+    o.append("junk")
+    again = run(w, M.FULL, D8, x)
+    assert again is not o and len(again) == 2
+    assert_close(again, [x * 2, x + 1])
+
+
+def test_cuda_capture_under_inference_mode_replays_under_no_grad():
+    # The graph's capture-time tensors are inference tensors; a replay under no_grad writes them
+    # like the kernels of a CUDA graph do, without autograd's inference-tensor check failing.
+    m = TwoBreakModel(fresh=False).cuda()
+    w = breakable(m, M.PIECEWISE)
+    with torch.inference_mode():
+        static = xc()
+        warm(w, static)
+        run(w, M.PIECEWISE, D8, static)
+    other = xc(4)
+    out = run(w, M.PIECEWISE, D8, other)
+    assert_close(out, m(other), **TOL)
+    assert torch.is_inference_mode_enabled() is False

@@ -41,6 +41,8 @@ class NoGradAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("grad", [True, False])
 def test_grad_mode_after_replay_is_the_callers(grad):
+    # A CUDA graph replay runs kernels only, not the Python that set grad mode in the captured
+    # region: the wrapper must leave grad mode as eager would (twin in tests/test_cuda.py).
     w = pb.BreakableCUDAGraphWrapper(NoGradAttention(), M.PIECEWISE, config=SIM)
     x = x8()
     with torch.set_grad_enabled(grad):
@@ -83,6 +85,7 @@ def test_compiled_no_grad_region_does_not_leak_grad_mode():
 
 @pytest.mark.parametrize("kind", ["list", "dict", "nested"])
 def test_replay_returns_a_fresh_container(kind):
+    # A replay's tensors are graph memory; the container around them is Python the caller may mutate.
     def f(x):
         if kind == "list":
             return [x * 2, x + 1]
@@ -108,6 +111,7 @@ def test_replay_returns_a_fresh_container(kind):
 
 
 def test_capture_under_inference_mode_replays_under_no_grad():
+    # A CUDA graph's kernels write its inference tensors whatever the caller's mode; so must a replay.
     m = TwoBreakModel(fresh=False)  # breaks write into tensors allocated during the capture
     w = pb.BreakableCUDAGraphWrapper(m, M.PIECEWISE, config=SIM)
     with torch.inference_mode():

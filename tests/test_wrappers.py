@@ -408,7 +408,8 @@ def test_changing_runtime_mode_after_construction_moves_the_gate():
 
 
 def test_any_mode_wrapper_keeps_full_and_piecewise_entries_apart():
-    # issue 10.5: a PIECEWISE step of a descriptor captured under FULL replayed the FULL graph
+    # issue 10.5: a PIECEWISE step of a descriptor captured under FULL replayed the FULL graph. A FULL
+    # graph holds the breaks' kernels as captured; PIECEWISE needs its own graph with eager breaks.
     m = TwoBreakModel()
     w = breakable(m)
     static = x8()
