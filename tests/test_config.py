@@ -132,6 +132,13 @@ BAD = [
     ("debug_checks", "yes"),
     ("cache_dir", 3),
     ("cache_dir", ["/tmp"]),
+    ("use_ubatching", 1),
+    ("use_ubatching", None),
+    ("dbo_decode_token_threshold", 1),  # a half would be empty
+    ("dbo_decode_token_threshold", 32.0),
+    ("dbo_decode_token_threshold", True),
+    ("dbo_prefill_token_threshold", 0),
+    ("dbo_prefill_token_threshold", "512"),
 ]
 
 
@@ -212,3 +219,14 @@ def test_no_sizes_accepted_for_mode_none_only():
 def test_huge_max_capture_size_is_refused_quickly():
     with pytest.raises(ValueError, match=r"max_capture_size must be an int in \[1, 65536\].*1000000000"):
         pb.CompilationConfig(max_capture_size=10**9)
+
+
+def test_ubatching_defaults_and_thresholds_kept():
+    config = pb.CompilationConfig()
+    assert (config.use_ubatching, config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold) == (
+        False, 32, 512,
+    )
+    config = pb.CompilationConfig(use_ubatching=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=9)
+    assert (config.use_ubatching, config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold) == (
+        True, 2, 9,
+    )

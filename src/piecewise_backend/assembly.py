@@ -10,6 +10,7 @@ from .context import BatchDescriptor
 from .dispatch import CudagraphDispatcher
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .observability import logger
+from .ubatch_wrapper import UBatchWrapper
 from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, _GraphWrapper
 
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
@@ -64,11 +65,15 @@ def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) 
     Two independent conditions: any mode but NONE installs the breakable PIECEWISE
     wrapper (so a later FULL -> FULL_AND_PIECEWISE upgrade still has a capturer); a mode
     with full graphs also installs the FULL wrapper around it, except for a drafter,
-    which only ever dispatches PIECEWISE or NONE.
+    which only ever dispatches PIECEWISE or NONE. With ``use_ubatching`` (not for a
+    drafter) a :class:`UBatchWrapper` replaces both: FULL when the mode has full graphs,
+    else NONE (micro-batched steps then run eagerly in their two threads).
     """
     if not isinstance(config, CompilationConfig):
         raise TypeError(f"wrap_model takes a CompilationConfig, got {type(config).__name__}")
     mode = config.cudagraph_mode  # structural: GraphRunner applies effective_mode() first
+    if config.use_ubatching and not drafter:
+        return UBatchWrapper(model, config, _FULL if mode.has_full_cudagraphs() else _NONE)
     if mode == _NONE:
         return model
     wrapped = model
@@ -131,7 +136,13 @@ def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> No
         if any(w._matches(mode) for w in stack) or (mode == _PIECEWISE and per_piece):
             continue
         desc: BatchDescriptor = max(dispatcher.keys[mode], key=lambda d: d.num_tokens)
-        installed = ", ".join(f"{type(w).__name__}({w.runtime_mode.name if w.runtime_mode else 'any'})" for w in stack)
+        installed = ", ".join(f"{type(w).__name__}({w.runtime_mode.name if w.runtime_mode is not None else 'any'})" for w in stack)
+        if mode == _PIECEWISE and any(isinstance(w, UBatchWrapper) for w in stack):
+            raise ValueError(
+                f"no capturer for mode PIECEWISE (e.g. {desc}): with use_ubatching the model has "
+                f"[{installed}] and no breakable wrapper; use a mode without PIECEWISE graphs (FULL_DECODE_ONLY, "
+                "FULL, NONE) or use_breakable=False (per-piece graphs inside the compiled model)"
+            )
         raise ValueError(
             f"no capturer for mode {mode.name} (e.g. {desc}): the dispatcher ({dispatcher.mode.name}) can emit it "
             f"but the model has [{installed or 'no wrappers'}]; build the model with "

@@ -41,6 +41,9 @@ class CompilationConfig:
     max_num_seqs: int | None = None  # set: FULL keys of mixed batches carry num_reqs=min(padded, max_num_seqs)
     debug_checks: bool = False  # poison stale replay outputs, cross-rank key checks (slower; for debugging)
     cache_dir: str | os.PathLike[str] | None = None  # compiled pieces saved and loaded across processes
+    use_ubatching: bool = False  # micro-batching (dual-batch overlap): UBatchWrapper instead of the graph wrappers
+    dbo_decode_token_threshold: int = 32  # a pure-decode step is micro-batched from this many tokens
+    dbo_prefill_token_threshold: int = 512  # a step with a prefill, from this many tokens
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)
@@ -114,6 +117,12 @@ class CompilationConfig:
             raise ValueError(f"CompilationConfig.max_num_seqs must be None or a positive int, got {self.max_num_seqs!r}")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"CompilationConfig.debug_checks must be a bool, got {self.debug_checks!r}")
+        if not isinstance(self.use_ubatching, bool):
+            raise ValueError(f"CompilationConfig.use_ubatching must be a bool, got {self.use_ubatching!r}")
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 2:  # a micro-batched step has two non-empty halves
+                raise ValueError(f"CompilationConfig.{name} must be an int >= 2 (tokens), got {value!r}")
 
     @property
     def sizes(self) -> tuple[int, ...]:
