@@ -28,6 +28,7 @@ from .inputs import mark_persistent
 from .memory import estimate_capture_memory, graphs_created
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from . import parallel as _parallel
+from . import ubatch_runner as _ubatch
 from .observability import logger
 from .platforms import get_platform, resolve_platform_name, warmed_step, warmup_scope
 from .shapes import mark_token_views
@@ -122,6 +123,9 @@ class GraphRunner:
             effective_mode(config), attention_support, attention_split=attention_split,
             uniform_decode_query_len=uniform_decode_query_len,
         )
+        self._ubatching = config.use_ubatching and not drafter
+        if self._ubatching and config.use_breakable:
+            mode = without_piecewise(mode)
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.context_fn = context_fn
@@ -137,6 +141,8 @@ class GraphRunner:
         self._buffer_storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
         self._replays = mode != CUDAGraphMode.NONE  # a step may replay a graph
         self.last_mode = CUDAGraphMode.NONE
+        self.last_ubatched = False  # the last step was micro-batched (use_ubatching)
+        self.steps = 0  # steps run by a micro-batching runner (named in its errors)
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
 
@@ -164,9 +170,13 @@ class GraphRunner:
 
     def run(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
-        **batch: torch.Tensor,
+        query_lens: Sequence[int] | None = None, **batch: torch.Tensor,
     ) -> Any:
         """Run one step; returns outputs sliced to the real token count.
+
+        ``query_lens`` (tokens per request, in order) lets a micro-batching runner split a
+        mixed step at a request boundary; uniform decode steps and steps of one token per
+        request split without it.
 
         Replayed outputs live in graph memory: valid until the next step. ``context`` adds
         forward-context attributes for this step only, on top of ``context_fn``'s; graphs
@@ -195,6 +205,9 @@ class GraphRunner:
             elif num_reqs != reqs:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
         context = {} if context is None else check_context(context, replays=self._replays)
+        if self._ubatching:
+            lens = _ubatch.check_query_lens(query_lens, n)
+            return _ubatch.run_step(self, batch, n, num_reqs, uniform_decode, context, fit, lens)
         mode, desc = self.dispatcher.dispatch(
             n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter
         )
@@ -264,6 +277,8 @@ class GraphRunner:
                 _parallel.wait_collectives(out)  # the warm-up's outputs are dropped unused
             with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
                 self._call(views, mode, desc, {}, capturing=True)
+        if self._ubatching and mode == CUDAGraphMode.FULL:  # the same step micro-batched: one more graph
+            _ubatch.capture_ubatched(self, desc, platform, warmed_step, warmup_scope, _parallel.capture_agreement)
 
     def estimate_capture_memory(self) -> int:
         """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the
@@ -302,6 +317,15 @@ def _progress(total: int, progress: bool | None) -> Any:
 def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:
     """A step output without its padding rows (one of ``padded`` rows per token)."""
     return out[:n] if out.dim() and out.shape[0] == padded else out
+
+
+def without_piecewise(mode: CUDAGraphMode) -> CUDAGraphMode:
+    """Micro-batching replaces the breakable wrapper: PIECEWISE graphs have no capturer then."""
+    if mode.has_piecewise_cudagraphs():
+        resolved = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full_cudagraphs() else CUDAGraphMode.NONE
+        logger.info("use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper)", mode.name, resolved.name)
+        return resolved
+    return mode
 
 
 def _drafter_mode(mode: CUDAGraphMode) -> CUDAGraphMode:
