@@ -92,7 +92,8 @@ def main() -> int:
                 diff = max((logits - unbatched).abs().max().item(), (logits - ref).abs().max().item())
                 worst = diff if not diff <= worst else worst  # NaN sticks
                 line += f", max|diff| {diff:.2e}"
-            print(line, flush=True)
+            sys.stdout.write(line + "\n")  # one write: ranks share the terminal
+            sys.stdout.flush()
     if args.check:
         bad = torch.tensor([0 if worst < TOLERANCE else 1], dtype=torch.long, device=device)
         dist.all_reduce(bad)
