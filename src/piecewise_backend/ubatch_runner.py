@@ -78,7 +78,13 @@ def agree(runner: Any, n: int, uniform: bool, split: tuple[int, int] | None, ste
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor(mine, dtype=torch.long, device=device)
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t)
+        try:
+            dist.all_gather(parts, t)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"step {step} on rank {dist.get_rank()}: the ranks could not agree on micro-batching (a peer rank is "
+                f"absent, stopped, or runs a step without micro-batching): {e}"
+            ) from e
         rows = [p.tolist() for p in parts]
         if len({tuple(r[5:]) for r in rows}) > 1:
             per_rank = ", ".join(f"rank {i}: decode {r[5]}, prefill {r[6]}" for i, r in enumerate(rows))
@@ -134,6 +140,8 @@ def run_step(
             out = runner._call(runner._views(padded), mode, desc, context)
         return tree_map(lambda o: _unpad(o, n, padded), out)
     canonical = canonical_rows(desc, q) if mode == _FULL else None
+    if canonical is not None and runner._per_request and canonical[0] // q + agreed.rows[1] // q > runner.max_num_reqs:
+        canonical = None  # the second half's requests would not fit the per-request buffers at the graph's offset
     if canonical is None:  # only uniform decode splits the same way every step: the rest runs eagerly
         mode, halves = _NONE, agreed.rows
     else:
@@ -223,6 +231,8 @@ def capture_ubatched(runner: Any, desc: BatchDescriptor, platform: Any, warm: An
     q = runner.dispatcher.uniform_decode_query_len
     halves = canonical_rows(desc, q)
     if halves is None or desc.num_tokens < runner.config.dbo_decode_token_threshold:
+        return False
+    if runner._per_request and halves[0] // q >= runner.max_num_reqs:
         return False
     rows0 = halves[0] // q
     views = {k: (v if k in runner._per_request else v[:desc.num_tokens]) for k, v in runner.buffers.items()}
