@@ -251,3 +251,38 @@ def test_clear_graphs_clears_a_wrapper_stack():
     assert w.entries and w.runnable.entries
     pb.clear_graphs(w)
     assert w.entries == {} and w.runnable.entries == {}
+
+
+# ---------------------------------------------------------------- micro-batching (use_ubatching)
+
+
+@pytest.mark.parametrize("mode", list(M), ids=lambda m: m.name)
+def test_wrap_model_with_ubatching_installs_only_a_ubatch_wrapper(mode):
+    model = TwoBreakModel()
+    wrapped = pb.wrap_model(model, cfg(mode, use_ubatching=True))
+    assert type(wrapped) is pb.UBatchWrapper and wrapped.runnable is model  # no breakable wrapper below it
+    assert wrapped.runtime_mode == (M.FULL if mode.has_full_cudagraphs() else M.NONE)
+    assert wrapped.unwrap() is model and pb.unwrap_model(wrapped) is model
+    assert pb.unwrap_model(pb.CUDAGraphWrapper(wrapped, M.FULL, config=SIM)) is model  # unwrap() recurses through it
+    drafter = pb.wrap_model(model, cfg(mode, use_ubatching=True), drafter=True)
+    assert stack(drafter) == EXPECTED_DRAFTER_STACKS[mode]  # a drafter is never micro-batched
+
+
+def test_coverage_with_ubatching():
+    for mode in (M.FULL, M.FULL_DECODE_ONLY, M.NONE):
+        pb.validate_capture_coverage(pb.wrap_model(TwoBreakModel(), cfg(mode, use_ubatching=True)), keys_for(mode))
+    for mode in (M.PIECEWISE, M.FULL_AND_PIECEWISE):
+        with pytest.raises(ValueError, match="use_ubatching.*UBatchWrapper") as info:
+            pb.validate_capture_coverage(pb.wrap_model(TwoBreakModel(), cfg(mode, use_ubatching=True)), keys_for(mode))
+        assert "FULL_DECODE_ONLY" in str(info.value) and "use_breakable=False" in str(info.value)
+
+
+def test_clear_graphs_reaches_a_ubatch_wrapper():
+    wrapped = pb.wrap_model(torch.nn.Linear(4, 4), cfg(M.FULL, use_ubatching=True))
+    x = torch.randn(4, 4)
+    pb.mark_persistent(x)
+    with torch.no_grad(), pb.set_forward_context(M.FULL, BD(4)):
+        wrapped(x)
+    assert len(wrapped.entries) == 1
+    pb.clear_graphs(wrapped)
+    assert wrapped.entries == {} and wrapped._count() == 0

@@ -19,6 +19,7 @@ import piecewise_backend as pb
 from piecewise_backend.ubatch import UBatchThreads, UBatchTimeoutError
 from piecewise_backend.ubatch_runner import split_point
 
+from dist_harness import oks, run_ranks
 from helpers import CUDA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -348,6 +349,114 @@ def test_cuda_micro_batched_full_graph_replays_both_halves():
         model.calls.clear()
         assert torch.equal(_step(wrapper, x, FULL).cpu(), _expected(x.cpu()))
     assert model.calls == [] and len(wrapper.ubatch_entries) == 1
+
+
+# --- two ranks: agreement, padding, faults ------------------------------------------------------------
+
+
+class ShapeLog(torch.nn.Module):
+    """ToyMoE that notes the token rows each call (half or whole step) gets."""
+
+    def __init__(self, sharded: bool = True, fail_rank: int | None = None) -> None:
+        super().__init__()
+        from piecewise_backend.moe import ToyMoE
+
+        self.moe = ToyMoE(num_layers=1, sharded=sharded)
+        self.rows: list[tuple[int | None, int]] = []
+        self.fail_rank = fail_rank
+
+    def forward(self, input_ids: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx = pb.get_forward_context() if pb.is_forward_context_available() else None
+        index = getattr(ctx, "ubatch_index", None)
+        self.rows.append((index, input_ids.shape[0]))
+        if self.fail_rank == torch.distributed.get_rank() and index == 1:
+            raise ValueError("model bug in the second half")
+        return self.moe(input_ids, seq_ids, positions)
+
+
+def _moe_runner(model: torch.nn.Module, **kw: Any) -> pb.GraphRunner:
+    config = SIM_UB.replace(**{"cudagraph_mode": "NONE", "dbo_decode_token_threshold": 4,
+                               "dbo_prefill_token_threshold": 6, **kw})
+    inputs = [pb.StaticInput("input_ids"), pb.StaticInput("seq_ids", pad=-1), pb.StaticInput("positions")]
+    return pb.GraphRunner(model, config, inputs)
+
+
+def _moe_batch(lens: list[int], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    seq = torch.tensor([i for i, length in enumerate(lens) for _ in range(length)])
+    pos = torch.tensor([j for length in lens for j in range(length)])
+    return dict(input_ids=torch.randint(0, 64, (n,), generator=g), seq_ids=seq, positions=pos)
+
+
+def _worker_agreement(rank: int, mesh: Any) -> dict[str, Any]:
+    model = ShapeLog()
+    reference = ShapeLog(sharded=False)
+    runner = _moe_runner(model)
+    plans = {  # step -> tokens per request on (rank 0, rank 1)
+        "both": ([3, 4, 3], [5, 4, 6, 5]),  # 10 and 20 tokens: split at (7, 3) and (9, 11), halves padded to (9, 11)
+        "rank1_below": ([3, 4, 3], [2, 2]),  # 4 tokens on rank 1 < 6: nobody micro-batches
+        "rank0_one_request": ([12], [4, 4]),  # rank 0's second half would be empty: nobody
+    }
+    seen: dict[str, Any] = {}
+    with torch.inference_mode():
+        for name, lens in plans.items():
+            model.rows.clear()
+            batch = _moe_batch(lens[rank], seed=rank)
+            out = runner.run(query_lens=lens[rank], **batch)
+            diff = (out - reference(**batch)).abs().max().item()
+            seen[name] = (runner.last_ubatched, sorted(model.rows, key=str), diff)
+        bad = _moe_runner(ShapeLog(), dbo_prefill_token_threshold=6 + 10 * rank)
+        try:
+            bad.run(query_lens=[3, 4, 3], **_moe_batch([3, 4, 3], 0))
+        except RuntimeError as e:
+            seen["thresholds"] = str(e)
+        if rank == 1:
+            time.sleep(4)  # absent for the next step: rank 0's agreement times out (process group timeout 2 s)
+            return seen
+        start = time.monotonic()
+        try:
+            runner.run(query_lens=[3, 4, 3], **_moe_batch([3, 4, 3], 0))
+        except RuntimeError as e:
+            seen["absent"] = (time.monotonic() - start, str(e))
+    return seen
+
+
+def test_ranks_agree_all_or_none_and_pad_halves_to_the_largest():
+    r0, r1 = oks(run_ranks(_worker_agreement, timeout_s=120, pg_timeout_s=2))
+    for seen in (r0, r1):
+        assert seen["both"][0] and seen["both"][1] == [(0, 9), (1, 11)], seen  # each half padded to the largest
+        assert seen["both"][2] < 1e-5, seen
+        for name in ("rank1_below", "rank0_one_request"):
+            ubatched, rows, diff = seen[name]
+            assert not ubatched and [i for i, _ in rows] == [None] and diff < 1e-5, (name, seen)
+        assert "step 1: ranks would decide micro-batching differently" in seen["thresholds"], seen
+        assert "rank 0: decode 4, prefill 6, rank 1: decode 4, prefill 16" in seen["thresholds"], seen
+    assert r0["rank1_below"][1] == [(None, 10)] and r1["rank1_below"][1] == [(None, 10)]  # padded to 10 tokens
+    seconds, msg = r0["absent"]
+    assert seconds < 10 and "step 4 on rank 0: the ranks could not agree on micro-batching" in msg, msg
+
+
+def _worker_thread_raises(rank: int, mesh: Any) -> str:
+    runner = _moe_runner(ShapeLog(fail_rank=1))
+    runner.model.timeout_s = 20
+    start = time.monotonic()
+    try:
+        with torch.inference_mode():
+            runner.run(query_lens=[3, 4, 3], **_moe_batch([3, 4, 3], rank))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        notes = " | ".join(getattr(e, "__notes__", []))
+        return f"{time.monotonic() - start:.1f}s {type(e).__name__}: {str(e)[:200]} [{notes}]"
+    return "no error"
+
+
+def test_a_half_raising_on_one_rank_fails_the_step_on_every_rank_within_the_timeout():
+    msg0, msg1 = oks(run_ranks(_worker_thread_raises, timeout_s=120, pg_timeout_s=3))
+    assert "ValueError: model bug in the second half" in msg1, msg1
+    assert "raised in micro-batch 1 of micro-batched step #1 on rank 1" in msg1, msg1
+    # rank 0's halves wait in a collective rank 1 never joins: the process group's timeout ends it
+    assert "micro-batched step #1 on rank 0" in msg0 and "RuntimeError" in msg0, msg0
+    assert float(msg0.split("s ", 1)[0]) < 15 and float(msg1.split("s ", 1)[0]) < 15, (msg0, msg1)
 
 
 # --- the example on two ranks ------------------------------------------------------------------
