@@ -1,0 +1,121 @@
+"""Step time with and without micro-batching (dual-batch overlap), ToyMoE on 2 gloo ranks, CPU.
+
+Both runners serve the same model, eagerly (cudagraph_mode NONE: the overlap comes from the
+two threads; a simulated FULL replay runs its collectives one after the other), every rank
+the same mixed batch of T tokens in 4 requests. Samples alternate between the two runners;
+each sample is the slowest rank's wall time for one step (a step ends when every rank is
+done). gloo runs each collective in its own threads: while one half's all-to-all is on the
+wire the other half computes, which is the overlap; the hand-overs (two Python threads
+passing a condition variable per yield) and the smaller matmuls of each half are the cost.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_dbo.py --child [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import Section, fmt_ratio, fmt_spread, log, table
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = dict(vocab=512, dim=256, hidden=1024, num_layers=2, num_experts=8, top_k=2)
+
+
+def child(quick: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import piecewise_backend as pb
+    from piecewise_backend.moe import ToyMoE
+    from piecewise_backend.parallel import init_tensor_parallel
+
+    torch.set_num_threads(1)
+    init_tensor_parallel("gloo", timeout_s=120)
+    rank = dist.get_rank()
+    model = ToyMoE(**MODEL)
+    inputs = [pb.StaticInput("input_ids"), pb.StaticInput("seq_ids", pad=-1), pb.StaticInput("positions")]
+    base = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager", use_ubatching=True,
+                                dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
+    runners = {
+        "no micro-batching": pb.GraphRunner(model, base.replace(dbo_prefill_token_threshold=1 << 20), inputs),
+        "micro-batched": pb.GraphRunner(model, base, inputs),
+    }
+    reps = 3 if quick else 25
+    results = {}
+    with torch.inference_mode():
+        for tokens in (64,) if quick else (64, 256):
+            lens = [tokens // 4] * 4
+            g = torch.Generator().manual_seed(tokens)
+            batch = dict(
+                input_ids=torch.randint(0, MODEL["vocab"], (tokens,), generator=g),
+                seq_ids=torch.tensor([i for i, n in enumerate(lens) for _ in range(n)]),
+                positions=torch.tensor([j for n in lens for j in range(n)]),
+            )
+            times: dict[str, list[float]] = {name: [] for name in runners}
+            for rep in range(reps + 2):  # two warm-up rounds
+                names = list(runners) if rep % 2 == 0 else list(reversed(runners))
+                for name in names:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    runners[name].run(query_lens=lens, **batch)
+                    elapsed = torch.tensor([time.perf_counter() - t0])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if rep >= 2:
+                        times[name].append(elapsed.item())
+            assert runners["micro-batched"].last_ubatched and not runners["no micro-batching"].last_ubatched
+            results[tokens] = times
+    dist.destroy_process_group()
+    return results if rank == 0 else {}
+
+
+def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "benchmarks" / "bench_dbo.py"), "--child", *(["--quick"] if quick else [])]
+    log("  dbo: 2 gloo ranks")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ranks failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{") and ln != "{}")
+    data = {int(k): v for k, v in json.loads(line).items()}
+    rows, medians = [], {}
+    for tokens, times in data.items():
+        plain, ub = times["no micro-batching"], times["micro-batched"]
+        ratios = [u / p for u, p in zip(ub, plain)]
+        medians[tokens] = statistics.median(ratios)
+        rows.append([tokens, fmt_spread(plain, 1e3, 2), fmt_spread(ub, 1e3, 2), fmt_ratio(ratios)])
+    body = table(["tokens per rank", "no micro-batching (ms)", "micro-batched (ms)", "micro-batched / plain"], rows)
+    body += (
+        "\n\nToyMoE (dim 256, 8 experts, top-2, 2 layers) on 2 gloo ranks, eager, each sample the slowest rank's step. "
+        "Below 1.0 the overlap wins. What limits it on this machine: both ranks, their two micro-batch threads and "
+        "gloo's communication threads share the CPU cores, so a half's compute and the other half's all-to-all "
+        "compete for the same cores instead of running on separate engines; every hand-over costs two thread "
+        "switches; and each half's matmuls are half as tall. On GPUs (NCCL) the all-to-all runs on the network "
+        "and copy engines while the other half's kernels run on the SMs, and a FULL graph of the overlapped step "
+        "removes the thread hand-overs from the replay altogether."
+    )
+    return [Section("Micro-batching (dual-batch overlap): step time on gloo", body, {"median_ratio": medians})]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if a.child:
+        out = child(a.quick)
+        print(json.dumps(out), flush=True)
+    else:
+        for s in run(a.quick):
+            print(s.markdown())
