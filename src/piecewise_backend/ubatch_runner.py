@@ -97,12 +97,12 @@ def agree(runner: Any, n: int, uniform: bool, split: tuple[int, int] | None, ste
     return Agreement(max(r[0] for r in rows), all(r[1] for r in rows), ubatch, halves, split or (0, 0))
 
 
-def canonical_rows(desc: BatchDescriptor, q: int) -> tuple[int, int] | None:
+def canonical_rows(num_tokens: int, q: int) -> tuple[int, int] | None:
     """Halves of a FULL micro-batched uniform-decode graph: the middle request boundary of the padded batch."""
-    if not desc.uniform or desc.num_tokens % q or desc.num_tokens // q < 2:
+    if num_tokens % q or num_tokens // q < 2:
         return None
-    first = desc.num_tokens // q // 2 * q
-    return first, desc.num_tokens - first
+    first = num_tokens // q // 2 * q
+    return first, num_tokens - first
 
 
 def _place(dst: torch.Tensor, value: torch.Tensor, cut: int, starts: tuple[int, int], pad: int | float) -> None:
@@ -139,7 +139,8 @@ def run_step(
                 fill(runner.buffers[name], t, rows.get(name, padded), runner.inputs[name].pad)
             out = runner._call(runner._views(padded), mode, desc, context)
         return tree_map(lambda o: _unpad(o, n, padded), out)
-    canonical = canonical_rows(desc, q) if mode == _FULL else None
+    # a uniform decode batch splits the same way every step of a descriptor (plain FULL mode keys it relaxed)
+    canonical = canonical_rows(desc.num_tokens, q) if mode == _FULL and uniform else None
     if canonical is not None and runner._per_request and canonical[0] // q + agreed.rows[1] // q > runner.max_num_reqs:
         canonical = None  # the second half's requests would not fit the per-request buffers at the graph's offset
     if canonical is None:  # only uniform decode splits the same way every step: the rest runs eagerly
@@ -226,10 +227,10 @@ def _unsplit(o: Any, cut: int, n: int, halves: tuple[int, int]) -> Any:
 
 
 def capture_ubatched(runner: Any, desc: BatchDescriptor, platform: Any, warm: Any, scope: Any, agreement: Any) -> bool:
-    """Warm up and capture the micro-batched FULL graph of ``desc`` (uniform decode); False when
-    ``desc`` is never micro-batched (too small, or a half would be empty)."""
+    """Warm up and capture the micro-batched FULL graph of ``desc`` (for uniform decode steps); False
+    when no uniform decode step of ``desc`` is micro-batched (too small, or a half would be empty)."""
     q = runner.dispatcher.uniform_decode_query_len
-    halves = canonical_rows(desc, q)
+    halves = canonical_rows(desc.num_tokens, q)
     if halves is None or desc.num_tokens < runner.config.dbo_decode_token_threshold:
         return False
     if runner._per_request and halves[0] // q >= runner.max_num_reqs:
