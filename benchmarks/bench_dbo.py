@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(vocab=512, dim=256, hidden=1024, num_layers=2, num_experts=8, top_k=2)
 
 
-def child(quick: bool) -> dict:
+def child(quick: bool, backend: str = "gloo") -> dict:
     import torch
     import torch.distributed as dist
 
@@ -40,11 +40,15 @@ def child(quick: bool) -> dict:
     from piecewise_backend.parallel import init_tensor_parallel
 
     torch.set_num_threads(1)
-    init_tensor_parallel("gloo", timeout_s=120)
+    init_tensor_parallel(backend, timeout_s=120)
     rank = dist.get_rank()
-    model = ToyMoE(**MODEL)
+    cuda = backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = ToyMoE(**MODEL).to(device)
     inputs = [pb.StaticInput("input_ids"), pb.StaticInput("seq_ids", pad=-1), pb.StaticInput("positions")]
-    base = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager", use_ubatching=True,
+    platform = "cuda" if cuda else "simulated"
+    base = pb.CompilationConfig(cudagraph_mode="NONE", platform=platform, compile_pieces="eager", use_ubatching=True,
                                 dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
     runners = {
         "no micro-batching": pb.GraphRunner(model, base.replace(dbo_prefill_token_threshold=1 << 20), inputs),
@@ -61,14 +65,17 @@ def child(quick: bool) -> dict:
                 seq_ids=torch.tensor([i for i, n in enumerate(lens) for _ in range(n)]),
                 positions=torch.tensor([j for n in lens for j in range(n)]),
             )
+            batch = {k: v.to(device) for k, v in batch.items()}
             times: dict[str, list[float]] = {name: [] for name in runners}
             for rep in range(reps + 2):  # two warm-up rounds
                 names = list(runners) if rep % 2 == 0 else list(reversed(runners))
                 for name in names:
+                    sync()
                     dist.barrier()
                     t0 = time.perf_counter()
                     runners[name].run(query_lens=lens, **batch)
-                    elapsed = torch.tensor([time.perf_counter() - t0])
+                    sync()
+                    elapsed = torch.tensor([time.perf_counter() - t0], device=device)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if rep >= 2:
                         times[name].append(elapsed.item())
@@ -78,12 +85,12 @@ def child(quick: bool) -> dict:
     return results if rank == 0 else {}
 
 
-def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
+def run(quick: bool = False, deadline: float | None = None, backend: str = "gloo") -> list[Section]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "benchmarks" / "bench_dbo.py"), "--child", *(["--quick"] if quick else [])]
-    log("  dbo: 2 gloo ranks")
+           str(ROOT / "benchmarks" / "bench_dbo.py"), "--child", "--backend", backend, *(["--quick"] if quick else [])]
+    log(f"  dbo: 2 {backend} ranks")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"ranks failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -97,7 +104,7 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
         rows.append([tokens, fmt_spread(plain, 1e3, 2), fmt_spread(ub, 1e3, 2), fmt_ratio(ratios)])
     body = table(["tokens per rank", "no micro-batching (ms)", "micro-batched (ms)", "micro-batched / plain"], rows)
     body += (
-        "\n\nToyMoE (dim 256, 8 experts, top-2, 2 layers) on 2 gloo ranks, eager, each sample the slowest rank's step. "
+        f"\n\nToyMoE (dim 256, 8 experts, top-2, 2 layers) on 2 {backend} ranks, eager, each sample the slowest rank's step. "
         "Below 1.0 the overlap wins. What limits it on this machine: both ranks, their two micro-batch threads and "
         "gloo's communication threads share the CPU cores, so a half's compute and the other half's all-to-all "
         "compete for the same cores instead of running on separate engines; every hand-over costs two thread "
@@ -105,17 +112,18 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
         "and copy engines while the other half's kernels run on the SMs, and a FULL graph of the overlapped step "
         "removes the thread hand-overs from the replay altogether."
     )
-    return [Section("Micro-batching (dual-batch overlap): step time on gloo", body, {"median_ratio": medians})]
+    return [Section(f"Micro-batching (dual-batch overlap): step time on {backend}", body, {"median_ratio": medians})]
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: one GPU per rank (2+ GPUs)")
     a = ap.parse_args()
     if a.child:
-        out = child(a.quick)
+        out = child(a.quick, a.backend)
         print(json.dumps(out), flush=True)
     else:
-        for s in run(a.quick):
+        for s in run(a.quick, backend=a.backend):
             print(s.markdown())

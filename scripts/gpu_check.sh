@@ -55,7 +55,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
   timeout -k 10 "$(upto 60)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_memory.py \
     2>&1 | tee -a "$LOGS/cuda_tests.log"
   MEM_RC=${PIPESTATUS[0]}
-  timeout -k 10 "$(upto 120)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_kv.py tests/test_hf.py \
+  timeout -k 10 "$(upto 120)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_kv.py tests/test_hf.py tests/test_ubatch.py \
     2>&1 | tee -a "$LOGS/cuda_tests.log"
   KVHF_RC=${PIPESTATUS[0]}
   for rc in $RULES_RC $MEM_RC $KVHF_RC; do [ "$TEST_RC" = 0 ] && TEST_RC=$rc; done
@@ -72,6 +72,8 @@ EXAMPLE_RC=${PIPESTATUS[0]}
 [ "$TEST_RC" = 0 ] && TEST_RC=$EXAMPLE_RC
 
 if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then echo "== tensor parallel example (NCCL, 2 GPUs)"; timeout -k 10 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py --check --steps 8 2>&1 | tee "$LOGS/tp.log" ${OUT:+"$OUT/tp.log"}; echo "tensor parallel example exit status ${PIPESTATUS[0]}"; else echo "== tensor parallel example: skipped (needs >= 2 GPUs)"; fi
+
+if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then echo "== micro-batching: MoE example and step time (NCCL, 2 GPUs)"; timeout -k 10 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 examples/moe_dbo.py --check --steps 8 2>&1 | tee "$LOGS/moe_dbo.log" ${OUT:+"$OUT/moe_dbo.log"}; echo "MoE micro-batching example exit status ${PIPESTATUS[0]}"; timeout -k 10 "$(upto 120)" "$PY" benchmarks/bench_dbo.py --quick --backend nccl 2>&1 | tee "$LOGS/bench_dbo.log" ${OUT:+"$OUT/bench_dbo.log"}; else echo "== micro-batching on NCCL: skipped (needs >= 2 GPUs)"; fi
 
 echo "== CUDA benchmarks ($(left) s left)"
 BUDGET=$(( $(left) - 30 ))

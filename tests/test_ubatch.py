@@ -339,16 +339,39 @@ def test_query_lens_are_checked():
 
 @pytest.mark.cuda
 def test_cuda_micro_batched_full_graph_replays_both_halves():
+    # twin of test_full_micro_batched_step_is_one_graph_of_both_halves_in_thread_order_replayed_without_threads;
+    # the lazy CUDA capture warms up first (the step runs once more, moving the state), so the capturing
+    # call's values are not checked: the replays are
     model = OrderModel().cuda()
     wrapper = pb.wrap_model(model, SIM_UB.replace(**CUDA).replace(compile_pieces="eager"))
     x = torch.arange(1.0, 6.0, device="cuda")
     pb.mark_persistent(x)
     with torch.inference_mode():
-        assert torch.equal(_step(wrapper, x, FULL).cpu(), _expected(x.cpu()))
-        x.copy_(torch.arange(10.0, 15.0, device="cuda"))
-        model.calls.clear()
-        assert torch.equal(_step(wrapper, x, FULL).cpu(), _expected(x.cpu()))
-    assert model.calls == [] and len(wrapper.ubatch_entries) == 1
+        _step(wrapper, x, FULL)
+        assert len(wrapper.ubatch_entries) == 1 and wrapper.ubatch_entries[pb.BatchDescriptor(5)].num_graphs == 1
+        for start in (1.0, 10.0):
+            x.copy_(torch.arange(start, start + 5, device="cuda"))
+            model.calls.clear()
+            assert torch.equal(_step(wrapper, x, FULL).cpu(), _expected(x.cpu()))
+            assert model.calls == []  # replayed: both halves in one graph, no thread ran the model
+
+
+@pytest.mark.cuda
+def test_cuda_runner_captures_micro_batched_decode_graphs_and_replays_them():
+    # twin of test_runner_captures_micro_batched_decode_graphs_and_replays_them
+    model = Recorder().cuda()
+    config = SIM_UB.replace(platform="cuda", cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[4, 8],
+                            dbo_decode_token_threshold=4, dbo_prefill_token_threshold=5)
+    inputs = [pb.StaticInput("ids"), pb.StaticInput("scale", dtype=torch.float, per="request", pad=-1.0)]
+    runner = pb.GraphRunner(model, config, inputs, max_num_reqs=8, context_fn=lambda v: {"rows": len(v["ids"])})
+    with torch.inference_mode():
+        runner.capture(progress=False)
+        assert sorted(d.num_tokens for d in runner.model.ubatch_entries) == [4, 8]
+        model.seen.clear()
+        ids = torch.tensor([5, 6, 7, 8, 9], device="cuda")
+        out = runner.run(ids=ids, scale=torch.arange(5.0, device="cuda"), uniform_decode=True)
+        assert runner.last_ubatched and runner.last_mode == FULL
+        assert torch.equal(out.cpu(), ids.cpu().float() * 3) and model.seen == []
 
 
 # --- two ranks: agreement, padding, faults ------------------------------------------------------------
