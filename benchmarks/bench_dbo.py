@@ -104,7 +104,8 @@ def run(quick: bool = False, deadline: float | None = None, backend: str = "gloo
         rows.append([tokens, fmt_spread(plain, 1e3, 2), fmt_spread(ub, 1e3, 2), fmt_ratio(ratios)])
     body = table(["tokens per rank", "no micro-batching (ms)", "micro-batched (ms)", "micro-batched / plain"], rows)
     body += (
-        f"\n\nToyMoE (dim 256, 8 experts, top-2, 2 layers) on 2 {backend} ranks, eager, each sample the slowest rank's step. "
+        f"\n\nToyMoE (dim 256, 8 experts, top-2, 2 layers) on 2 {backend} ranks, eager, each sample the slowest "
+        "rank's step. "
         "Below 1.0 the overlap wins. What limits it on this machine: both ranks, their two micro-batch threads and "
         "gloo's communication threads share the CPU cores, so a half's compute and the other half's all-to-all "
         "compete for the same cores instead of running on separate engines; every hand-over costs two thread "

@@ -84,8 +84,8 @@ def main() -> int:
             batch = dict(input_ids=t([rng.randrange(64) for _ in range(n)]), seq_ids=t(seq), positions=t(pos))
             logits = runner.run(uniform_decode=decode, query_lens=lens, **batch).clone()
             seen.add((runner.last_ubatched, runner.last_mode.name))
-            line = (f"step {step:2d}: rank {rank} {n:2d} tokens, micro-batched {'yes' if runner.last_ubatched else 'no '}"
-                    f", {runner.last_mode.name}")
+            ubatched = "yes" if runner.last_ubatched else "no "
+            line = f"step {step:2d}: rank {rank} {n:2d} tokens, micro-batched {ubatched}, {runner.last_mode.name}"
             if args.check:
                 unbatched = baseline.run(uniform_decode=decode, query_lens=lens, **batch)
                 ref = reference(**batch)

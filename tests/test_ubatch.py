@@ -284,7 +284,8 @@ def _runner(mode: str = "FULL", max_num_reqs: int = 6, **kw: Any) -> tuple[pb.Gr
     config = SIM_UB.replace(cudagraph_mode=mode, capture_sizes=[4, 8], dbo_decode_token_threshold=4,
                             dbo_prefill_token_threshold=5, **kw)
     inputs = [pb.StaticInput("ids"), pb.StaticInput("scale", dtype=torch.float, per="request", pad=-1.0)]
-    return pb.GraphRunner(model, config, inputs, max_num_reqs=max_num_reqs, context_fn=lambda v: {"rows": len(v["ids"])}), model
+    runner = pb.GraphRunner(model, config, inputs, max_num_reqs=max_num_reqs, context_fn=lambda v: {"rows": len(v["ids"])})
+    return runner, model
 
 
 def test_runner_splits_a_mixed_step_at_a_request_boundary_and_returns_rows_in_order():

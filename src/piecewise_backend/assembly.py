@@ -136,7 +136,9 @@ def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> No
         if any(w._matches(mode) for w in stack) or (mode == _PIECEWISE and per_piece):
             continue
         desc: BatchDescriptor = max(dispatcher.keys[mode], key=lambda d: d.num_tokens)
-        installed = ", ".join(f"{type(w).__name__}({w.runtime_mode.name if w.runtime_mode is not None else 'any'})" for w in stack)
+        installed = ", ".join(
+            f"{type(w).__name__}({'any' if w.runtime_mode is None else w.runtime_mode.name})" for w in stack
+        )
         if mode == _PIECEWISE and any(isinstance(w, UBatchWrapper) for w in stack):
             raise ValueError(
                 f"no capturer for mode PIECEWISE (e.g. {desc}): with use_ubatching the model has "

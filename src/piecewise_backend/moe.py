@@ -57,7 +57,8 @@ class MoE(nn.Module):
             raise ValueError(f"ToyMoE: num_experts={num_experts} must divide evenly over {self.world} ranks")
         self.top_k = top_k
         self.router = nn.Parameter(_normal(gen, dim, num_experts, fan_in=dim))
-        w1, w2 = _normal(gen, num_experts, dim, hidden, fan_in=dim), _normal(gen, num_experts, hidden, dim, fan_in=hidden)
+        w1 = _normal(gen, num_experts, dim, hidden, fan_in=dim)
+        w2 = _normal(gen, num_experts, hidden, dim, fan_in=hidden)
         local = num_experts // self.world
         self.first = self.rank * local  # global id of this rank's first expert
         self.w1 = nn.Parameter(w1[self.first:self.first + local].clone())

@@ -185,7 +185,8 @@ def _layout(
             shape = tuple(max(a, b) for a, b in zip(t.shape[1:], spec.shape))
             dst = torch.empty((rows, *shape), dtype=spec.dtype, device=runner.device)
         cut = split[1] if per_request else split[0]
-        _place(dst, t.to(device=runner.device, dtype=spec.dtype), cut, (0, rows0 if per_request else halves[0]), spec.pad)
+        second = rows0 if per_request else halves[0]  # where the second half's rows start
+        _place(dst, t.to(device=runner.device, dtype=spec.dtype), cut, (0, second), spec.pad)
         views[name] = dst
     return views
 
