@@ -332,6 +332,19 @@ def test_a_graph_whose_second_half_would_overflow_the_request_buffers_runs_eager
     assert second["scale"].tolist() == [2.0, 3.0, 4.0, -1.0]  # eagerly the requests stay in place
 
 
+def test_plain_full_mode_replays_split_decode_steps_and_runs_split_mixed_steps_eagerly():
+    runner, model = _runner("FULL", max_num_reqs=8)
+    runner.capture(progress=False)
+    assert sorted(d.num_tokens for d in runner.model.ubatch_entries) == [4, 8]  # relaxed keys in plain FULL
+    out = runner.run(ids=torch.arange(7), scale=torch.ones(3), query_lens=[2, 2, 3])
+    assert runner.last_ubatched and runner.last_mode == NONE  # a mixed split moves every step: no graph
+    assert torch.equal(out, torch.arange(7.0) * 3)
+    model.seen.clear()
+    out = runner.run(ids=torch.arange(6), scale=torch.ones(6), uniform_decode=True)
+    assert runner.last_ubatched and runner.last_mode == FULL and model.seen == []
+    assert torch.equal(out, torch.arange(6.0) * 3)
+
+
 def test_query_lens_are_checked():
     runner, _ = _runner("NONE")
     with pytest.raises(ValueError, match="query_lens must be positive ints summing to the 3 tokens"):

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from .context import BatchDescriptor, set_forward_context
 from .modes import CUDAGraphMode
-from .static_inputs import StaticInput, eager_tensor, fill
+from .static_inputs import StaticInput, check_full_context, eager_tensor, fill
 from .ubatch_wrapper import UBatchSlice
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -125,6 +125,8 @@ def run_step(
     mode, desc = runner.dispatcher.dispatch(total, uniform_decode=uniform, num_reqs=num_reqs if total == n else None)
     if mode != _NONE and not fit:
         mode, desc = _NONE, BatchDescriptor(total)
+    if mode == _FULL and context:
+        check_full_context(context, runner._buffer_storages)
     runner.last_ubatched = agreed.ubatch
     if not agreed.ubatch:
         runner.last_mode = mode
