@@ -35,6 +35,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph mode (default FULL_AND_PIECEWISE)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait (default 120)")
+    # tests only: shift this rank's experts, so --check must fail
+    p.add_argument("--perturb-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
@@ -61,6 +63,9 @@ def main() -> int:
     config = pb.CompilationConfig(**base)
     plain = pb.CompilationConfig(**dict(base, dbo_decode_token_threshold=1 << 20, dbo_prefill_token_threshold=1 << 20))
     model = ToyMoE(seed=args.seed).to(device)
+    if args.perturb_rank == rank:
+        with torch.no_grad():
+            model.moe[0].w2.add_(0.01)
     inputs = [pb.StaticInput("input_ids"), pb.StaticInput("seq_ids", pad=-1), pb.StaticInput("positions")]
     runner = pb.GraphRunner(model, config, inputs)
     baseline = pb.GraphRunner(model, plain, inputs) if args.check else None  # never micro-batches

@@ -499,11 +499,21 @@ def test_a_half_raising_on_one_rank_fails_the_step_on_every_rank_within_the_time
 # --- the example on two ranks ------------------------------------------------------------------
 
 
-def test_moe_example_two_ranks_check():
+def _moe_example(ranks: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "moe_dbo.py"), "--check", "--steps", "8"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           str(ROOT / "examples" / "moe_dbo.py"), "--check", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_moe_example_two_ranks_check():
+    proc = _moe_example(2, "--steps", "8")
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-5000:]}"
     steps = re.findall(r"^step\s+\d+: rank \d \s*\d+ tokens, micro-batched (yes|no)\s*, (\w+)", proc.stdout, re.M)
     assert len(steps) == 16 and {("yes", "FULL"), ("yes", "NONE")} <= set(steps), proc.stdout
+
+
+def test_moe_example_check_fails_when_an_expert_is_wrong():
+    proc = _moe_example(1, "--steps", "2", "--perturb-rank", "0")
+    assert proc.returncode != 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-5000:]}"
+    assert "rank 0: micro-batched logits differ by" in proc.stderr, proc.stderr[-5000:]
