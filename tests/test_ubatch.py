@@ -349,6 +349,8 @@ def test_query_lens_are_checked():
     runner, _ = _runner("NONE")
     with pytest.raises(ValueError, match="query_lens must be positive ints summing to the 3 tokens"):
         runner.run(ids=torch.arange(3), scale=torch.ones(2), query_lens=[1, 1])
+    with pytest.raises(ValueError, match="3 query_lens but the per-request inputs have 2 rows"):
+        runner.run(ids=torch.arange(3), scale=torch.ones(2), query_lens=[1, 1, 1])
 
 
 @pytest.mark.cuda

@@ -206,7 +206,7 @@ class GraphRunner:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
         context = {} if context is None else check_context(context, replays=self._replays)
         if self._ubatching:
-            lens = _ubatch.check_query_lens(query_lens, n)
+            lens = _ubatch.check_query_lens(query_lens, n, reqs)
             return _ubatch.run_step(self, batch, n, num_reqs, uniform_decode, context, fit, lens)
         mode, desc = self.dispatcher.dispatch(
             n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter

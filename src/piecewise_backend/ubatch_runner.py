@@ -32,6 +32,7 @@ class Agreement:
     num_tokens: int  # the largest token count of all ranks: every rank dispatches it
     uniform: bool  # every rank is a uniform decode batch
     ubatch: bool  # micro-batched on every rank
+    fit: bool  # every rank's inputs fit the static buffers (else every rank runs eagerly)
     rows: tuple[int, int]  # padded token rows of each half (when micro-batched)
     split: tuple[int, int]  # this rank's real (tokens, requests) in the first half
 
@@ -56,23 +57,26 @@ def split_point(
     return None
 
 
-def check_query_lens(query_lens: Any, n: int) -> list[int] | None:
+def check_query_lens(query_lens: Any, n: int, reqs: int | None) -> list[int] | None:
+    """``query_lens`` as a list: positive ints summing to the step's tokens, one per request row."""
     if query_lens is None:
         return None
     lens = list(query_lens)
     if not lens or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in lens) or sum(lens) != n:
         raise ValueError(f"GraphRunner.run: query_lens must be positive ints summing to the {n} tokens, got {lens}")
+    if reqs is not None and len(lens) != reqs:
+        raise ValueError(f"GraphRunner.run: {len(lens)} query_lens but the per-request inputs have {reqs} rows")
     return lens
 
 
-def agree(runner: Any, n: int, uniform: bool, split: tuple[int, int] | None, step: int) -> Agreement:
-    """Decide the step with every rank (one all-gather of 6 ints); a plain computation on one process."""
+def agree(runner: Any, n: int, uniform: bool, split: tuple[int, int] | None, fit: bool, step: int) -> Agreement:
+    """Decide the step with every rank (one all-gather of 8 ints); a plain computation on one process."""
     config = runner.config
     threshold = config.dbo_decode_token_threshold if uniform else config.dbo_prefill_token_threshold
     wants = split is not None and n >= threshold
     first = split[0] if split else 0
-    mine = [n, int(uniform), int(wants), first, n - first if split else 0, config.dbo_decode_token_threshold,
-            config.dbo_prefill_token_threshold]
+    mine = [n, int(uniform), int(wants), first, n - first if split else 0, int(fit),
+            config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold]
     rows = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -86,15 +90,17 @@ def agree(runner: Any, n: int, uniform: bool, split: tuple[int, int] | None, ste
                 f"absent, stopped, or runs a step without micro-batching): {e}"
             ) from e
         rows = [p.tolist() for p in parts]
-        if len({tuple(r[5:]) for r in rows}) > 1:
-            per_rank = ", ".join(f"rank {i}: decode {r[5]}, prefill {r[6]}" for i, r in enumerate(rows))
+        if len({tuple(r[6:]) for r in rows}) > 1:
+            per_rank = ", ".join(f"rank {i}: decode {r[6]}, prefill {r[7]}" for i, r in enumerate(rows))
             raise RuntimeError(
                 f"step {step}: ranks would decide micro-batching differently (thresholds {per_rank}); give every "
                 "rank the same dbo_decode_token_threshold and dbo_prefill_token_threshold"
             )
     ubatch = all(r[2] for r in rows)
     halves = (max(r[3] for r in rows), max(r[4] for r in rows)) if ubatch else (0, 0)
-    return Agreement(max(r[0] for r in rows), all(r[1] for r in rows), ubatch, halves, split or (0, 0))
+    return Agreement(
+        max(r[0] for r in rows), all(r[1] for r in rows), ubatch, all(r[5] for r in rows), halves, split or (0, 0)
+    )
 
 
 def canonical_rows(num_tokens: int, q: int) -> tuple[int, int] | None:
@@ -120,10 +126,10 @@ def run_step(
     """One step of a micro-batching runner (micro-batched or not, padded to the ranks' largest count)."""
     q = runner.dispatcher.uniform_decode_query_len
     runner.steps += 1
-    agreed = agree(runner, n, uniform, split_point(n, query_lens, uniform, q, num_reqs), runner.steps)
+    agreed = agree(runner, n, uniform, split_point(n, query_lens, uniform, q, num_reqs), fit, runner.steps)
     total, uniform = agreed.num_tokens, agreed.uniform
     mode, desc = runner.dispatcher.dispatch(total, uniform_decode=uniform, num_reqs=num_reqs if total == n else None)
-    if mode != _NONE and not fit:
+    if mode != _NONE and not agreed.fit:  # one rank's inputs are too wide for the buffers: every rank eagerly
         mode, desc = _NONE, BatchDescriptor(total)
     if mode == _FULL and context:
         check_full_context(context, runner._buffer_storages)
