@@ -162,6 +162,12 @@ def test_a_thread_that_never_yields_back_times_out():
     assert threads.run([lambda: "a", lambda: "b"])[0] == ["a", "b"]  # a fresh pair serves the next step
 
 
+def test_micro_batching_does_not_nest():
+    threads = UBatchThreads()
+    with pytest.raises(RuntimeError, match="does not nest"):
+        threads.run([lambda: threads.run([lambda: 1, lambda: 2]), lambda: 3], timeout_s=10)
+
+
 # --- UBatchWrapper ---------------------------------------------------------------------------
 
 

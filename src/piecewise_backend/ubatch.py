@@ -245,6 +245,8 @@ class UBatchThreads:
         """Results of ``jobs`` in micro-batch order, and the order in which turns ran."""
         if len(jobs) != NUM_UBATCHES:
             raise ValueError(f"UBatchThreads.run takes {NUM_UBATCHES} jobs, got {len(jobs)}")
+        if current_ubatch() is not None:
+            raise RuntimeError("micro-batching does not nest: a micro-batch thread started another micro-batched step")
         if not self._threads or not all(t.is_alive() for t, _ in self._threads):
             self._spawn()
         self.steps += 1
