@@ -113,7 +113,36 @@ def run(quick: bool = False, deadline: float | None = None, backend: str = "gloo
         "and copy engines while the other half's kernels run on the SMs, and a FULL graph of the overlapped step "
         "removes the thread hand-overs from the replay altogether."
     )
-    return [Section(f"Micro-batching (dual-batch overlap): step time on {backend}", body, {"median_ratio": medians})]
+    title = f"Micro-batching (dual-batch overlap): step time on {backend}"
+    sections = [Section(title, body, {"median_ratio": medians})]
+    return sections + [handover_cost(quick)]
+
+
+def handover_cost(quick: bool) -> Section:
+    """What the threads cost by themselves: a step of two empty halves, and each extra yield."""
+    from piecewise_backend.ubatch import UBatchThreads, dbo_yield
+
+    threads = UBatchThreads("bench")
+
+    def halves(yields: int) -> list:
+        def job() -> None:
+            for _ in range(yields):
+                dbo_yield()
+        return [job, job]
+
+    samples: dict[int, list[float]] = {0: [], 10: []}
+    for _ in range(2 if quick else 3):  # rounds, each timing both variants side by side
+        for yields in samples:
+            threads.run(halves(yields))  # warm
+            t0 = time.perf_counter()
+            for _ in range(50):
+                threads.run(halves(yields))
+            samples[yields].append((time.perf_counter() - t0) / 50)
+    step = statistics.median(samples[0])
+    per_yield = (statistics.median(samples[10]) - step) / 20  # 10 yields per half, two halves
+    body = table(["what", "us"], [["a step of two empty halves (start, finish, hand-overs)", f"{step * 1e6:.0f}"],
+                                  ["each further dbo_yield() (one hand-over)", f"{per_yield * 1e6:.0f}"]])
+    return Section("Micro-batching: thread hand-over cost (CPU)", body, {"step_s": step, "yield_s": per_yield})
 
 
 if __name__ == "__main__":
