@@ -36,5 +36,6 @@ def test_dbo_benchmark_reports_both_variants_and_the_ratio():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Micro-batching (dual-batch overlap): step time on gloo" in proc.stdout
+    assert "Micro-batching: thread hand-over cost (CPU)" in proc.stdout
     row = re.search(r"^\| 64 +\| [\d.]+ .*\| [\d.]+ .*\| ([\d.]+)x", proc.stdout, re.M)
     assert row and 0.2 < float(row.group(1)) < 5, proc.stdout  # a ratio was measured, whatever it is
