@@ -110,7 +110,7 @@ def truncated_drafter(model: torch.nn.Module, num_layers: int) -> torch.nn.Modul
         if isinstance(getattr(config, name, None), list):
             setattr(config, name, getattr(config, name)[:num_layers])
     draft = type(model)(config)
-    missing, unexpected = draft.load_state_dict(model.state_dict(), strict=False)
+    missing = draft.load_state_dict(model.state_dict(), strict=False).missing_keys
     if missing:
         raise ValueError(f"truncated_drafter: the draft model has weights the target lacks: {missing[:3]}")
     param = next(model.parameters())
@@ -164,18 +164,28 @@ class SpecEngine:
         self.max_model_len = max_model_len
         self.max_step_tokens = self.target.runner.dispatcher.max_size
         self.stats = SpecStats()
+        self._state: _State | None = None
+
+    def cached_tokens(self) -> dict[int, tuple[int, int]]:
+        """Per running request of the current :meth:`generate` call: how many of its tokens hold
+        valid K/V in (the target's cache, the drafter's cache). Slots past them are free to rewrite."""
+        state = self._state
+        if state is None:
+            return {}
+        return {r: (state.target_len[r], state.draft_len[r]) for r in state.running}
 
     def capture(self, progress: bool = False) -> CaptureReport:
-        """Capture both runners before serving (target first; all graphs share one pool): one
-        report over both, with ``.target`` and ``.drafter`` reports as attributes of the engine."""
+        """Capture both runners before serving (target first; all graphs share one pool): one report
+        over both (also ``.capture_report``); each runner's own is ``.target_report``, ``.drafter_report``."""
         with torch.inference_mode():
             self.target_report = self.target.runner.capture(progress=progress)
             self.drafter_report = self.drafter.runner.capture(progress=progress)
         t, d = self.target_report, self.drafter_report
-        return CaptureReport(
+        self.capture_report = CaptureReport(
             t.graphs + d.graphs, t.seconds + d.seconds, f"target: {t.stats}; drafter: {d.stats}",
             t.memory_bytes + d.memory_bytes, t.graph_segments + d.graph_segments,
         )
+        return self.capture_report
 
     def estimate_capture_memory(self) -> int:
         """Bytes :meth:`capture` will add to the pool: each runner's estimate, summed (an upper bound:
@@ -204,7 +214,7 @@ class SpecEngine:
                     f"in 1..max_model_len={self.max_model_len}"
                 )
         self.stats = SpecStats()
-        state = _State(prompts, budgets, eos_token_id)
+        state = self._state = _State(prompts, budgets, eos_token_id)
         try:
             with torch.inference_mode():
                 while state.waiting or state.running:
@@ -216,6 +226,7 @@ class SpecEngine:
                 for r in state.running:
                     if r in side.cache.tables:
                         side.cache.free(r)
+            self._state = None
         return state.outputs
 
     def _admit(self, state: _State) -> None:
