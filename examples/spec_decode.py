@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=2, metavar="K", help="drafts per request per round")
     parser.add_argument("--target-mode", default="FULL", choices=["FULL", "FULL_AND_PIECEWISE"],
                         help="the target's cudagraph_mode (the drafter always runs PIECEWISE)")
-    parser.add_argument("--draft-layers", type=int, default=1, metavar="L",
+    parser.add_argument("--draft-layers", type=int, default=3, metavar="L",
                         help=f"drafter layers, 1..{TARGET_LAYERS} ({TARGET_LAYERS}: the target as its own drafter)")
     parser.add_argument("--check", action="store_true", help="compare with the target's model.generate(do_sample=False)")
     args = parser.parse_args(argv)

@@ -20,54 +20,19 @@ two run ahead of each other by different amounts, so each keeps its own block ta
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from . import kv
 from .backend import make_backend
 from .config import CompilationConfig
-from .context import BatchDescriptor
 from .hf import adapt, kv_shape
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .runner import CaptureReport, GraphRunner, StaticInput
+from .spec_state import RequestStates, RoundInfo, SpecStats, chunk_ends
 
-
-@dataclasses.dataclass(frozen=True)
-class RoundInfo:
-    """One round: what the target and the drafter ran, and what each request kept."""
-
-    round: int
-    requests: tuple[int, ...]  # prompt indices verified this round, in step order
-    target_mode: CUDAGraphMode
-    target_key: BatchDescriptor  # the graph key the target's step dispatched to
-    target_tokens: int
-    verify_only: bool  # no prompt in the step: every request has exactly k + 1 query tokens
-    drafter_modes: tuple[CUDAGraphMode, ...]  # one per drafter step (k of them)
-    accepted: tuple[int, ...]  # per request: drafts equal to the target's argmax (0..k)
-    emitted: tuple[int, ...]  # per request: tokens appended (accepted + 1, cut at eos or budget)
-
-
-@dataclasses.dataclass
-class SpecStats:
-    """Totals over a :meth:`SpecEngine.generate` call."""
-
-    rounds: int = 0
-    request_steps: int = 0  # target forwards summed over requests (plain decoding: one per token)
-    proposed: int = 0
-    accepted: int = 0
-    emitted: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_target_step(self) -> float:
-        """Tokens a request gains per target forward it takes part in (plain greedy decoding: 1)."""
-        return self.emitted / self.request_steps if self.request_steps else 0.0
+__all__ = ["RoundInfo", "SpecEngine", "SpecStats", "truncated_drafter"]
 
 
 class _Side:
@@ -164,7 +129,7 @@ class SpecEngine:
         self.max_model_len = max_model_len
         self.max_step_tokens = self.target.runner.dispatcher.max_size
         self.stats = SpecStats()
-        self._state: _State | None = None
+        self._state: RequestStates | None = None
 
     def cached_tokens(self) -> dict[int, tuple[int, int]]:
         """Per running request of the current :meth:`generate` call: how many of its tokens hold
@@ -214,7 +179,7 @@ class SpecEngine:
                     f"in 1..max_model_len={self.max_model_len}"
                 )
         self.stats = SpecStats()
-        state = self._state = _State(prompts, budgets, eos_token_id)
+        state = self._state = RequestStates(prompts, budgets, eos_token_id)
         try:
             with torch.inference_mode():
                 while state.waiting or state.running:
@@ -229,7 +194,7 @@ class SpecEngine:
             self._state = None
         return state.outputs
 
-    def _admit(self, state: _State) -> None:
+    def _admit(self, state: RequestStates) -> None:
         tokens = sum(state.length(r) - state.target_len[r] + self.k for r in state.running)
         while state.waiting and len(state.running) < self.max_num_reqs:
             need = len(state.prompts[state.waiting[0]]) + self.k
@@ -238,7 +203,7 @@ class SpecEngine:
             tokens += need
             state.running.append(state.waiting.pop(0))
 
-    def _draft(self, state: _State) -> tuple[dict[int, list[int]], list[CUDAGraphMode]]:
+    def _draft(self, state: RequestStates) -> tuple[dict[int, list[int]], list[CUDAGraphMode]]:
         """k drafter steps: each running request's k proposals, and the mode of each step."""
         drafts: dict[int, list[int]] = {r: [] for r in state.running}
         modes = []
@@ -250,12 +215,12 @@ class SpecEngine:
                 chunks = [(r, state.length(r) + j - 1, 1) for r in state.running]
                 tokens = [drafts[r][-1] for r in state.running]
             argmax = self.drafter.step(chunks, tokens, uniform=all(n == 1 for _, _, n in chunks))
-            for r, end in zip(state.running, _ends(chunks)):
+            for r, end in zip(state.running, chunk_ends(chunks)):
                 drafts[r].append(argmax[end])
             modes.append(self.drafter.runner.last_mode)
         return drafts, modes
 
-    def _round(self, state: _State) -> RoundInfo:
+    def _round(self, state: RequestStates) -> RoundInfo:
         self._admit(state)
         drafts, drafter_modes = self._draft(state)
         k, running = self.k, list(state.running)
@@ -268,7 +233,7 @@ class SpecEngine:
             len(tokens), uniform_decode=verify_only, num_reqs=len(chunks) if verify_only else None
         )[1]
         accepted, emitted = [], []
-        for r, end in zip(running, _ends(chunks)):
+        for r, end in zip(running, chunk_ends(chunks)):
             verdict = argmax[end - k : end + 1]  # the target's token after each of the last k + 1 positions
             a = 0
             while a < k and drafts[r][a] == verdict[a]:
@@ -297,44 +262,3 @@ class SpecEngine:
             s.rounds - 1, tuple(running), target_mode, target_key, len(tokens), verify_only, tuple(drafter_modes),
             tuple(accepted), tuple(emitted),
         )
-
-
-class _State:
-    """Per-request bookkeeping of one :meth:`SpecEngine.generate` call."""
-
-    def __init__(self, prompts: Sequence[Sequence[int]], budgets: list[int], eos: int | None):
-        self.prompts, self.budgets, self.eos = [list(p) for p in prompts], budgets, eos
-        self.outputs: list[list[int]] = [[] for _ in prompts]
-        self.waiting, self.running = list(range(len(prompts))), []
-        self.target_len = [0] * len(prompts)  # tokens whose K/V the target's cache holds, per request
-        self.draft_len = [0] * len(prompts)
-        self._finished = [False] * len(prompts)
-
-    def seq(self, r: int) -> list[int]:
-        return self.prompts[r] + self.outputs[r]
-
-    def length(self, r: int) -> int:
-        return len(self.prompts[r]) + len(self.outputs[r])
-
-    def extend(self, r: int, tokens: list[int]) -> int:
-        """Append ``tokens`` up to eos or the budget; returns how many were kept."""
-        kept = 0
-        for t in tokens:
-            self.outputs[r].append(t)
-            kept += 1
-            if len(self.outputs[r]) >= self.budgets[r] or t == self.eos:
-                self._finished[r] = True
-                break
-        return kept
-
-    def done(self, r: int) -> bool:
-        return self._finished[r]
-
-
-def _ends(chunks: Sequence[tuple[Any, int, int]]) -> list[int]:
-    """Row of each chunk's last token in the step's token layout."""
-    ends, total = [], 0
-    for _, _, n in chunks:
-        total += n
-        ends.append(total - 1)
-    return ends
