@@ -119,6 +119,22 @@ def test_requests_finish_mid_run_at_eos_or_budget(self_draft):
     assert len(set(finished.values())) > 1, finished  # they finished at different rounds
 
 
+def test_a_failed_round_frees_both_caches(self_draft):
+    engine, reference, _ = self_draft
+
+    def stop(info: spec.RoundInfo) -> None:
+        assert engine.cached_tokens()  # requests are running, with valid K/V in both caches
+        if info.round == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, 12, on_round=stop)
+    assert engine.cached_tokens() == {}
+    for side in (engine.target, engine.drafter):
+        assert side.cache.tables == {} and side.cache.allocator.num_free == side.cache.allocator.num_blocks
+    assert engine.generate(PROMPTS[:1], 3) == [greedy(reference, PROMPTS[0], 3)]  # still serves
+
+
 def test_partial_acceptance_rolls_back_both_caches_and_matches_generate(partial):
     """A 1-layer drafter of the 2-layer target: drafts get rejected, both caches roll back every
     round, and no valid K/V slot of any request ever changes afterwards."""
