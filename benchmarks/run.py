@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/run.py --only wrappers,replay      # a subset
     python benchmarks/run.py --cuda --out docs/benchmarks.md        # GPU only (scripts/gpu_check.sh)
 
-Without ``--cuda``, runs the CPU benchmarks (wrappers, replay, forward, compile) and, when
+Without ``--cuda``, runs the CPU benchmarks (wrappers, replay, forward, compile, memory, spec) and, when
 a GPU is present, the CUDA ones too. Every table is printed; with ``--out`` the results
 replace the lines between the ``cpu-results`` (or ``gpu-results``) BEGIN/END marker
 comments of that markdown file, rewritten after each benchmark so an interrupted run
@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import Section, env_table, environment, log
 
-CPU_BENCHMARKS = ("wrappers", "replay", "forward", "compile", "memory", "dbo")
+CPU_BENCHMARKS = ("wrappers", "replay", "forward", "compile", "memory", "spec", "dbo")
 QUICK_SKIPS = {"compile": "skipped in --quick (every row is a fresh process with a cold or warm Inductor cache)"}
 
 TEMPLATE = """# Benchmarks

@@ -55,7 +55,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
   timeout -k 10 "$(upto 60)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_memory.py \
     2>&1 | tee -a "$LOGS/cuda_tests.log"
   MEM_RC=${PIPESTATUS[0]}
-  timeout -k 10 "$(upto 120)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_kv.py tests/test_hf.py tests/test_ubatch.py \
+  timeout -k 10 "$(upto 180)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_kv.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py \
     2>&1 | tee -a "$LOGS/cuda_tests.log"
   KVHF_RC=${PIPESTATUS[0]}
   for rc in $RULES_RC $MEM_RC $KVHF_RC; do [ "$TEST_RC" = 0 ] && TEST_RC=$rc; done
@@ -70,6 +70,10 @@ timeout -k 10 "$(upto 90)" "$PY" examples/hf_generate.py --arch llama --check 2>
 EXAMPLE_RC=${PIPESTATUS[0]}
 [ "$EXAMPLE_RC" = 124 ] && echo "example: killed by timeout" | tee -a "$LOGS/example.log"
 [ "$TEST_RC" = 0 ] && TEST_RC=$EXAMPLE_RC
+echo "== speculative decoding example on the GPU (target FULL verify graphs, drafter PIECEWISE)"
+timeout -k 10 "$(upto 90)" "$PY" examples/spec_decode.py --arch llama --num-speculative-tokens 2 --check 2>&1 | tee -a "$LOGS/example.log"
+SPEC_RC=${PIPESTATUS[0]}
+[ "$TEST_RC" = 0 ] && TEST_RC=$SPEC_RC
 
 if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then echo "== tensor parallel example (NCCL, 2 GPUs)"; timeout -k 10 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py --check --steps 8 2>&1 | tee "$LOGS/tp.log" ${OUT:+"$OUT/tp.log"}; echo "tensor parallel example exit status ${PIPESTATUS[0]}"; else echo "== tensor parallel example: skipped (needs >= 2 GPUs)"; fi
 

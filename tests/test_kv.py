@@ -90,6 +90,95 @@ def test_cache_reserves_slots_and_frees_blocks():
         kv.PagedKVCache(1, 2, 0, num_blocks=4, max_model_len=8)
 
 
+def test_allocator_refuses_double_and_foreign_frees():
+    """Taking back a block twice would put it twice in the free list: two requests would share it."""
+    alloc = kv.BlockAllocator(3)
+    a = alloc.allocate(2)
+    alloc.free(a[:1])
+    with pytest.raises(ValueError, match=rf"block {a[0]} is already free \(double free\)"):
+        alloc.free(a[:1])
+    with pytest.raises(ValueError, match=r"block 7 is not a block id of this allocator \(0..2\)"):
+        alloc.free([7])
+    for foreign in (-1, 1.0, True, "1"):  # 1.0 and True hash like 1, a live id
+        with pytest.raises(ValueError, match="not a block id of this allocator"):
+            alloc.free([foreign])
+    with pytest.raises(ValueError, match=rf"block {a[1]} is given twice in this call"):
+        alloc.free([a[1], a[1]])
+    with pytest.raises(ValueError, match="already free"):  # all or nothing: the good id stays handed out
+        alloc.free([a[1], a[0]])
+    assert alloc.num_free == 2
+    alloc.free([a[1]])
+    assert alloc.num_free == 3 and sorted(alloc.allocate(3)) == [0, 1, 2]  # each block handed out once
+    with pytest.raises(ValueError, match="block count >= 0, got -1"):
+        alloc.allocate(-1)
+
+
+def test_cache_free_and_truncate_never_return_a_block_twice():
+    cache = make_cache(num_blocks=4, max_model_len=16)
+    cache.reserve("a", 10)  # 3 blocks of 4
+    table = list(cache.tables["a"])
+    cache.truncate("a", 5)  # keeps positions 0..4: 2 blocks
+    assert cache.tables["a"] == table[:2] and cache.allocator.num_free == 2
+    cache.truncate("a", 8)  # nothing past 8 tokens is held: no change
+    assert cache.tables["a"] == table[:2] and cache.allocator.num_free == 2
+    with pytest.raises(ValueError, match=r"holds blocks for 8 tokens; num_tokens must be an int in 0..8, got 9"):
+        cache.truncate("a", 9)
+    with pytest.raises(KeyError, match="request 'z' holds no KV blocks"):
+        cache.truncate("z", 0)
+    cache.truncate("a", 0)
+    assert cache.tables["a"] == [] and cache.allocator.num_free == 4
+    cache.free("a")
+    assert cache.allocator.num_free == 4  # the empty table freed nothing twice
+    cache.reserve("b", 16)
+    assert sorted(cache.tables["b"]) == [0, 1, 2, 3]
+
+
+def test_step_inputs_reserve_all_or_nothing():
+    """When blocks run out, or a later chunk is invalid, no chunk of the step keeps new blocks."""
+    cache = make_cache(num_blocks=3, max_model_len=12)
+    cache.reserve("a", 4)
+    held = list(cache.tables["a"])
+    with pytest.raises(RuntimeError, match=r"out of KV blocks: 3 needed \('a': 1, 'b': 2\), 2 of 3 free; nothing was reserved"):
+        cache.step_inputs([("a", 4, 1), ("b", 0, 8)])
+    with pytest.raises(ValueError, match="needs 13 tokens, more than max_model_len=12"):
+        cache.step_inputs([("a", 4, 1), ("c", 0, 13)])
+    with pytest.raises(ValueError, match="need start >= 0 and count >= 1"):
+        cache.step_inputs([("a", 4, 1), ("c", 0, 0)])
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        cache.reserve("d", 12)
+    assert cache.tables == {"a": held} and cache.allocator.num_free == 2  # no empty table for b, c or d
+    meta = cache.step_inputs([("a", 4, 1), ("b", 0, 4)])  # what fits still runs
+    assert meta[kv.POSITIONS].tolist() == [4, 0, 1, 2, 3] and cache.allocator.num_free == 0
+
+
+def test_rollback_frees_slots_without_touching_other_requests():
+    """A request rolled back to fewer tokens: another request's K/V stays bit-exact when a new
+    request reuses the freed block, and attention of the rolled-back request never reads the
+    rejected tokens' stale K/V (its later tokens overwrite the slots first)."""
+    g = torch.Generator().manual_seed(0)
+    cache = make_cache(num_blocks=5, max_model_len=16)  # a, b: 2 blocks each; c gets the last free one and a's
+    seqs = {r: [torch.randn(n, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)] for r, n in (("a", 7), ("b", 6))}
+    meta = cache.step_inputs([("a", 0, 7), ("b", 0, 6)])
+    run_op(cache, meta, *(torch.cat([seqs["a"][i], seqs["b"][i]]) for i in range(3)))
+    b_slots = [cache.slot("b", p) for p in range(6)]
+    b_kv = [c.flatten(0, 1)[b_slots].clone() for c in (cache.key_caches[0], cache.value_caches[0])]
+    freed = cache.tables["a"][1]
+    cache.truncate("a", 3)  # positions 3..6 rejected: a's second block goes back
+    meta = cache.step_inputs([("c", 0, 8)])  # c takes the freed block and writes garbage into it
+    assert freed in cache.tables["c"]
+    nan = [torch.full((8, h, DIM), float("nan")) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    run_op(cache, meta, *nan)
+    for cached, before in zip((cache.key_caches[0], cache.value_caches[0]), b_kv):
+        assert torch.equal(cached.flatten(0, 1)[b_slots], before)
+    cache.free("c")  # a's next block is one c filled with NaN: a must never read its stale slots
+    # a continues from position 3 with new tokens: exact attention over its 3 kept + 2 new tokens
+    new = [torch.randn(2, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    out = run_op(cache, cache.step_inputs([("a", 3, 2)]), *new)
+    full = [torch.cat([seqs["a"][i][:3], new[i]]) for i in range(3)]
+    assert_close(out, reference(*full)[3:], atol=1e-5, rtol=1e-5)
+    assert cache.key_caches[0][cache.tables["a"][1]].isnan().any()  # the stale NaN was there, and masked out
+
+
 def test_static_inputs_pad_safely():
     pads = {i.name: (i.pad, i.per) for i in make_cache().static_inputs()}
     assert pads[kv.SLOT_MAPPING] == (kv.PAD_SLOT, "token")

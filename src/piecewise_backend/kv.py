@@ -36,24 +36,47 @@ POSITIONS, SLOT_MAPPING, REQUEST_INDEX, BLOCK_TABLES = "position_ids", "slot_map
 
 
 class BlockAllocator:
-    """A free list of ``num_blocks`` KV blocks (host side, O(1) per block)."""
+    """A free list of ``num_blocks`` KV blocks (host side, O(1) per block).
+
+    Exact: every id is either free or handed out, never both; :meth:`free` refuses an id that
+    is not handed out (a double free, or an id this allocator never had), since taking it back
+    would let one block serve two requests.
+    """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"BlockAllocator.num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._used: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"BlockAllocator.allocate takes a block count >= 0, got {n!r}")
         if n > len(self._free):
             raise RuntimeError(f"out of KV blocks: {n} needed, {len(self._free)} of {self.num_blocks} free")
-        return [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popleft() for _ in range(n)]
+        self._used.update(blocks)
+        return blocks
 
     def free(self, blocks: Sequence[int]) -> None:
+        """Take ``blocks`` back; all or nothing: ValueError, freeing none, if one is not handed out."""
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for b in blocks:
+            is_id = isinstance(b, int) and not isinstance(b, bool)  # 1.0 and True hash like 1: check the type too
+            if b in seen or not is_id or b not in self._used:
+                why = "given twice in this call" if b in seen else (
+                    "already free (double free)" if is_id and 0 <= b < self.num_blocks
+                    else f"not a block id of this allocator (0..{self.num_blocks - 1})"
+                )
+                raise ValueError(f"BlockAllocator.free: block {b!r} is {why}; only ids allocate() handed out can be freed")
+            seen.add(b)
+        self._used.difference_update(blocks)
         self._free.extend(blocks)
 
 
@@ -110,19 +133,56 @@ class PagedKVCache:
         return self.key_caches[0].device
 
     def reserve(self, request: Hashable, num_tokens: int) -> None:
-        """Grow ``request``'s block table to hold ``num_tokens`` tokens (allocating on first use)."""
+        """Grow ``request``'s block table to hold ``num_tokens`` tokens (allocating on first use).
+
+        All or nothing: when blocks run out nothing is allocated and the table is left as it was.
+        """
+        self._reserve_all([(request, num_tokens)])
+
+    def _missing(self, request: Hashable, num_tokens: int) -> int:
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"request {request!r}: num_tokens must be an int >= 0, got {num_tokens!r}")
         if num_tokens > self.max_model_len:
             raise ValueError(f"request {request!r} needs {num_tokens} tokens, more than max_model_len={self.max_model_len}")
-        table = self.tables.setdefault(request, [])
-        missing = math.ceil(num_tokens / self.block_size) - len(table)
-        if missing > 0:
-            table += self.allocator.allocate(missing)
+        return max(0, math.ceil(num_tokens / self.block_size) - len(self.tables.get(request, ())))
+
+    def _reserve_all(self, needs: Sequence[tuple[Hashable, int]]) -> None:
+        """Reserve every ``(request, num_tokens)`` or, raising, none (checked before allocating)."""
+        missing = [self._missing(r, n) for r, n in needs]
+        if sum(missing) > self.allocator.num_free:
+            per = ", ".join(f"{r!r}: {m}" for (r, _), m in zip(needs, missing) if m)
+            raise RuntimeError(
+                f"out of KV blocks: {sum(missing)} needed ({per}), {self.allocator.num_free} of "
+                f"{self.allocator.num_blocks} free; nothing was reserved"
+            )
+        for (request, _), m in zip(needs, missing):
+            self.tables.setdefault(request, []).extend(self.allocator.allocate(m))
 
     def free(self, request: Hashable) -> None:
         """Return ``request``'s blocks; KeyError naming the live requests when it has none."""
         if request not in self.tables:
             raise KeyError(f"request {request!r} holds no KV blocks; live requests: {list(self.tables)}")
         self.allocator.free(self.tables.pop(request))
+
+    def truncate(self, request: Hashable, num_tokens: int) -> None:
+        """Keep ``request``'s first ``num_tokens`` tokens: free the blocks past them (rollback).
+
+        The slots past ``num_tokens`` in the last kept block keep stale K/V; they are never read
+        before being written again, because a step writes every token's K/V before attending and a
+        token attends only to positions up to its own. ``num_tokens=0`` keeps an empty table.
+        """
+        if request not in self.tables:
+            raise KeyError(f"request {request!r} holds no KV blocks; live requests: {list(self.tables)}")
+        table = self.tables[request]
+        held = len(table) * self.block_size
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= held:
+            raise ValueError(
+                f"truncate: request {request!r} holds blocks for {held} tokens; num_tokens must be an int in "
+                f"0..{held}, got {num_tokens!r}"
+            )
+        keep = math.ceil(num_tokens / self.block_size)
+        self.allocator.free(table[keep:])
+        del table[keep:]
 
     def slot(self, request: Hashable, position: int) -> int:
         """Flat cache slot (block * block_size + offset) of ``request``'s token at ``position``."""
@@ -144,19 +204,21 @@ class PagedKVCache:
     def step_inputs(self, chunks: Sequence[tuple[Hashable, int, int]]) -> dict[str, torch.Tensor]:
         """Metadata of one step from ``(request, first position, number of tokens)`` per scheduled request.
 
-        Tokens are laid out request after request, in ``chunks`` order; blocks are reserved as needed.
+        Tokens are laid out request after request, in ``chunks`` order; blocks are reserved as needed,
+        for every chunk or (when blocks run out, or a chunk is invalid) for none.
         """
         requests = [c[0] for c in chunks]
         if not requests or len(set(requests)) != len(requests):
             raise ValueError(f"a step needs one chunk per scheduled request, at least one; got requests {requests}")
+        for request, start, count in chunks:
+            if start < 0 or count < 1:
+                raise ValueError(f"request {request!r}: need start >= 0 and count >= 1, got start={start}, count={count}")
+        self._reserve_all([(request, start + count) for request, start, count in chunks])  # all or nothing
         positions: list[int] = []
         slots: list[int] = []
         request_index: list[int] = []
         rows: list[list[int]] = []
         for row, (request, start, count) in enumerate(chunks):
-            if start < 0 or count < 1:
-                raise ValueError(f"request {request!r}: need start >= 0 and count >= 1, got start={start}, count={count}")
-            self.reserve(request, start + count)
             positions += range(start, start + count)
             slots += (self.slot(request, p) for p in range(start, start + count))
             request_index += [row] * count
