@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.aot_compile_types import SerializableCallable
 
-from .backend import PiecewiseBackend, _direct_forward, structural_key
+from .backend import PiecewiseBackend, _direct_forward
 from .compile_cache import as_piece_callable, load_artifact, returns_bare_value
 from .config import CompilationConfig
 from .observability import counters
@@ -83,7 +83,7 @@ class _AOTBackend(PiecewiseBackend):
         forward = super().__call__(gm, example_inputs, **kwargs)
         split = self.splits[-1]
         inductor = self.config.compile_pieces == "inductor"
-        pieces = {p.index: self._artifacts[structural_key(p.module)] for p in split.pieces if inductor and not p.is_splitting}
+        pieces = {p.index: self.piece_artifacts[id(p.module)] for p in split.pieces if inductor and not p.is_splitting}
         return PiecewiseArtifact(forward, split, self.config, pieces)
 
 

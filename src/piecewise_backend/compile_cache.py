@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .keys import Uncacheable
+from .keys import piece_key as piece_description
 from .observability import counters, logger
 
 MAGIC = b"PBPIECE1"
@@ -67,40 +69,16 @@ def _environment(device_type: str) -> str:
     return "\n".join(parts)
 
 
-def _describe_input(value: Any, shape_env: Any) -> str:
-    if isinstance(value, torch.SymInt):
-        return f"SymInt({value.node.expr})"
-    if not isinstance(value, torch.Tensor):
-        return f"{type(value).__name__}({value!r})"
-    # A size compiled for s >= 2 (mark_dynamic) may not be valid for s = 1: the ranges are code too.
-    symbols = {s for d in value.shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
-    ranges = sorted(f"{s}:{shape_env.var_to_range.get(s)}" for s in symbols) if shape_env is not None else []
-    return f"T{tuple(map(str, value.shape))}{tuple(map(str, value.stride()))}{value.dtype}{value.device} " \
-           f"grad={value.requires_grad} {ranges}"
-
-
 def piece_key(gm: fx.GraphModule) -> str:
-    """A hex digest equal only for pieces that compile to the same code in the same environment."""
-    from .backend import structural_key
+    """A hex digest equal only for pieces that compile to the same code in the same environment.
 
+    Raises :class:`~piecewise_backend.keys.Uncacheable` for a piece whose code cannot be named
+    across processes (a closure over an object, a custom pass without ``uuid()``, an op whose
+    Python kernel is inlined, ...): such a piece is compiled, never cached.
+    """
     inputs = example_inputs(gm)
     devices = {v.device.type for v in inputs if isinstance(v, torch.Tensor)}
-    fake_mode = next((getattr(v, "fake_mode", None) for v in inputs if isinstance(v, torch.Tensor)), None)
-    shape_env = getattr(fake_mode, "shape_env", None)
-    h = hashlib.sha256()
-    h.update(structural_key(gm).encode())
-    for v in inputs:
-        h.update(_describe_input(v, shape_env).encode())
-    for node in gm.graph.nodes:  # constants the graph reads by name: their values are part of the code
-        if node.op == "get_attr":
-            value = getattr(gm, node.target, None)
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
-                h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            else:
-                h.update(repr(value).encode())
-    h.update(f"grad={torch.is_grad_enabled()}".encode())
-    # read on every key, not cached: a user may change Inductor's config between compiles
-    h.update(repr(sorted(torch._inductor.config.save_config_portable().items())).encode())
+    h = hashlib.sha256(piece_description(gm, stable=True)[0].encode())
     for device in sorted(devices) or ["cpu"]:
         h.update(_environment(device).encode())
     return h.hexdigest()
@@ -201,7 +179,12 @@ def compile_cached(gm: fx.GraphModule, cache: PieceCache | None) -> tuple[Callab
     """(piece callable, artifact, loaded?) for ``gm``: from ``cache`` when it holds it, else compiled
     (and saved to ``cache``)."""
     bare = returns_bare_value(gm)
-    key = piece_key(gm) if cache is not None else None
+    key = None
+    if cache is not None:
+        try:
+            key = piece_key(gm)
+        except Uncacheable as e:
+            logger.warning("compile cache: piece not cached: %s", e)
     if cache is not None and key is not None:
         artifact = cache.load(key)
         if artifact is not None:
@@ -212,4 +195,3 @@ def compile_cached(gm: fx.GraphModule, cache: PieceCache | None) -> tuple[Callab
     if cache is not None and key is not None:
         cache.save(key, artifact)
     return artifact, artifact, False
-
