@@ -1,16 +1,19 @@
 """Compiled pieces saved to ``CompilationConfig.cache_dir`` and loaded by later processes.
 
-One file per distinct piece, named by a key over everything that changes its code: the
-piece's graph (:func:`~piecewise_backend.backend.structural_key`), its example inputs'
-metadata and the ranges of their symbolic sizes, tensor constants, grad mode, torch (version
-and source hash), Python, this package's version, Inductor's config and the device (CPU
-vector ISA, GPU capability). Pieces are compiled with ``torch._inductor.standalone_compile(...,
-aot=True)``, whose artifacts serialize to bytes.
+One file per distinct piece, named by a key over everything that changes its code
+(:func:`~piecewise_backend.keys.piece_key` with ``stable=True``: the graph with the bodies of
+higher-order ops, called functions by their code and closures, constants by value, input
+metadata and symbolic ranges, grad mode, autocast, default dtype, Inductor's and AOTAutograd's
+configs and custom passes by ``uuid()``) and the environment: torch (version and source hash),
+Python, this package's version and the device (CPU vector ISA, GPU capability). A piece the key
+cannot name across processes is compiled and not cached (a WARNING says why). Pieces are compiled
+with ``torch._inductor.standalone_compile(..., aot=True)``, whose artifacts serialize to bytes.
 
 A file is ``MAGIC | sha256(payload) | key | payload``, written to a temp file and renamed,
 so concurrent writers never expose a half-written entry. Anything wrong with an entry (missing,
 truncated, corrupt, another key, a deserialization error) or with the directory (read-only)
-logs a WARNING and the piece compiles: the cache can cost a compile, never a result.
+logs a WARNING and the piece compiles: the cache can cost a compile, never a result. Entries are
+pickles: a directory or entry another user can write is refused (:mod:`.trust`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.fx as fx
 from .keys import Uncacheable
 from .keys import piece_key as piece_description
 from .observability import counters, logger
+from .trust import UntrustedPathError, check_trusted, check_trusted_file
 
 MAGIC = b"PBPIECE1"
 _DIGEST = 32
@@ -122,10 +126,15 @@ def check_frame(data: bytes, key: str) -> str | None:
 
 
 class PieceCache:
-    """The files of one ``cache_dir``: ``load(key)`` -> artifact or None, ``save(key, artifact)``."""
+    """The files of one ``cache_dir``: ``load(key)`` -> artifact or None, ``save(key, artifact)``.
+
+    ``~`` is expanded. A directory another user can write is refused with ``PermissionError``
+    (entries are pickles: :mod:`.trust`) with :class:`~.trust.UntrustedPathError`, unless ``PB_TRUST_CACHE_DIR=1``.
+    """
 
     def __init__(self, cache_dir: str | os.PathLike[str]):
-        self.root = Path(cache_dir) / "pieces"
+        self.root = Path(os.path.expanduser(os.fspath(cache_dir))) / "pieces"
+        check_trusted(self.root, "cache_dir")
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}.piece"
@@ -133,9 +142,13 @@ class PieceCache:
     def load(self, key: str) -> Any | None:
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                check_trusted_file(f.fileno(), path, "compile cache entry")
+                data = f.read()
         except FileNotFoundError:
             return None
+        except UntrustedPathError:
+            raise
         except OSError as e:
             logger.warning("compile cache: cannot read %s (%s); compiling the piece", path, e)
             return None
@@ -158,7 +171,8 @@ class PieceCache:
         data = MAGIC + hashlib.sha256(payload).digest() + key.encode("ascii") + payload
         tmp = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: entries are pickles
+            self.root.mkdir(mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key[:16]}.", suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

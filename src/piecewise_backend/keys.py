@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import re
 import sys
 import types
 from typing import Any
@@ -38,6 +39,7 @@ _PASS_HOOKS = (
     "pre_grad_custom_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass", "joint_custom_pre_pass",
     "joint_custom_post_pass", "_pre_fusion_custom_pass", "_post_fusion_custom_pass", "_fuse_ddp_communication_passes",
 )
+_FUNCTORCH_IGNORED = re.compile(r"cache|force_non_lazy_backward_lowering|graph_format|^debug|joint_custom_pass")
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 _NAMED = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -232,19 +234,22 @@ def _global_names(code: types.CodeType) -> set[str]:
 
 
 def _hooks(d: _Describer) -> list[str]:
+    from torch._functorch import config as functorch_config
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
     parts = []
-    for name in _PASS_HOOKS:
-        for p in get_custom_graph_passes(getattr(config, name, None)):
+    hooks = [(f"torch._inductor.config.{n}", getattr(config, n, None)) for n in _PASS_HOOKS]
+    hooks.append(("torch._functorch.config.joint_custom_pass", getattr(functorch_config, "joint_custom_pass", None)))
+    for name, value in hooks:
+        for p in get_custom_graph_passes(value):
             if isinstance(p, str):
                 parts.append(f"{name}={p}")
                 continue
             uuid = getattr(p, "uuid", None)
             key = uuid() if callable(uuid) else None
             if d.stable and key is None:
-                raise Uncacheable(f"torch._inductor.config.{name} holds {getattr(p, '__qualname__', type(p).__qualname__)}, "
+                raise Uncacheable(f"{name} holds {getattr(p, '__qualname__', type(p).__qualname__)}, "
                                   "a pass without a uuid(); make it a CustomGraphPass whose uuid() names its code")
             parts.append(f"{name}=uuid:{key!r}" if d.stable else f"{name}={d.identity(p, name)}")
     return parts
@@ -265,7 +270,9 @@ def global_state(d: _Describer) -> list[str]:
     for device in ("cpu", "cuda"):
         parts.append(f"autocast[{device}]={torch.is_autocast_enabled(device)},{torch.get_autocast_dtype(device)}")
     parts.append(d.value(sorted(config.save_config_portable().items())))
-    parts.append(d.value(sorted(functorch_config.save_config_portable().items())))
+    # AOTAutograd's settings, less its cache switches (aot_compile flips them; they change no code)
+    functorch = functorch_config.save_config_portable()
+    parts.append(d.value(sorted((k, v) for k, v in functorch.items() if not _FUNCTORCH_IGNORED.search(k))))
     parts.extend(_hooks(d))
     return parts
 
