@@ -332,8 +332,6 @@ PAIRS = {  # two functions whose graphs have the same structure and names but di
     "wrap body": (_wrap_body(torch.sin), _wrap_body(torch.cos)),
     "checkpoint body": (_checkpointed(torch.sin), _checkpointed(torch.cos)),
     "closure": (lambda x: _SCALE_2(x.sin()) + 1, lambda x: _SCALE_3(x.sin()) + 1),
-    "tensor constant": (lambda x: x.sin() + torch.tensor([1.0, 2.0, 3.0, 4.0]),
-                        lambda x: x.sin() + torch.tensor([5.0, 6.0, 7.0, 8.0])),
 }
 
 
