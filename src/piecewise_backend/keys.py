@@ -178,12 +178,11 @@ class _Describer:
     # ------------------------------------------------------------------ graphs
 
     def example(self, v: Any) -> str:
+        if isinstance(v, torch.SymInt):  # a size input: its range is code (a kernel for s >= 2 may not serve 1)
+            return f"{self.value(v)} {_ranges([v], v.node.shape_env)}"
         if isinstance(v, torch.Tensor):
             shape_env = getattr(getattr(v, "fake_mode", None), "shape_env", None)
-            symbols = {s for d in (*v.shape, *v.stride()) if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
-            # a size compiled for s >= 2 (mark_dynamic) may not be valid for s = 1: the ranges are code too
-            ranges = sorted(f"{s}:{shape_env.var_to_range.get(s)}" for s in symbols) if shape_env is not None else []
-            return f"{self.tensor(v)} grad={v.requires_grad} {ranges}"
+            return f"{self.tensor(v)} grad={v.requires_grad} {_ranges((*v.shape, *v.stride()), shape_env)}"
         return self.value(v)
 
     def graph(self, gm: fx.GraphModule) -> str:
@@ -208,6 +207,13 @@ class _Describer:
             lines.append(f"{node.op} {target} {self.value((node.args, node.kwargs))} {extra}")
         self.names = outer
         return "\n".join(lines)
+
+
+def _ranges(sizes: Any, shape_env: Any) -> list[str]:
+    if shape_env is None:
+        return []
+    symbols = {s for d in sizes if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
+    return sorted(f"{s}:{shape_env.var_to_range.get(s)}" for s in symbols)
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:
@@ -269,7 +275,9 @@ def global_state(d: _Describer) -> list[str]:
     ]
     for device in ("cpu", "cuda"):
         parts.append(f"autocast[{device}]={torch.is_autocast_enabled(device)},{torch.get_autocast_dtype(device)}")
-    parts.append(d.value(sorted(config.save_config_portable().items())))
+    # Inductor's config less what its own FX graph cache ignores (thread counts, trace options: no code)
+    ignored = tuple(getattr(config, "_cache_config_ignore_prefix", ()))
+    parts.append(d.value(sorted((k, v) for k, v in config.save_config_portable().items() if not k.startswith(ignored))))
     # AOTAutograd's settings, less its cache switches (aot_compile flips them; they change no code)
     functorch = functorch_config.save_config_portable()
     parts.append(d.value(sorted((k, v) for k, v in functorch.items() if not _FUNCTORCH_IGNORED.search(k))))

@@ -43,7 +43,7 @@ def check_trusted(path: str | os.PathLike[str], what: str, *, trust: bool = Fals
 
     Checks every existing component of the resolved path, ``path`` itself included when it exists.
     """
-    if trust or trust_from_env():
+    if trust or trust_from_env() or not hasattr(os, "geteuid"):  # no POSIX owners: nothing to check
         return
     resolved = Path(os.path.realpath(path))
     for component in (resolved, *resolved.parents):
@@ -62,7 +62,7 @@ def check_trusted(path: str | os.PathLike[str], what: str, *, trust: bool = Fals
 
 def check_trusted_file(fd: int, path: str | os.PathLike[str], what: str, *, trust: bool = False) -> None:
     """:func:`check_trusted` for an open file (its owner and mode as opened, not as named later)."""
-    if trust or trust_from_env():
+    if trust or trust_from_env() or not hasattr(os, "geteuid"):
         return
     problem = _problem(os.fstat(fd))
     if problem is not None:
