@@ -25,8 +25,6 @@ from .split import Piece, SplitGraph, split_graph
 from .wrappers import CUDAGraphWrapper
 
 _graph_ids = iter(range(1 << 62))
-_missing_logged: set[Any] = set()
-_missing_lock = threading.Lock()
 
 
 def _direct_forward(gm: fx.GraphModule) -> Callable[..., Any]:
@@ -71,6 +69,10 @@ class PiecewiseBackend:
         self._cache = PieceCache(self.config.cache_dir) if self.config.cache_dir is not None else None
         self._serializable = False  # True: every piece compiles to a savable artifact (the AOT path)
         self._artifacts: dict[str, Any] = {}  # in-process key -> savable artifact, when there is one
+        # warnings already given, per backend (a set keyed by id(backend) outlived it: a new backend
+        # at the same address stayed silent)
+        self._logged: set[str] = set()
+        self._logged_lock = threading.Lock()
         self.piece_artifacts: dict[int, Any] = {}  # id(piece.module) -> its artifact (what aot_compile saves)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
@@ -131,9 +133,9 @@ class PiecewiseBackend:
     def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
         if ops and not split.found_ops and effective_mode(self.config).has_piecewise_cudagraphs():
             # PIECEWISE graphs of this graph would hold attention: wrong for mixed batches, and silent otherwise.
-            with _missing_lock:
-                first = (id(self), "no splitting op") not in _missing_logged
-                _missing_logged.add((id(self), "no splitting op"))
+            with self._logged_lock:
+                first = "no splitting op" not in self._logged
+                self._logged.add("no splitting op")
             if first:
                 names = [op if isinstance(op, str) else getattr(op, "__name__", None) or repr(op) for op in ops]
                 logger.warning(
@@ -145,10 +147,10 @@ class PiecewiseBackend:
         for op in ops:
             if any(op is f or op == f for f in split.found_ops):
                 continue
-            with _missing_lock:
-                if (id(self), repr(op)) in _missing_logged:
+            with self._logged_lock:
+                if repr(op) in self._logged:
                     continue
-                _missing_logged.add((id(self), repr(op)))
+                self._logged.add(repr(op))
             log = logger.warning if configured else logger.debug
             log("splitting op %r did not appear in graph %d; nothing was split there", op, graph_index)
 
