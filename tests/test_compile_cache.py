@@ -259,6 +259,36 @@ def test_python_kernel_inlined_into_the_piece_is_not_cached():
         compile_cache.piece_key(gm)
 
 
+def _decomposed_op(name: str, factor):
+    """A custom op whose body AOTAutograd inlines (as torch.library.triton_op does): a rule for
+    FunctionalTensorMode, a closure over ``factor``."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    @torch.library.custom_op(f"pb_keytest::{name}", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op.register_fake(lambda x: torch.empty_like(x))
+
+    def inline(mode, func, types, args, kwargs):
+        with mode:
+            return args[0] * factor
+
+    op.register_torch_dispatch(FunctionalTensorMode, inline)
+    return op
+
+
+def test_inlined_rules_of_custom_ops_are_keyed_by_their_code():
+    two, opaque = _decomposed_op("by2", 2.0), _decomposed_op("byg", _Gain(2.0))
+    key = compile_cache.piece_key
+    graph = dynamo_graph(lambda x: two(x) + 1, X)
+    before = key(graph)
+    _decomposed_op("by2", 5.0)  # the op redefined with another body: the same graph is other code now
+    assert key(graph) != before
+    with pytest.raises(Uncacheable, match="_Gain"):
+        key(dynamo_graph(lambda x: opaque(x) + 1, X))
+
+
 def test_pass_without_uuid_is_compiled_not_cached(tmp_path, caplog):
     with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
         with pytest.raises(Uncacheable, match="post_grad_custom_post_pass.*uuid"):
