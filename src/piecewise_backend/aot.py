@@ -241,8 +241,9 @@ def _read_state(path: str | os.PathLike[str], trust: bool) -> dict[str, Any]:
         data = f.read()
     head = len(MAGIC) + _DIGEST
     if not data.startswith(MAGIC) or len(data) < head:
-        raise AOTFileError(f"{path} is not a file saved by piecewise_backend.aot_compile (format {FORMAT}): bad header "
-                           "or truncated (a file of an older version of this package has another header); compile again")
+        raise AOTFileError(f"{path} is not a file saved by piecewise_backend.aot_compile (format {FORMAT}): bad "
+                           "header or truncated (a file of an older version of this package has another header); "
+                           "compile again")
     if hashlib.sha256(data[head:]).digest() != data[len(MAGIC) : head]:
         raise AOTFileError(f"{path} is corrupt or truncated (its sha256 does not match its contents); compile again")
     try:

@@ -159,9 +159,15 @@ class _Describer:
 
     def _kernels(self, op: torch._ops.OpOverload) -> str:
         """An op whose CompositeImplicitAutograd kernel is inlined into the piece: its body is code too."""
+        from torch._library.custom_ops import OPDEFS
+
         py = op.py_kernels.get(torch._C.DispatchKey.CompositeImplicitAutograd)
         described = f"[py:{self.callable(py)}]" if py is not None else ""
-        if not self.stable or not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        opdef = OPDEFS.get(op.name())  # torch.library.custom_op / triton_op: rules AOTAutograd inlines
+        for mode, fn in getattr(opdef, "_torch_dispatch_fns", {}).items():
+            described += f"[{mode.__module__}.{mode.__qualname__}:{self.callable(fn)}]"
+        has_cia = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+        if not self.stable or not has_cia:
             return described
         dump = torch._C._dispatch_dump(op.name())
         line = next((ln for ln in dump.splitlines() if ln.startswith("CompositeImplicitAutograd")), "")

@@ -39,7 +39,8 @@ def _problem(st: os.stat_result) -> str | None:
 
 
 def check_trusted(path: str | os.PathLike[str], what: str, *, trust: bool = False) -> None:
-    """Raise :class:`UntrustedPathError` (a ``PermissionError``) unless only this user (or root) can have written ``path``.
+    """Raise :class:`UntrustedPathError` (a ``PermissionError``) unless only this user or root can have
+    written ``path``.
 
     Checks every existing component of the resolved path, ``path`` itself included when it exists.
     """
