@@ -134,6 +134,7 @@ class PieceCache:
 
     def __init__(self, cache_dir: str | os.PathLike[str]):
         self.root = Path(os.path.expanduser(os.fspath(cache_dir))) / "pieces"
+        check_trusted(self.root.parent, "cache_dir")  # the error names the directory the user gave
         check_trusted(self.root, "cache_dir")
 
     def path(self, key: str) -> Path:
