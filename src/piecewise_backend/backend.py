@@ -17,7 +17,7 @@ import torch.fx as fx
 from .capture import BreakPoint
 from .compile_cache import PieceCache, compile_cached
 from .config import CompilationConfig, effective_mode
-from .keys import piece_key
+from .keys import CompileState, piece_key
 from .modes import CUDAGraphMode
 from .observability import counters, dump_split, logger
 from .ops import registered_splitting_ops
@@ -71,6 +71,7 @@ class PiecewiseBackend:
         self._artifacts: dict[str, Any] = {}  # in-process key -> savable artifact, when there is one
         # warnings already given, per backend (a set keyed by id(backend) outlived it: a new backend
         # at the same address stayed silent)
+        self._state = CompileState()  # grad mode, autocast, configs...: described once per graph
         self._logged: set[str] = set()
         self._logged_lock = threading.Lock()
         self.piece_artifacts: dict[int, Any] = {}  # id(piece.module) -> its artifact (what aot_compile saves)
@@ -78,6 +79,7 @@ class PiecewiseBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         # torch passes mode=/options= only when the user set them; they have no meaning here.
         graph_index = next(_graph_ids)
+        self._state = CompileState()
         counters["graphs"] += 1
         configured = self.config.splitting_ops is not None
         ops = self.config.splitting_ops if configured else registered_splitting_ops()
@@ -110,7 +112,7 @@ class PiecewiseBackend:
         """Compiled code for ``piece``: once per distinct piece in this backend (same graph, same
         called objects, same compile-time state: :mod:`.keys`), then from ``cache_dir`` when set
         (loaded by a later process), else Inductor."""
-        key, refs = piece_key(piece.module, stable=False)
+        key, refs = piece_key(piece.module, stable=False, state=self._state)
         hit = self._compiled.get(key)
         if hit is not None:
             counters["compile_cache_hits"] += 1
@@ -122,7 +124,7 @@ class PiecewiseBackend:
             fn = _compile_inductor(piece.module)
             counters["compiles"] += 1
         else:
-            fn, artifact, loaded = compile_cached(piece.module, self._cache)
+            fn, artifact, loaded = compile_cached(piece.module, self._cache, self._state)
             self._artifacts[key] = self.piece_artifacts[id(piece.module)] = artifact
             if not loaded:
                 logger.debug("compiled %s with Inductor (serializable)", piece.name)

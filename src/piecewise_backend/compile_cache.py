@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .keys import Uncacheable
+from .keys import CompileState, Uncacheable
 from .keys import piece_key as piece_description
 from .observability import counters, logger
 from .trust import UntrustedPathError, check_trusted, check_trusted_file
@@ -73,7 +73,7 @@ def _environment(device_type: str) -> str:
     return "\n".join(parts)
 
 
-def piece_key(gm: fx.GraphModule) -> str:
+def piece_key(gm: fx.GraphModule, state: CompileState | None = None) -> str:
     """A hex digest equal only for pieces that compile to the same code in the same environment.
 
     Raises :class:`~piecewise_backend.keys.Uncacheable` for a piece whose code cannot be named
@@ -82,7 +82,7 @@ def piece_key(gm: fx.GraphModule) -> str:
     """
     inputs = example_inputs(gm)
     devices = {v.device.type for v in inputs if isinstance(v, torch.Tensor)}
-    h = hashlib.sha256(piece_description(gm, stable=True)[0].encode())
+    h = hashlib.sha256(piece_description(gm, stable=True, state=state)[0].encode())
     for device in sorted(devices) or ["cpu"]:
         h.update(_environment(device).encode())
     return h.hexdigest()
@@ -190,14 +190,15 @@ class PieceCache:
         return True
 
 
-def compile_cached(gm: fx.GraphModule, cache: PieceCache | None) -> tuple[Callable[..., Any], Any, bool]:
+def compile_cached(gm: fx.GraphModule, cache: PieceCache | None,
+                   state: CompileState | None = None) -> tuple[Callable[..., Any], Any, bool]:
     """(piece callable, artifact, loaded?) for ``gm``: from ``cache`` when it holds it, else compiled
-    (and saved to ``cache``)."""
+    (and saved to ``cache``). ``state``: see :func:`~piecewise_backend.keys.piece_key`."""
     bare = returns_bare_value(gm)
     key = None
     if cache is not None:
         try:
-            key = piece_key(gm)
+            key = piece_key(gm, state)
         except Uncacheable as e:
             logger.warning("compile cache: piece not cached: %s", e)
     if cache is not None and key is not None:

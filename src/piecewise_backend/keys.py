@@ -291,15 +291,37 @@ def global_state(d: _Describer) -> list[str]:
     return parts
 
 
-def piece_key(gm: fx.GraphModule, *, stable: bool) -> tuple[str, list[Any]]:
+class CompileState:
+    """The compile-time state part of the keys, described once per Dynamo graph: it cannot change
+    while a backend compiles one graph's pieces, and describing it costs milliseconds."""
+
+    def __init__(self) -> None:
+        self._parts: dict[bool, tuple[str, list[Any]] | Uncacheable] = {}
+
+    def get(self, stable: bool) -> tuple[str, list[Any]]:
+        if stable not in self._parts:
+            d = _Describer(stable)
+            try:
+                self._parts[stable] = ("\n".join(global_state(d)), d.refs)
+            except Uncacheable as e:
+                self._parts[stable] = e
+        part = self._parts[stable]
+        if isinstance(part, Uncacheable):
+            raise Uncacheable(str(part))
+        return part
+
+
+def piece_key(gm: fx.GraphModule, *, stable: bool, state: CompileState | None = None) -> tuple[str, list[Any]]:
     """(description, objects to keep alive) of everything that changes ``gm``'s compiled code.
 
     ``stable=False``: in-process identity is allowed. ``stable=True``: raises :class:`Uncacheable`
     for what cannot be named across processes. The environment (versions, device) is the cache's part.
+    ``state``: the compile-time state described already for this graph (else described now).
     """
     d = _Describer(stable)
-    text = d.graph(gm) + "\n" + "\n".join(global_state(d))
-    return text, d.refs
+    graph = d.graph(gm)
+    state_text, state_refs = (state or CompileState()).get(stable)
+    return graph + "\n" + state_text, d.refs + state_refs
 
 
 def stable_digest(gm: fx.GraphModule) -> str:
