@@ -69,9 +69,9 @@ class PiecewiseBackend:
         self._cache = PieceCache(self.config.cache_dir) if self.config.cache_dir is not None else None
         self._serializable = False  # True: every piece compiles to a savable artifact (the AOT path)
         self._artifacts: dict[str, Any] = {}  # in-process key -> savable artifact, when there is one
+        self._state = CompileState()  # grad mode, autocast, configs...: described once per graph
         # warnings already given, per backend (a set keyed by id(backend) outlived it: a new backend
         # at the same address stayed silent)
-        self._state = CompileState()  # grad mode, autocast, configs...: described once per graph
         self._logged: set[str] = set()
         self._logged_lock = threading.Lock()
         self.piece_artifacts: dict[int, Any] = {}  # id(piece.module) -> its artifact (what aot_compile saves)
