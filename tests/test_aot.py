@@ -141,8 +141,13 @@ def test_file_others_can_write_is_refused(saved, tmp_path, monkeypatch):
         os.chmod(tmp_path, 0o700)
 
 
-def test_saved_file_is_private(saved):
+def test_saved_file_is_private_and_home_is_expanded(saved, tmp_path, monkeypatch):
     assert saved.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loaded = pb.load_compiled(saved, tiny_llama(2))
+    loaded.save("~/again.pb")
+    assert (tmp_path / "again.pb").stat().st_mode & 0o777 == 0o600
+    pb.load_compiled("~/again.pb", tiny_llama(2))
 
 
 def test_tensor_made_outside_inference_mode_is_a_clear_error(saved):

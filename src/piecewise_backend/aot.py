@@ -196,13 +196,14 @@ class CompiledModel:
         return None
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write to ``path`` atomically (temp file, then rename), private to this user (mode 0600)."""
+        """Write to ``path`` (``~`` expanded) atomically (temp file, then rename), private to this user (0600)."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         payload = pickle.dumps({"env": _environment(), "grad_enabled": self.grad_enabled,
                                 "inference_mode": self.inference_mode, "inference_args": self.inference_args,
                                 "function": AOTCompiledFunction.serialize(self.fn).serialized_data})
         data = MAGIC + hashlib.sha256(payload).digest() + payload
+        path = os.path.expanduser(os.fspath(path))
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pb_aot.", suffix=".tmp")
         try:
@@ -263,6 +264,7 @@ def load_compiled(path: str | os.PathLike[str], model: torch.nn.Module, *, trust
     user (else :class:`~piecewise_backend.trust.UntrustedPathError`), unless ``trust=True`` or
     ``PB_TRUST_CACHE_DIR=1``. Any other problem with the file raises :class:`AOTFileError`.
     """
+    path = os.path.expanduser(os.fspath(path))
     state = _read_state(path, trust)
     try:
         # Guards record dispatch keys relative to the thread-local modes they are built under:
