@@ -270,3 +270,11 @@ def tiny_llama(num_layers: int = 3) -> torch.nn.Module:
 def piece_fn(x: torch.Tensor) -> torch.Tensor:
     """One compiled piece (compile with splitting_ops=[]): the cheapest Inductor compile."""
     return (x * 2 + 1).relu()
+
+
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """The (last) FX graph Dynamo hands a backend for ``fn(*args)``, without compiling it."""
+    graphs: list[torch.fx.GraphModule] = []
+    torch._dynamo.reset()
+    torch.compile(fn, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward, fullgraph=True)(*args)
+    return graphs[-1]

@@ -6,12 +6,17 @@ in test_compile_cache.py (``test_fresh_process_loads_aot_file_without_dynamo``).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pickle
+import re
 
 import pytest
 import torch
 
 import piecewise_backend as pb
+from piecewise_backend import aot
+from piecewise_backend.trust import TRUST_ENV, UntrustedPathError
 from tests.helpers import SIM, TINY_LLAMA, make_model, tiny_llama
 
 EAGER = pb.CompilationConfig(compile_pieces="eager")
@@ -68,14 +73,90 @@ def test_other_torch_version_refuses_to_load(saved, monkeypatch):
         pb.load_compiled(saved, tiny_llama(2))
 
 
-def test_not_an_aot_file_is_a_clear_error(tmp_path):
+def _flip_nine_bytes(data: bytes) -> bytes:  # the "eps constant" edit: runs, wrong, silently
+    mid = len(data) // 2
+    return data[:mid] + bytes(b ^ 0x01 for b in data[mid : mid + 9]) + data[mid + 9 :]
+
+
+def _truncate(data: bytes) -> bytes:
+    return data[: len(data) * 2 // 3]
+
+
+def _wrong_magic(data: bytes) -> bytes:
+    return b"XXXXXXXX" + data[8:]
+
+
+def _format_1(data: bytes) -> bytes:  # what this package wrote before files were framed
+    return pickle.dumps({"something": "else"})
+
+
+def _garbage(data: bytes) -> bytes:
+    return b"garbage"
+
+
+def _framed(payload: bytes) -> bytes:
+    return aot.MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _bad_pickle(data: bytes) -> bytes:  # a right checksum over a payload that is not a pickle
+    return _framed(b"\x80\x04garbage")
+
+
+def _bad_function(data: bytes) -> bytes:  # a right frame and environment, torch cannot load the function
+    return _framed(pickle.dumps({"env": aot._environment(), "grad_enabled": False, "inference_mode": True,
+                                 "function": b"\x00not a compiled function"}))
+
+
+DAMAGE = {
+    _flip_nine_bytes: "corrupt or truncated", _truncate: "corrupt or truncated", _wrong_magic: "not a file saved by",
+    _format_1: "not a file saved by", _garbage: "not a file saved by", _bad_pickle: "could not be read",
+    _bad_function: "could not be loaded",
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__.strip("_"))
+def test_every_damaged_file_is_a_clear_error_naming_it(saved, tmp_path, damage):
     bad = tmp_path / "bad.pb"
-    bad.write_bytes(b"garbage")
-    with pytest.raises(RuntimeError, match="not a file saved by"):
+    bad.write_bytes(damage(saved.read_bytes()))
+    with pytest.raises(aot.AOTFileError, match=re.escape(str(bad)) + ".*" + DAMAGE[damage] + ".*compile again"):
         pb.load_compiled(bad, tiny_llama(2))
-    bad.write_bytes(pickle.dumps({"something": "else"}))
-    with pytest.raises(RuntimeError, match="compile again"):
-        pb.load_compiled(bad, tiny_llama(2))
+
+
+def test_file_others_can_write_is_refused(saved, tmp_path, monkeypatch):
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    shared = tmp_path / "model.pb"
+    shared.write_bytes(saved.read_bytes())
+    os.chmod(shared, 0o664)
+    with pytest.raises(UntrustedPathError, match=f"AOT file.*{shared}.*writable by its group"):
+        pb.load_compiled(shared, tiny_llama(2))
+    os.chmod(shared, 0o600)
+    os.chmod(tmp_path, 0o777)  # a directory anyone can write: the file could be swapped
+    try:
+        with pytest.raises(UntrustedPathError, match=f"through {tmp_path}"):
+            pb.load_compiled(shared, tiny_llama(2))
+        pb.load_compiled(shared, tiny_llama(2), trust=True)  # the explicit opt-in
+        monkeypatch.setenv(TRUST_ENV, "1")
+        pb.load_compiled(shared, tiny_llama(2))
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+def test_saved_file_is_private_and_home_is_expanded(saved, tmp_path, monkeypatch):
+    assert saved.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loaded = pb.load_compiled(saved, tiny_llama(2))
+    loaded.save("~/again.pb")
+    assert (tmp_path / "again.pb").stat().st_mode & 0o777 == 0o600
+    pb.load_compiled("~/again.pb", tiny_llama(2))
+
+
+def test_tensor_made_outside_inference_mode_is_a_clear_error(saved):
+    loaded = pb.load_compiled(saved, tiny_llama(2))
+    outside = ids(4)  # compiled with inference tensors; the guards tell the two apart
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="argument 0 is made outside torch.inference_mode"):
+        loaded(outside)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(ids(4)), tiny_llama(2)(ids(4)))
 
 
 def test_save_leaves_no_temp_file(saved):

@@ -286,3 +286,100 @@ def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing():
     split_gm = backend.splits[-1].split_gm
     runners = [split_gm.__dict__[p.name] for p in backend.splits[-1].pieces if not p.is_splitting]
     assert runners and not any(isinstance(r, pb.CUDAGraphWrapper) for r in runners)
+
+
+# ---------------------------------------------------------------- what decides that two pieces share a compile
+
+
+def _cond_sin(x):
+    return torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,)) + 1
+
+
+def _cond_times_100(x):
+    return torch.cond(x.sum() > 0, lambda t: t * 100, lambda t: t.cos(), (x,)) + 1
+
+
+def test_pieces_differing_inside_a_cond_body_do_not_share_a_compile():
+    # the issue's repro, through the process-wide default backend and real Inductor compiles
+    x = torch.ones(4)
+    torch.testing.assert_close(torch.compile(_cond_sin, backend="piecewise_breakable")(x), _cond_sin(x))
+    out = torch.compile(_cond_times_100, backend="piecewise_breakable")(x)
+    torch.testing.assert_close(out, _cond_times_100(x))  # 101, not the first model's 1.84
+
+
+def _scaler(k: float):
+    def scale(t):
+        return t * k
+
+    return torch.compiler.allow_in_graph(scale)  # two closures, one __qualname__
+
+
+_SCALE_2, _SCALE_3 = _scaler(2.0), _scaler(3.0)
+
+
+def _wrap_body(op):
+    from torch._higher_order_ops.wrap import wrap
+
+    return lambda x: wrap(op, x) + 1
+
+
+def _checkpointed(op):
+    return lambda x: torch.utils.checkpoint.checkpoint(op, x, use_reentrant=False) + 1
+
+
+PAIRS = {  # two functions whose graphs have the same structure and names but differ in code
+    "cond body": (_cond_sin, _cond_times_100),
+    "wrap body": (_wrap_body(torch.sin), _wrap_body(torch.cos)),
+    "checkpoint body": (_checkpointed(torch.sin), _checkpointed(torch.cos)),
+    "closure": (lambda x: _SCALE_2(x.sin()) + 1, lambda x: _SCALE_3(x.sin()) + 1),
+}
+
+
+@pytest.fixture
+def fake_inductor(monkeypatch):
+    """compile_pieces='inductor' with each piece's own Python as its "compiled" code: sharing a
+    compile between different pieces shows as the first piece's result, without Inductor's cost."""
+    import piecewise_backend.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_compile_inductor", lambda gm: backend_module._direct_forward(gm))
+
+
+@pytest.mark.parametrize("case", PAIRS, ids=list(PAIRS))
+def test_different_code_behind_the_same_structure_compiles_apart(fake_inductor, case):
+    first, second = PAIRS[case]
+    x = torch.randn(4, requires_grad=case == "checkpoint body")
+    backend = pb.make_backend(pb.CompilationConfig(compile_pieces="inductor", splitting_ops=[]))
+    with torch.enable_grad() if case == "checkpoint body" else torch.no_grad():
+        torch.testing.assert_close(torch.compile(first, backend=backend)(x), first(x))
+        with pb.expect(compiles=1, compile_cache_hits=0):
+            torch.testing.assert_close(torch.compile(second, backend=backend)(x), second(x))
+
+
+@pytest.mark.parametrize("state", ["grad", "autocast", "default dtype"])
+def test_compile_time_state_is_part_of_in_process_sharing(fake_inductor, state):
+    # Dynamo traces again when these change (its global-state guard); the backend must compile again too
+    def fn(x):
+        return x.sin() * 2
+
+    backend = pb.make_backend(pb.CompilationConfig(compile_pieces="inductor", splitting_ops=[]))
+    x = torch.randn(4)
+    with pb.expect(compiles=1):
+        torch.compile(fn, backend=backend)(x)
+    changed = {"grad": torch.enable_grad(), "autocast": torch.autocast("cpu", dtype=torch.bfloat16),
+               "default dtype": _default_dtype(torch.float64)}[state]
+    with changed, pb.expect(compiles=1, compile_cache_hits=0):
+        torch.compile(fn, backend=backend)(x)
+    with pb.expect(compiles=0, compile_cache_hits=1):  # back to the first state: the first compile serves
+        torch.compile(lambda x: x.sin() * 2, backend=backend)(x)
+
+
+class _default_dtype:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        self.saved = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self.saved)

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import piecewise_backend as pb
 from piecewise_backend import compile_cache
-from tests.helpers import TINY_LLAMA, piece_fn, tiny_llama
+from piecewise_backend.keys import Uncacheable
+from piecewise_backend.trust import TRUST_ENV, UntrustedPathError
+from tests.helpers import TINY_LLAMA, dynamo_graph, piece_fn, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
@@ -180,11 +183,184 @@ def test_concurrent_writers_never_expose_a_partial_entry(saved, tmp_path):
     assert cache.load(key) is not None
 
 
+# --- the key covers everything that changes a piece's code, or the piece is not cached ---
+
+
+class _Pass(CustomGraphPass):
+    def __init__(self, uuid: str):
+        self._uuid = uuid
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+def test_custom_passes_enter_the_key_by_uuid():
+    gm = dynamo_graph(piece_fn, X)
+    keys = {"none": compile_cache.piece_key(gm)}
+    for hook in ("post_grad_custom_post_pass", "post_grad_custom_pre_pass", "joint_custom_pre_pass"):
+        for uuid in ("a", "b"):
+            with torch._inductor.config.patch({hook: _Pass(uuid)}):
+                keys[hook, uuid] = compile_cache.piece_key(gm)
+                assert compile_cache.piece_key(gm) == keys[hook, uuid]  # another object, same uuid: same key
+    assert len(set(keys.values())) == len(keys)
+
+
+def test_compile_time_state_enters_the_key():
+    gm = dynamo_graph(piece_fn, X)
+    plain = compile_cache.piece_key(gm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = compile_cache.piece_key(gm)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        float64 = compile_cache.piece_key(gm)
+    finally:
+        torch.set_default_dtype(saved)
+    assert len({plain, autocast, float64}) == 3
+    assert compile_cache.piece_key(gm) == plain
+
+
+class _Gain:
+    def __init__(self, value: float):
+        self.value = value
+
+    def __rmul__(self, t: torch.Tensor) -> torch.Tensor:
+        return t * self.value
+
+
+def _scaler(k):
+    def scale(t):
+        return t * k
+
+    return torch.compiler.allow_in_graph(scale)
+
+
+def test_functions_called_by_the_graph_are_keyed_by_their_code_and_cells():
+    twice, thrice, twice_again = _scaler(2.0), _scaler(3.0), _scaler(2.0)
+    key = compile_cache.piece_key
+    assert key(dynamo_graph(lambda x: twice(x) + 1, X)) != key(dynamo_graph(lambda x: thrice(x) + 1, X))
+    assert key(dynamo_graph(lambda x: twice(x) + 1, X)) == key(dynamo_graph(lambda x: twice_again(x) + 1, X))
+    opaque = _scaler(_Gain(2.0))  # a cell holding an object the key cannot name across processes
+    with pytest.raises(Uncacheable, match="_Gain"):
+        key(dynamo_graph(lambda x: opaque(x) + 1, X))
+
+
+_lib = torch.library.Library("pb_keytest", "DEF")
+_lib.define("triple(Tensor x) -> Tensor")
+_lib.impl("triple", lambda x: x * 3, "CompositeImplicitAutograd")  # Python inlined into every piece calling it
+
+
+def test_python_kernel_inlined_into_the_piece_is_not_cached():
+    gm = dynamo_graph(lambda x: torch.ops.pb_keytest.triple(x) + 1, X)
+    with pytest.raises(Uncacheable, match="pb_keytest::triple.*CompositeImplicitAutograd.*Python"):
+        compile_cache.piece_key(gm)
+
+
+def _decomposed_op(name: str, factor):
+    """A custom op whose body AOTAutograd inlines (as torch.library.triton_op does): a rule for
+    FunctionalTensorMode, a closure over ``factor``."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    @torch.library.custom_op(f"pb_keytest::{name}", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op.register_fake(lambda x: torch.empty_like(x))
+
+    def inline(mode, func, types, args, kwargs):
+        with mode:
+            return args[0] * factor
+
+    op.register_torch_dispatch(FunctionalTensorMode, inline)
+    return op
+
+
+def test_inlined_rules_of_custom_ops_are_keyed_by_their_code():
+    two, opaque = _decomposed_op("by2", 2.0), _decomposed_op("byg", _Gain(2.0))
+    key = compile_cache.piece_key
+    graph = dynamo_graph(lambda x: two(x) + 1, X)
+    before = key(graph)
+    _decomposed_op("by2", 5.0)  # the op redefined with another body: the same graph is other code now
+    assert key(graph) != before
+    with pytest.raises(Uncacheable, match="_Gain"):
+        key(dynamo_graph(lambda x: opaque(x) + 1, X))
+
+
+def test_pass_without_uuid_is_compiled_not_cached(tmp_path, caplog):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
+        with pytest.raises(Uncacheable, match="post_grad_custom_post_pass.*uuid"):
+            compile_cache.piece_key(dynamo_graph(piece_fn, X))
+        with caplog.at_level(logging.WARNING, logger="piecewise_backend"):
+            with pb.expect(compiles=1, cache_saves=0, cache_loads=0):
+                assert torch.equal(compiled_piece_fn(tmp_path)(X), piece_fn(X))
+    assert "not cached" in caplog.text and "post_grad_custom_post_pass" in caplog.text
+    assert entries(tmp_path) == []
+
+
+# --- trust: entries are pickles, so only this user may be able to write them ---
+
+
+@pytest.fixture
+def untrusting(monkeypatch):
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+
+
+def test_cache_dir_others_can_write_is_refused(tmp_path, monkeypatch, untrusting):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for mode, who in ((0o777, "group and others"), (0o775, "its group"), (0o757, "others")):
+        os.chmod(shared, mode)
+        with pytest.raises(UntrustedPathError, match=f"{shared}.*writable by {who}.*{TRUST_ENV}=1"):
+            pb.make_backend(pb.CompilationConfig(cache_dir=shared))
+    os.chmod(shared, 0o777)  # anyone could rename ours away and put theirs in its place
+    with pytest.raises(UntrustedPathError, match=f"through {shared}"):
+        pb.make_backend(pb.CompilationConfig(cache_dir=shared / "mine"))
+    os.chmod(shared, 0o1777)  # sticky, like /tmp: others cannot touch what they do not own
+    pb.make_backend(pb.CompilationConfig(cache_dir=shared / "mine"))
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv(TRUST_ENV, "1")  # the explicit opt-in
+    pb.make_backend(pb.CompilationConfig(cache_dir=shared))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root")
+def test_cache_dir_of_another_user_is_refused(tmp_path, untrusting):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 12345, -1)
+    with pytest.raises(UntrustedPathError, match="owned by uid 12345"):
+        pb.make_backend(pb.CompilationConfig(cache_dir=theirs))
+
+
+def test_entry_others_can_write_is_refused(saved, tmp_path, untrusting):
+    cache_dir = _copy(saved, tmp_path)
+    (entry,) = entries(cache_dir)
+    os.chmod(entry, 0o666)
+    with pytest.raises(UntrustedPathError, match="compile cache entry.*writable by group and others"):
+        compile_cache.PieceCache(cache_dir).load(entry.stem)
+
+
+def test_home_is_expanded_and_new_directories_are_private(saved, tmp_path, monkeypatch, untrusting):
+    (entry,) = entries(saved)
+    artifact = compile_cache.PieceCache(saved).load(entry.stem)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert compile_cache.PieceCache("~/cache").save(entry.stem, artifact)
+    assert not (tmp_path / "~").exists()
+    created = tmp_path / "cache" / "pieces" / entry.name
+    assert created.exists()
+    modes = [created.parent.parent.stat().st_mode, created.parent.stat().st_mode, created.stat().st_mode]
+    assert [m & 0o777 for m in modes] == [0o700, 0o700, 0o600]
+
+
 # --- restart in a fresh process: cache_dir and the AOT file ---
 
 CHILD = r"""
 import json, sys, torch
 import piecewise_backend as pb
+import piecewise_backend.compile_cache
 from piecewise_backend.toy_llama import make_model
 torch.set_num_threads(1)
 cache_dir, aot_path, dims = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -200,9 +376,18 @@ with torch.inference_mode():
     aot = loaded(ids).tolist()
     aot_one = loaded(ids[:1]).tolist()
     aot_frames = torch._dynamo.utils.counters["frames"]["total"] - frames
+def cond_model(x):
+    return torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,)) + 1
+graphs = []
+torch.compile(cond_model, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)(torch.ones(4))
+cond_key = pb.compile_cache.piece_key(graphs[0])
 print(json.dumps(dict(cache=cached, cache_counters=cache_counters, aot=aot, aot_one=aot_one,
-                      aot_counters=dict(pb.counters), aot_frames=aot_frames)))
+                      aot_counters=dict(pb.counters), aot_frames=aot_frames, cond_key=cond_key)))
 """
+
+
+def cond_model(x):
+    return torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,)) + 1
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +428,8 @@ def test_fresh_process_loads_aot_file_without_dynamo(restart):
     assert c.get("cache_loads") == 4 and c.get("compiles", 0) == 0 and c.get("graphs", 0) == 0
     assert torch.equal(torch.tensor(restart["aot"]), restart["here"])
     torch.testing.assert_close(torch.tensor(restart["aot_one"]), restart["one"])
+
+
+def test_higher_order_op_pieces_have_the_same_key_in_a_fresh_process(restart):
+    # the cond op's repr carries a memory address: a key holding it would never match after a restart
+    assert compile_cache.piece_key(dynamo_graph(cond_model, torch.ones(4))) == restart["cond_key"]

@@ -113,6 +113,13 @@ def test_nan_scalar_that_did_not_change_replays():
     assert torch.isnan(out).all()
 
 
+def test_negative_zero_is_not_zero():
+    w = full(lambda x, s: 1 / torch.full_like(x, s))  # the graph bakes s in: inf for 0.0, -inf for -0.0
+    assert (call(w, x8(), 0.0) == float("inf")).all()
+    with pytest.raises(ValueError, match=r"args\[1\] was 0.0 at capture and is -0.0 now"):
+        call(w, x8(), -0.0)
+
+
 @pytest.mark.parametrize(
     "first, then, message",
     [(2, 2.0, "was int 2 at capture and is float 2.0 now"), (Color.RED, Color.BLUE, "was <Color.RED: 1>"),

@@ -12,10 +12,16 @@ Built on torch's ``torch.compile(...).aot_compile`` and ``torch.compiler.load_co
 the one at compile time; the loaded function serves the shapes its guards accept (mark the token
 dimension with :func:`~piecewise_backend.shapes.mark_token_dim` before compiling to serve every
 size); the file is tied to the torch and Python versions it was made with.
+
+A file is ``MAGIC | sha256(payload) | payload`` (the payload a pickle): every way a file can be
+wrong (truncated, bit flips, another format, torch failing to load it) is an :class:`AOTFileError`
+naming the file. Loading unpickles, which runs code: the file and its directories must be
+writable by no other user (:mod:`.trust`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -28,13 +34,20 @@ import torch
 import torch.fx as fx
 from torch._dynamo.aot_compile_types import SerializableCallable
 
-from .backend import PiecewiseBackend, _direct_forward, structural_key
+from .backend import PiecewiseBackend, _direct_forward
 from .compile_cache import as_piece_callable, load_artifact, returns_bare_value
 from .config import CompilationConfig
 from .observability import counters
 from .split import Piece, SplitGraph
+from .trust import check_trusted, check_trusted_file
 
-FORMAT = 1
+FORMAT = 2
+MAGIC = b"PBAOT\x00\x02\n"  # the format is in the magic: an older file fails the header check
+_DIGEST = 32
+
+
+class AOTFileError(RuntimeError):
+    """An AOT file that cannot be loaded: the message names the file and why."""
 
 
 def _environment() -> dict[str, Any]:
@@ -83,7 +96,7 @@ class _AOTBackend(PiecewiseBackend):
         forward = super().__call__(gm, example_inputs, **kwargs)
         split = self.splits[-1]
         inductor = self.config.compile_pieces == "inductor"
-        pieces = {p.index: self._artifacts[structural_key(p.module)] for p in split.pieces if inductor and not p.is_splitting}
+        pieces = {p.index: self.piece_artifacts[id(p.module)] for p in split.pieces if inductor and not p.is_splitting}
         return PiecewiseArtifact(forward, split, self.config, pieces)
 
 
@@ -145,8 +158,10 @@ class PiecewiseArtifact(SerializableCallable):
 class CompiledModel:
     """A model compiled ahead of time: call it like the model; ``save(path)`` for a later process."""
 
-    def __init__(self, fn: Any, model: torch.nn.Module, grad_enabled: bool, inference_mode: bool):
+    def __init__(self, fn: Any, model: torch.nn.Module, grad_enabled: bool, inference_mode: bool,
+                 inference_args: Sequence[bool | None] = ()):
         self.fn, self.model, self.grad_enabled, self.inference_mode = fn, model, grad_enabled, inference_mode
+        self.inference_args = list(inference_args)  # per positional input: an inference tensor at compile?
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() != self.grad_enabled:
@@ -157,14 +172,38 @@ class CompiledModel:
             # Dynamic-dim marks steer a trace; this model is traced already, and its guards
             # refuse a marked tensor. A plain view of it carries no mark.
             args = tuple(a.view(a.shape) if hasattr(a, "_has_dynamo_dim_marking") else a for a in args)
-        return self.fn(self.model, *args, **kwargs)
+        try:
+            return self.fn(self.model, *args, **kwargs)
+        except RuntimeError as e:
+            problem = self._inference_mismatch(args) if "dispatch key set mismatch" in str(e) else None
+            if problem is None:
+                raise
+            raise RuntimeError(problem) from e
+
+    def _inference_mismatch(self, args: Sequence[Any]) -> str | None:
+        """Why Dynamo's dispatch-key guard refused a call, when it is an inference tensor or its absence.
+
+        A tensor made under ``torch.inference_mode()`` has other dispatch keys than one made outside;
+        the guards of the trace check them, and a loaded model cannot trace again. Copying the
+        tensor would break in-place updates the model makes to it (a KV cache), so it is refused."""
+        for i, (a, was) in enumerate(zip(args, self.inference_args)):
+            if isinstance(a, torch.Tensor) and was is not None and a.is_inference() != was:
+                made = "made outside torch.inference_mode()" if was else "an inference tensor"
+                want = "under torch.inference_mode()" if was else "outside torch.inference_mode()"
+                return (f"argument {i} is {made}, but this model was compiled with one made {want}; the guards of "
+                        f"the compiled trace tell them apart (dispatch keys) and it cannot trace again. Create "
+                        f"the input {want}, or compile with example inputs made the way the model is called")
+        return None
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write to ``path`` atomically (temp file, then rename)."""
+        """Write to ``path`` (``~`` expanded) atomically (temp file, then rename), private to this user (0600)."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
-        data = pickle.dumps({"env": _environment(), "grad_enabled": self.grad_enabled, "inference_mode": self.inference_mode,
-                             "function": AOTCompiledFunction.serialize(self.fn).serialized_data})
+        payload = pickle.dumps({"env": _environment(), "grad_enabled": self.grad_enabled,
+                                "inference_mode": self.inference_mode, "inference_args": self.inference_args,
+                                "function": AOTCompiledFunction.serialize(self.fn).serialized_data})
+        data = MAGIC + hashlib.sha256(payload).digest() + payload
+        path = os.path.expanduser(os.fspath(path))
         directory = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pb_aot.", suffix=".tmp")
         try:
@@ -189,24 +228,49 @@ def aot_compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, config
         raise TypeError(f"aot_compile's config must be a CompilationConfig, got {type(config).__name__}")
     backend = _AOTBackend(config or CompilationConfig())
     compiled = torch.compile(model.forward, fullgraph=True, backend=backend).aot_compile((tuple(example_inputs), {}))
-    result = CompiledModel(compiled, model, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    inference_args = [a.is_inference() if isinstance(a, torch.Tensor) else None for a in example_inputs]
+    result = CompiledModel(compiled, model, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), inference_args)
     if path is not None:
         result.save(path)
     return result
 
 
-def load_compiled(path: str | os.PathLike[str], model: torch.nn.Module) -> CompiledModel:
-    """Load what :func:`aot_compile` saved, for ``model`` (same class and parameter shapes; its own weights)."""
+def _read_state(path: str | os.PathLike[str], trust: bool) -> dict[str, Any]:
+    check_trusted(path, "AOT file", trust=trust)
     with open(path, "rb") as f:
-        try:
-            state = pickle.load(f)
-        except Exception as e:
-            raise RuntimeError(f"{path} is not a file saved by piecewise_backend.aot_compile ({e})") from e
+        check_trusted_file(f.fileno(), path, "AOT file", trust=trust)  # the file as opened, not as named
+        data = f.read()
+    head = len(MAGIC) + _DIGEST
+    if not data.startswith(MAGIC) or len(data) < head:
+        raise AOTFileError(f"{path} is not a file saved by piecewise_backend.aot_compile (format {FORMAT}): bad "
+                           "header or truncated (a file of an older version of this package has another header); "
+                           "compile again")
+    if hashlib.sha256(data[head:]).digest() != data[len(MAGIC) : head]:
+        raise AOTFileError(f"{path} is corrupt or truncated (its sha256 does not match its contents); compile again")
+    try:
+        state = pickle.loads(data[head:])
+    except Exception as e:
+        raise AOTFileError(f"{path} could not be read ({type(e).__name__}: {e}); compile again") from e
     if not isinstance(state, dict) or state.get("env") != _environment():
         found = state.get("env") if isinstance(state, dict) else None
-        raise RuntimeError(f"{path} was saved by {found}; this process is {_environment()}: compile again")
-    # Guards record dispatch keys relative to the thread-local modes they are built under:
-    # rebuild them under the modes of the compile.
-    with torch.inference_mode(state["inference_mode"]), torch.set_grad_enabled(state["grad_enabled"]):
-        fn = torch.compiler.load_compiled_function(io.BytesIO(state["function"]))
-    return CompiledModel(fn, model, state["grad_enabled"], state["inference_mode"])
+        raise AOTFileError(f"{path} was saved by {found}; this process is {_environment()}: compile again")
+    return state
+
+
+def load_compiled(path: str | os.PathLike[str], model: torch.nn.Module, *, trust: bool = False) -> CompiledModel:
+    """Load what :func:`aot_compile` saved, for ``model`` (same class and parameter shapes; its own weights).
+
+    The file is unpickled, which runs code: it and its directories must be writable by no other
+    user (else :class:`~piecewise_backend.trust.UntrustedPathError`), unless ``trust=True`` or
+    ``PB_TRUST_CACHE_DIR=1``. Any other problem with the file raises :class:`AOTFileError`.
+    """
+    path = os.path.expanduser(os.fspath(path))
+    state = _read_state(path, trust)
+    try:
+        # Guards record dispatch keys relative to the thread-local modes they are built under:
+        # rebuild them under the modes of the compile.
+        with torch.inference_mode(state["inference_mode"]), torch.set_grad_enabled(state["grad_enabled"]):
+            fn = torch.compiler.load_compiled_function(io.BytesIO(state["function"]))
+    except Exception as e:
+        raise AOTFileError(f"{path} could not be loaded ({type(e).__name__}: {e}); compile again") from e
+    return CompiledModel(fn, model, state["grad_enabled"], state["inference_mode"], state.get("inference_args", ()))

@@ -17,6 +17,7 @@ import torch.fx as fx
 from .capture import BreakPoint
 from .compile_cache import PieceCache, compile_cached
 from .config import CompilationConfig, effective_mode
+from .keys import CompileState, piece_key
 from .modes import CUDAGraphMode
 from .observability import counters, dump_split, logger
 from .ops import registered_splitting_ops
@@ -24,43 +25,6 @@ from .split import Piece, SplitGraph, split_graph
 from .wrappers import CUDAGraphWrapper
 
 _graph_ids = iter(range(1 << 62))
-_missing_logged: set[Any] = set()
-_missing_lock = threading.Lock()
-
-
-class _Ref:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"%{self.name}"
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"T({tuple(map(str, value.shape))},{tuple(map(str, value.stride()))},{value.dtype},{value.device})"
-    if isinstance(value, torch.SymInt):
-        return "SymInt"
-    return type(value).__name__
-
-
-def structural_key(gm: fx.GraphModule) -> str:
-    """A key equal for pieces that compute the same thing on same-shaped inputs, whatever the names."""
-    names: dict[fx.Node, _Ref] = {}
-    parts = []
-    for i, node in enumerate(gm.graph.nodes):
-        names[node] = _Ref(f"v{i}")
-        args = fx.node.map_arg((node.args, node.kwargs), lambda n: names[n])
-        if node.op == "placeholder":
-            target = ""  # a placeholder's target is its name; inputs are positional
-        else:
-            target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", repr(node.target))
-        module = getattr(node.target, "__module__", "")
-        meta = _describe(node.meta.get("example_value")) if node.op == "placeholder" else ""
-        parts.append(f"{node.op} {module}.{target} {args!r} {meta}")
-    return "\n".join(parts)
 
 
 def _direct_forward(gm: fx.GraphModule) -> Callable[..., Any]:
@@ -98,16 +62,24 @@ class PiecewiseBackend:
 
     def __init__(self, config: CompilationConfig | None = None):
         self.config = config or CompilationConfig()
-        self._compiled: dict[str, Callable[..., Any]] = {}
+        # in-process key -> (compiled code, the objects the key names by id, kept alive so no id is reused)
+        self._compiled: dict[str, tuple[Callable[..., Any], list[Any]]] = {}
         self.splits: list[SplitGraph] = []  # every split made, for inspection and tests
         self.piece_wrappers: list[CUDAGraphWrapper] = []  # use_breakable=False: one per compiled piece
         self._cache = PieceCache(self.config.cache_dir) if self.config.cache_dir is not None else None
         self._serializable = False  # True: every piece compiles to a savable artifact (the AOT path)
-        self._artifacts: dict[str, Any] = {}  # structural key -> savable artifact, when there is one
+        self._artifacts: dict[str, Any] = {}  # in-process key -> savable artifact, when there is one
+        self._state = CompileState()  # grad mode, autocast, configs...: described once per graph
+        # warnings already given, per backend (a set keyed by id(backend) outlived it: a new backend
+        # at the same address stayed silent)
+        self._logged: set[str] = set()
+        self._logged_lock = threading.Lock()
+        self.piece_artifacts: dict[int, Any] = {}  # id(piece.module) -> its artifact (what aot_compile saves)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         # torch passes mode=/options= only when the user set them; they have no meaning here.
         graph_index = next(_graph_ids)
+        self._state = CompileState()
         counters["graphs"] += 1
         configured = self.config.splitting_ops is not None
         ops = self.config.splitting_ops if configured else registered_splitting_ops()
@@ -137,32 +109,35 @@ class PiecewiseBackend:
         return fn
 
     def _compile(self, piece: Piece) -> Callable[..., Any]:
-        """Compiled code for ``piece``: once per distinct piece in this backend, then from
-        ``cache_dir`` when set (loaded by a later process), else Inductor."""
-        key = structural_key(piece.module)
-        fn = self._compiled.get(key)
-        if fn is not None:
+        """Compiled code for ``piece``: once per distinct piece in this backend (same graph, same
+        called objects, same compile-time state: :mod:`.keys`), then from ``cache_dir`` when set
+        (loaded by a later process), else Inductor."""
+        key, refs = piece_key(piece.module, stable=False, state=self._state)
+        hit = self._compiled.get(key)
+        if hit is not None:
             counters["compile_cache_hits"] += 1
-            return fn
+            if key in self._artifacts:
+                self.piece_artifacts[id(piece.module)] = self._artifacts[key]
+            return hit[0]
         if self._cache is None and not self._serializable:
             logger.debug("compiling %s with Inductor", piece.name)
             fn = _compile_inductor(piece.module)
             counters["compiles"] += 1
         else:
-            fn, artifact, loaded = compile_cached(piece.module, self._cache)
-            self._artifacts[key] = artifact
+            fn, artifact, loaded = compile_cached(piece.module, self._cache, self._state)
+            self._artifacts[key] = self.piece_artifacts[id(piece.module)] = artifact
             if not loaded:
                 logger.debug("compiled %s with Inductor (serializable)", piece.name)
                 counters["compiles"] += 1
-        self._compiled[key] = fn
+        self._compiled[key] = (fn, refs)
         return fn
 
     def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
         if ops and not split.found_ops and effective_mode(self.config).has_piecewise_cudagraphs():
             # PIECEWISE graphs of this graph would hold attention: wrong for mixed batches, and silent otherwise.
-            with _missing_lock:
-                first = (id(self), "no splitting op") not in _missing_logged
-                _missing_logged.add((id(self), "no splitting op"))
+            with self._logged_lock:
+                first = "no splitting op" not in self._logged
+                self._logged.add("no splitting op")
             if first:
                 names = [op if isinstance(op, str) else getattr(op, "__name__", None) or repr(op) for op in ops]
                 logger.warning(
@@ -174,10 +149,10 @@ class PiecewiseBackend:
         for op in ops:
             if any(op is f or op == f for f in split.found_ops):
                 continue
-            with _missing_lock:
-                if (id(self), repr(op)) in _missing_logged:
+            with self._logged_lock:
+                if repr(op) in self._logged:
                     continue
-                _missing_logged.add((id(self), repr(op)))
+                self._logged.add(repr(op))
             log = logger.warning if configured else logger.debug
             log("splitting op %r did not appear in graph %d; nothing was split there", op, graph_index)
 
@@ -191,6 +166,7 @@ class PiecewiseBackend:
         self.clear_graphs()
         self._compiled.clear()
         self._artifacts.clear()
+        self.piece_artifacts.clear()
         self.splits.clear()
         self.piece_wrappers.clear()
 

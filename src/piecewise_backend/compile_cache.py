@@ -1,16 +1,19 @@
 """Compiled pieces saved to ``CompilationConfig.cache_dir`` and loaded by later processes.
 
-One file per distinct piece, named by a key over everything that changes its code: the
-piece's graph (:func:`~piecewise_backend.backend.structural_key`), its example inputs'
-metadata and the ranges of their symbolic sizes, tensor constants, grad mode, torch (version
-and source hash), Python, this package's version, Inductor's config and the device (CPU
-vector ISA, GPU capability). Pieces are compiled with ``torch._inductor.standalone_compile(...,
-aot=True)``, whose artifacts serialize to bytes.
+One file per distinct piece, named by a key over everything that changes its code
+(:func:`~piecewise_backend.keys.piece_key` with ``stable=True``: the graph with the bodies of
+higher-order ops, called functions by their code and closures, constants by value, input
+metadata and symbolic ranges, grad mode, autocast, default dtype, Inductor's and AOTAutograd's
+configs and custom passes by ``uuid()``) and the environment: torch (version and source hash),
+Python, this package's version and the device (CPU vector ISA, GPU capability). A piece the key
+cannot name across processes is compiled and not cached (a WARNING says why). Pieces are compiled
+with ``torch._inductor.standalone_compile(..., aot=True)``, whose artifacts serialize to bytes.
 
 A file is ``MAGIC | sha256(payload) | key | payload``, written to a temp file and renamed,
 so concurrent writers never expose a half-written entry. Anything wrong with an entry (missing,
 truncated, corrupt, another key, a deserialization error) or with the directory (read-only)
-logs a WARNING and the piece compiles: the cache can cost a compile, never a result.
+logs a WARNING and the piece compiles: the cache can cost a compile, never a result. Entries are
+pickles: a directory or entry another user can write is refused (:mod:`.trust`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .keys import CompileState, Uncacheable
+from .keys import piece_key as piece_description
 from .observability import counters, logger
+from .trust import UntrustedPathError, check_trusted, check_trusted_file
 
 MAGIC = b"PBPIECE1"
 _DIGEST = 32
@@ -67,40 +73,16 @@ def _environment(device_type: str) -> str:
     return "\n".join(parts)
 
 
-def _describe_input(value: Any, shape_env: Any) -> str:
-    if isinstance(value, torch.SymInt):
-        return f"SymInt({value.node.expr})"
-    if not isinstance(value, torch.Tensor):
-        return f"{type(value).__name__}({value!r})"
-    # A size compiled for s >= 2 (mark_dynamic) may not be valid for s = 1: the ranges are code too.
-    symbols = {s for d in value.shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
-    ranges = sorted(f"{s}:{shape_env.var_to_range.get(s)}" for s in symbols) if shape_env is not None else []
-    return f"T{tuple(map(str, value.shape))}{tuple(map(str, value.stride()))}{value.dtype}{value.device} " \
-           f"grad={value.requires_grad} {ranges}"
+def piece_key(gm: fx.GraphModule, state: CompileState | None = None) -> str:
+    """A hex digest equal only for pieces that compile to the same code in the same environment.
 
-
-def piece_key(gm: fx.GraphModule) -> str:
-    """A hex digest equal only for pieces that compile to the same code in the same environment."""
-    from .backend import structural_key
-
+    Raises :class:`~piecewise_backend.keys.Uncacheable` for a piece whose code cannot be named
+    across processes (a closure over an object, a custom pass without ``uuid()``, an op whose
+    Python kernel is inlined, ...): such a piece is compiled, never cached.
+    """
     inputs = example_inputs(gm)
     devices = {v.device.type for v in inputs if isinstance(v, torch.Tensor)}
-    fake_mode = next((getattr(v, "fake_mode", None) for v in inputs if isinstance(v, torch.Tensor)), None)
-    shape_env = getattr(fake_mode, "shape_env", None)
-    h = hashlib.sha256()
-    h.update(structural_key(gm).encode())
-    for v in inputs:
-        h.update(_describe_input(v, shape_env).encode())
-    for node in gm.graph.nodes:  # constants the graph reads by name: their values are part of the code
-        if node.op == "get_attr":
-            value = getattr(gm, node.target, None)
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
-                h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            else:
-                h.update(repr(value).encode())
-    h.update(f"grad={torch.is_grad_enabled()}".encode())
-    # read on every key, not cached: a user may change Inductor's config between compiles
-    h.update(repr(sorted(torch._inductor.config.save_config_portable().items())).encode())
+    h = hashlib.sha256(piece_description(gm, stable=True, state=state)[0].encode())
     for device in sorted(devices) or ["cpu"]:
         h.update(_environment(device).encode())
     return h.hexdigest()
@@ -144,10 +126,16 @@ def check_frame(data: bytes, key: str) -> str | None:
 
 
 class PieceCache:
-    """The files of one ``cache_dir``: ``load(key)`` -> artifact or None, ``save(key, artifact)``."""
+    """The files of one ``cache_dir``: ``load(key)`` -> artifact or None, ``save(key, artifact)``.
+
+    ``~`` is expanded. A directory another user can write is refused with ``PermissionError``
+    (entries are pickles: :mod:`.trust`) with :class:`~.trust.UntrustedPathError`, unless ``PB_TRUST_CACHE_DIR=1``.
+    """
 
     def __init__(self, cache_dir: str | os.PathLike[str]):
-        self.root = Path(cache_dir) / "pieces"
+        self.root = Path(os.path.expanduser(os.fspath(cache_dir))) / "pieces"
+        check_trusted(self.root.parent, "cache_dir")  # the error names the directory the user gave
+        check_trusted(self.root, "cache_dir")
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}.piece"
@@ -155,9 +143,13 @@ class PieceCache:
     def load(self, key: str) -> Any | None:
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                check_trusted_file(f.fileno(), path, "compile cache entry")
+                data = f.read()
         except FileNotFoundError:
             return None
+        except UntrustedPathError:
+            raise
         except OSError as e:
             logger.warning("compile cache: cannot read %s (%s); compiling the piece", path, e)
             return None
@@ -180,7 +172,8 @@ class PieceCache:
         data = MAGIC + hashlib.sha256(payload).digest() + key.encode("ascii") + payload
         tmp = None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: entries are pickles
+            self.root.mkdir(mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key[:16]}.", suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -197,11 +190,17 @@ class PieceCache:
         return True
 
 
-def compile_cached(gm: fx.GraphModule, cache: PieceCache | None) -> tuple[Callable[..., Any], Any, bool]:
+def compile_cached(gm: fx.GraphModule, cache: PieceCache | None,
+                   state: CompileState | None = None) -> tuple[Callable[..., Any], Any, bool]:
     """(piece callable, artifact, loaded?) for ``gm``: from ``cache`` when it holds it, else compiled
-    (and saved to ``cache``)."""
+    (and saved to ``cache``). ``state``: see :func:`~piecewise_backend.keys.piece_key`."""
     bare = returns_bare_value(gm)
-    key = piece_key(gm) if cache is not None else None
+    key = None
+    if cache is not None:
+        try:
+            key = piece_key(gm, state)
+        except Uncacheable as e:
+            logger.warning("compile cache: piece not cached: %s", e)
     if cache is not None and key is not None:
         artifact = cache.load(key)
         if artifact is not None:
@@ -212,4 +211,3 @@ def compile_cached(gm: fx.GraphModule, cache: PieceCache | None) -> tuple[Callab
     if cache is not None and key is not None:
         cache.save(key, artifact)
     return artifact, artifact, False
-

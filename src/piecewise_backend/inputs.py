@@ -19,6 +19,7 @@ Tensors are read in one of two ways:
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import torch
@@ -86,8 +87,11 @@ def _same_value(a: Any, b: Any) -> bool:
         return True
     if type(a) is not type(b):
         return False
+    if isinstance(a, (float, complex)):  # NaN equals NaN here (it did not change); -0.0 is not 0.0 (1 / x differs)
+        return all(x == y and math.copysign(1.0, x) == math.copysign(1.0, y) or (x != x and y != y)
+                   for x, y in ((a.real, b.real), (a.imag, b.imag)))
     if isinstance(a, _VALUE_TYPES):
-        return a == b or (a != a and b != b)  # NaN equals NaN here: it did not change
+        return a == b
     return False  # opaque objects: the same object or nothing
 
 
