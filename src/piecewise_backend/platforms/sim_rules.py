@@ -5,7 +5,7 @@
   reach the dispatcher (``aten._local_scalar_dense``) and the recorder refuses them there. Other
   reads never reach it: ``.tolist()`` and ``.numpy()`` read memory from C++, printing a tensor
   even hides from dispatch modes. So, while a segment records on a thread, those Tensor methods
-  (and indexing a storage) are guarded, for that thread only.
+  are guarded, for that thread only.
 * Data-dependent shapes are host syncs too, except where CUDA's kernel takes the size from the
   caller: ``repeat_interleave(..., output_size=)``.
 * Ops whose CPU kernel reads data on the host where CUDA's does not (``one_hot`` checks its
@@ -118,7 +118,7 @@ def _guarded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         mode = _recorder()
-        if mode is not None and mode.reads_device_data(self, args):
+        if mode is not None and mode.reads_device_data(self):
             raise_host_sync(name)
         return original(self, *args, **kwargs)
 
@@ -129,7 +129,6 @@ _GUARDED = (
     (torch.Tensor, "tolist", "Tensor.tolist()"),
     (torch.Tensor, "numpy", "Tensor.numpy() (or numpy.asarray(tensor))"),
     (torch.Tensor, "__repr__", "printing a tensor (repr/str/format)"),
-    (torch.UntypedStorage, "__getitem__", "reading a storage element"),
 )
 _MISSING = object()
 _lock = threading.Lock()

@@ -142,11 +142,9 @@ class _RecordingMode(TorchDispatchMode):
         # A capture does not advance the default generator: CUDA's graph-safe generator moves on replays only.
         self.rng = torch.get_rng_state()
 
-    def reads_device_data(self, obj: torch.Tensor | torch.UntypedStorage, args: tuple) -> bool:
-        """Whether ``obj``'s Tensor method (or storage indexing) with ``args`` copies device data to the host."""
-        if isinstance(obj, torch.UntypedStorage):
-            return obj.device.type != "meta" and bool(args) and isinstance(args[0], int)
-        return not obj.is_meta and not is_fake(obj) and not self.platform.is_host_scalar(obj)
+    def reads_device_data(self, t: torch.Tensor) -> bool:
+        """Whether reading ``t`` on the host (``.tolist()``, printing) copies device memory."""
+        return not t.is_meta and not is_fake(t) and not self.platform.is_host_scalar(t)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if sim_collectives.unrecorded(types, args, kwargs):  # DTensor desugars first; fake/meta: no data
