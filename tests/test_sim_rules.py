@@ -42,6 +42,7 @@ HOST_READS = [
     pytest.param(lambda x: x * len(str(x)), id="str"),
     pytest.param(lambda x: x * len(f"{x}"), id="format"),
     pytest.param(lambda x: x * x.untyped_storage()[0], id="storage"),
+    pytest.param(lambda x: x * torch.allclose(x, x * 2), id="allclose"),
     pytest.param(lambda x: torch.ops.pb_rules.tolist_scale(x) + 1, id="inside-custom-op"),
 ]
 

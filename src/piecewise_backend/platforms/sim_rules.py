@@ -31,10 +31,10 @@ HOST_SYNC = {
     aten.item.default,
     aten.is_nonzero.default,
     aten.equal.default,
-    aten.allclose.default,
 }
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+_REPEAT_INTERLEAVE = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor, aten.repeat_interleave.Tensor_out}
 
 
 def raise_host_sync(what: str) -> NoReturn:
@@ -48,9 +48,8 @@ def is_host_sync(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether ``func`` makes the host wait for device data under CUDA, as called here."""
     if func in HOST_SYNC:
         return True
-    if func._schema.name == "aten::repeat_interleave":
-        # CUDA sums the repeats on the host unless the caller gives the output size.
-        return isinstance(args[1 if len(args) > 1 else 0], torch.Tensor) and kwargs.get("output_size") is None
+    if func in _REPEAT_INTERLEAVE:  # CUDA sums the repeats on the host unless the caller gives the output size
+        return kwargs.get("output_size") is None
     if func is aten.one_hot.default:
         return _num_classes(args, kwargs) < 0  # CUDA reads max() on the host to count the classes
     if not any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS):

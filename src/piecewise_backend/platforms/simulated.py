@@ -8,8 +8,9 @@ recursively, and a replay runs no Python at all, as a CUDA graph replays kernels
 code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a
 real capture, recording does not count as running: when a segment ends,
 in-place writes to tensors that existed before it are undone and tensors it allocated are
-filled with garbage (NaN bits), so only a replay produces values. Host syncs raise as CUDA
-does while a stream is capturing, inside custom ops too. Work the recorder cannot see
+filled with garbage (NaN bits), so only a replay produces values. Host reads raise as CUDA
+does while a stream is capturing, inside custom ops too, and random ops follow CUDA's
+generator rules (:mod:`.sim_rules`). Work the recorder cannot see
 (fused Inductor kernels, anything that bypasses the dispatcher) is refused at capture
 time by the checks in :mod:`.sim_checks`.
 Tensors created during a capture come from one shared pool (:mod:`.sim_pool`); a finished
@@ -66,12 +67,18 @@ def classify(func: Any, args: tuple, kwargs: dict) -> OpKind:
         return OpKind.CUDA_KERNEL
     if func._schema.name in _ALLOCATIONS:
         return OpKind.ALLOCATION
+    name = func.name()
+    if _composite(name):
+        # Reaches the recorder whole only under inference_mode: its parts are what runs (and may sync).
+        return OpKind.OPAQUE
     if func.namespace in _NATIVE_NAMESPACES:
         return OpKind.NATIVE
-    name = func.name()
-    if torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA) or _python_kernel(name):
-        return OpKind.OPAQUE
-    return OpKind.NATIVE
+    return OpKind.OPAQUE if _python_kernel(name) else OpKind.NATIVE
+
+
+@functools.cache
+def _composite(name: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA)
 
 
 @functools.cache
@@ -204,7 +211,7 @@ class _RecordingMode(TorchDispatchMode):
         # Run the op's implementation with this mode active again (dispatch popped it), so
         # the ATen ops it runs, and those of any op it calls, are recorded one by one.
         with self:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _CIA):
+            if _composite(func.name()):
                 out = func.decompose(*args, **kwargs)
             else:
                 out = func.redispatch(_kernel_keys(args, kwargs), *args, **kwargs)
