@@ -67,6 +67,26 @@ def test_host_read_raises_like_a_capturing_stream(fn, mode):
     assert_close(run(w, M.NONE, None, x), fn(x))  # eager is fine
 
 
+# Composite ATen ops whose parts sync; under inference_mode they reach the recorder whole.
+COMPOSITE_SYNCS = [
+    pytest.param(lambda x: x * len(torch.nonzero(x, as_tuple=True)[0]), id="nonzero-as-tuple"),
+    pytest.param(lambda x: torch.combinations(x, 2).sum() + x, id="combinations"),
+    pytest.param(lambda x: torch.repeat_interleave(x, (x > 0).long()).sum() + x, id="repeat_interleave"),
+]
+
+
+@pytest.mark.parametrize("fn", COMPOSITE_SYNCS)
+def test_sync_inside_a_composite_op_raises_under_inference_mode(fn):
+    # GPU: an op defined by its decomposition runs its parts; one of them syncs, so the capture fails.
+    w = sim_full(fn)
+    x = torch.arange(4.0)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="capturing"):
+            run(w, M.FULL, D4, x)
+        assert w.entries == {}
+        assert_close(run(w, M.NONE, None, x), fn(x))
+
+
 def test_tolist_is_not_baked_into_the_replay():
     # GPU: the capture raises, so no replay can reuse the value read at capture time (today's bug
     # was a replay returning 8.0 where eager returns 16.0).
@@ -208,6 +228,18 @@ def test_cuda_host_read_raises(fn):
     warm(w, x)
     with pytest.raises(RuntimeError, match="capturing"):
         run(w, M.FULL, D4, x)
+    assert w.entries == {} and not torch.cuda.is_current_stream_capturing()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fn", COMPOSITE_SYNCS)
+def test_cuda_sync_inside_a_composite_op_raises_under_inference_mode(fn):
+    x = torch.arange(4.0, device="cuda")
+    with torch.inference_mode():
+        w = cuda_full(fn)
+        warm(w, x)
+        with pytest.raises(RuntimeError, match="capturing"):
+            run(w, M.FULL, D4, x)
     assert w.entries == {} and not torch.cuda.is_current_stream_capturing()
 
 

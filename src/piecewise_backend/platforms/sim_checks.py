@@ -8,7 +8,8 @@ pointers) would be replayed wrong, silently. Two checks, both on what actually r
   surrounding fused kernels ran unseen;
 * a validation replay when a segment ends: the recorded ops are replayed from the
   pre-segment state and must reproduce, bit for bit, every tensor the eager run during
-  capture wrote or allocated. Anything the recording missed shows up as a difference.
+  capture wrote or allocated (what the program can read of it). Anything the recording
+  missed shows up as a difference; the refusal names the op that wrote it, if any.
 """
 
 from __future__ import annotations
