@@ -132,17 +132,13 @@ def validate_segment(mode: _RecordingMode, graph: SimulatedGraph) -> None:
         first = differ[0]
         storage = first if isinstance(first, torch.UntypedStorage) else first.untyped_storage()
         writer = _writers(graph).get(storage.data_ptr())
+        hidden = "a C++ kernel writing through raw pointers" + (", fused Inductor kernels" if _inductor_ran() else "")
         if writer is None:
-            why = (
-                "no recorded op writes the first of them, so it was written behind the dispatcher "
-                "(a C++ kernel writing through raw pointers" + (", fused Inductor kernels" if _inductor_ran() else "") + ")"
-            )
+            why = f"no recorded op writes the first of them, so it was written behind the dispatcher ({hidden})"
         else:
             why = (
                 f"the first of them was written by {writer}, whose replay gave other bytes than its run during "
-                "capture: it read memory written behind the dispatcher (a C++ kernel writing through raw pointers"
-                + (", fused Inductor kernels" if _inductor_ran() else "")
-                + "), or it is not deterministic"
+                f"capture: it read memory written behind the dispatcher ({hidden}), or it is not deterministic"
             )
         refuse(
             f"replaying the {len(graph)} recorded ATen ops did not reproduce {len(differ)} of the {len(seen)} "

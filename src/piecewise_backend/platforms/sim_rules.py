@@ -34,7 +34,11 @@ HOST_SYNC = {
 }
 _DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
-_REPEAT_INTERLEAVE = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor, aten.repeat_interleave.Tensor_out}
+_REPEAT_INTERLEAVE = {
+    aten.repeat_interleave.Tensor,
+    aten.repeat_interleave.self_Tensor,
+    aten.repeat_interleave.Tensor_out,
+}
 
 
 def raise_host_sync(what: str) -> NoReturn:
@@ -56,7 +60,8 @@ def is_host_sync(func: Any, args: tuple, kwargs: dict) -> bool:
         return False
     if func._schema.name in _INDEX_OPS:
         # Indexing with integer tensors has a static output shape (fine under CUDA capture); with masks it does not.
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+        masks = (torch.bool, torch.uint8)
+        return any(isinstance(i, torch.Tensor) and i.dtype in masks for i in args[1] if i is not None)
     return True
 
 

@@ -264,7 +264,8 @@ class _SimRecorder:
         self._close()
         graph = SimulatedGraph(self.mode.ops)
         if self.platform.validate:
-            with self.platform.pool_paused(), sim_collectives.validating():  # the check's replay neither allocates from the pool nor communicates
+            # The check's replay neither allocates from the pool nor communicates.
+            with self.platform.pool_paused(), sim_collectives.validating():
                 validate_segment(self.mode, graph)  # raises, leaving the capture undone, if unfaithful
         self.mode.undo()  # a capture does not execute
         self.platform.pool.weaken_ops(graph.ops)  # the graph pins no pool memory
