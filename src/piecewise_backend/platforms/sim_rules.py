@@ -11,7 +11,8 @@
 * Ops whose CPU kernel reads data on the host where CUDA's does not (``one_hot`` checks its
   values with ``.item()`` on the CPU only) are recorded as CUDA's kernel computes them.
 * Random ops: a CUDA graph advances the default generator's state on every replay; a
-  ``torch.Generator`` the graph was not given raises at capture time.
+  ``torch.Generator`` the graph was not given raises at capture time (CUDAGeneratorImpl.cpp
+  of torch 2.11; 2.13 still registers only the default generator in ``capture_begin``).
 """
 
 from __future__ import annotations
