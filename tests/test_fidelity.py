@@ -125,8 +125,9 @@ def test_kernel_bypassing_the_dispatcher_is_refused():
 
     w = pb.CUDAGraphWrapper(fn, M.FULL, config=SIM)
     x = torch.ones(4)
-    with pytest.raises(UnrecordableError, match="compile_pieces='eager'"):
+    with pytest.raises(UnrecordableError, match="no recorded op writes the first of them") as info:
         run(w, M.FULL, D4, x)
+    assert "CPU implementation made of torch ops" in str(info.value)  # the real cause and its fix
     assert w.entries == {} and not capture_active()
 
 

@@ -11,7 +11,7 @@ from piecewise_backend.capture import capture_active
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.platforms.sim_checks import UnrecordableError
 from piecewise_backend.platforms.simulated import SimulatedGraph
-from tests.helpers import SIM, double_into, StepCounter, TwoBreakModel, run, segment_kinds
+from tests.helpers import SIM, double_into, raw_double, StepCounter, TwoBreakModel, run, segment_kinds
 
 M = pb.CUDAGraphMode
 D4 = pb.BatchDescriptor(4)
@@ -211,6 +211,19 @@ def test_hidden_write_to_declared_output_is_refused_and_undone(sim):
         rec.end()
     assert_close(pre, torch.zeros(4))
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+def test_refusal_names_the_op_whose_replay_read_hidden_work(sim):
+    # aten.mul.out is recorded, but it reads a buffer only a hidden kernel wrote: the refusal names
+    # it, rather than blaming Inductor, which never ran here.
+    out = torch.zeros(4)
+    rec = sim.begin()
+    buf = torch.empty(4)
+    raw_double(torch.ones(4), buf)
+    torch.mul(buf, 2, out=out)
+    with pytest.raises(UnrecordableError, match=r"written by aten\.mul\.out, whose replay gave other bytes"):
+        rec.end()
+    assert_close(out, torch.zeros(4))
 
 
 @torch.library.custom_op("pb_test::hidden_fresh", mutates_args=())

@@ -8,8 +8,9 @@ recursively, and a replay runs no Python at all, as a CUDA graph replays kernels
 code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a
 real capture, recording does not count as running: when a segment ends,
 in-place writes to tensors that existed before it are undone and tensors it allocated are
-filled with garbage (NaN bits), so only a replay produces values. Host syncs raise as CUDA
-does while a stream is capturing, inside custom ops too. Work the recorder cannot see
+filled with garbage (NaN bits), so only a replay produces values. Host reads raise as CUDA
+does while a stream is capturing, inside custom ops too, and random ops follow CUDA's
+generator rules (:mod:`.sim_rules`). Work the recorder cannot see
 (fused Inductor kernels, anything that bypasses the dispatcher) is refused at capture
 time by the checks in :mod:`.sim_checks`.
 Tensors created during a capture come from one shared pool (:mod:`.sim_pool`); a finished
@@ -27,20 +28,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import fresh_outputs, sim_collectives
-from .sim_checks import check_caller, refuse, validate_segment
+from . import fresh_outputs, sim_collectives, sim_rules
+from .sim_checks import FIX_HIDDEN, check_caller, refuse, validate_segment
 from .sim_pool import PoolMode, SimPool
 
-_HOST_SYNC = {
-    torch.ops.aten._local_scalar_dense.default,
-    torch.ops.aten.item.default,
-    torch.ops.aten.is_nonzero.default,
-    torch.ops.aten.equal.default,
-}
-_DATA_DEPENDENT_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _ALLOCATIONS = {
     "aten::empty",
     "aten::empty_like",
@@ -49,7 +44,6 @@ _ALLOCATIONS = {
     "aten::new_empty",
     "aten::new_empty_strided",
 }
-_INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _NATIVE_NAMESPACES = {"aten"}
 _HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
@@ -59,26 +53,32 @@ _PY_SITE = re.compile(r"registered at \S+\.py:\d+")
 
 class OpKind(enum.Enum):
     HOST_SYNC = "host sync"  # the host reads device data: illegal while capturing
+    CUDA_KERNEL = "cuda kernel"  # the CPU kernel reads data on the host, CUDA's does not: run CUDA's algorithm
     ALLOCATION = "allocation"  # empty*: memory with no values, nothing to replay
     NATIVE = "native"  # an ATen op or a C++ kernel: recorded, replayed as it is (no Python runs)
     OPAQUE = "opaque"  # an op implemented in Python: its implementation runs under the recorder
 
 
-def classify(func: Any, args: tuple) -> OpKind:
+def classify(func: Any, args: tuple, kwargs: dict) -> OpKind:
     """What the recorder does with ``func``: the one place an op is classified."""
-    if func in _HOST_SYNC:
+    if sim_rules.is_host_sync(func, args, kwargs):
         return OpKind.HOST_SYNC
-    schema_name = func._schema.name
-    if any(tag in func.tags for tag in _DATA_DEPENDENT_TAGS) and _data_dependent(schema_name, args):
-        return OpKind.HOST_SYNC
-    if schema_name in _ALLOCATIONS:
+    if func in sim_rules.CUDA_KERNELS:
+        return OpKind.CUDA_KERNEL
+    if func._schema.name in _ALLOCATIONS:
         return OpKind.ALLOCATION
+    name = func.name()
+    if _composite(name):
+        # Reaches the recorder whole only under inference_mode: its parts are what runs (and may sync).
+        return OpKind.OPAQUE
     if func.namespace in _NATIVE_NAMESPACES:
         return OpKind.NATIVE
-    name = func.name()
-    if torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA) or _python_kernel(name):
-        return OpKind.OPAQUE
-    return OpKind.NATIVE
+    return OpKind.OPAQUE if _python_kernel(name) else OpKind.NATIVE
+
+
+@functools.cache
+def _composite(name: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA)
 
 
 @functools.cache
@@ -89,13 +89,6 @@ def _python_kernel(name: str) -> bool:
         if line.startswith("CPU:"):
             return _PY_SITE.search(line) is not None
     return False
-
-
-def _data_dependent(schema_name: str, args: tuple) -> bool:
-    # Indexing with integer tensors has a static output shape (fine under CUDA capture); with masks it does not.
-    if schema_name in _INDEX_OPS:
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
-    return True
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -138,14 +131,9 @@ class SimulatedGraph:
         return len(self.ops)
 
 
-def _raise_host_sync(func: Any) -> None:
-    raise RuntimeError(
-        f"operation not permitted when stream is capturing: {func} needs the host to read device "
-        "data (a sync or a data-dependent shape); move it out of the captured region"
-    )
-
-
 class _RecordingMode(TorchDispatchMode):
+    refuses_host_reads = True  # sim_rules guards Tensor.tolist() & co. on threads where this mode is active
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Let torch.compile trace and compile under an open segment, as it can under a CUDA capture.
@@ -158,18 +146,28 @@ class _RecordingMode(TorchDispatchMode):
         self.ops: list[_Op] = []
         self.allocated: dict[int, torch.Tensor] = {}  # storage key -> a tensor on it
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        # A capture does not advance the default generator: CUDA's graph-safe generator moves on replays only.
+        self.rng = torch.get_rng_state()
+
+    def reads_device_data(self, t: torch.Tensor) -> bool:
+        """Whether reading ``t`` on the host (``.tolist()``, printing) copies device memory."""
+        return not t.is_meta and not is_fake(t) and not self.platform.is_host_scalar(t)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if sim_collectives.unrecorded(types, args, kwargs):  # DTensor desugars first; fake/meta: no data
             return sim_collectives.dispatch_unrecorded(func, types, args, kwargs or {})
         kwargs = kwargs or {}
-        kind = classify(func, args)
+        kind = classify(func, args, kwargs)
         if kind is OpKind.HOST_SYNC:
             if not self.platform.is_host_scalar(args[0]):
-                _raise_host_sync(func)
+                sim_rules.raise_host_sync(str(func))
             return func(*args, **kwargs)
         if self.check:
             check_caller(func)
+        if kind is OpKind.CUDA_KERNEL:
+            with self:
+                return sim_rules.CUDA_KERNELS[func](*args, **kwargs)
+        sim_rules.check_generator(func, args, kwargs)
         if func.namespace in sim_collectives.NAMESPACES:  # recorded, not run: replays communicate
             out, collective = sim_collectives.record(func, args, kwargs, len(self.ops), self.register_fresh)
             if collective is not None:
@@ -213,7 +211,7 @@ class _RecordingMode(TorchDispatchMode):
         # Run the op's implementation with this mode active again (dispatch popped it), so
         # the ATen ops it runs, and those of any op it calls, are recorded one by one.
         with self:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _CIA):
+            if _composite(func.name()):
                 out = func.decompose(*args, **kwargs)
             else:
                 out = func.redispatch(_kernel_keys(args, kwargs), *args, **kwargs)
@@ -222,7 +220,8 @@ class _RecordingMode(TorchDispatchMode):
             if _storage_key(t) not in self.allocated:
                 refuse(
                     f"{func} returned a tensor that no recorded ATen op produced (its kernel allocates or "
-                    "writes behind the dispatcher, or it returns a tensor made outside the op)"
+                    "writes behind the dispatcher, or it returns a tensor made outside the op)",
+                    FIX_HIDDEN + ", and return only tensors the op computes",
                 )
         return out
 
@@ -240,10 +239,15 @@ class _RecordingMode(TorchDispatchMode):
             storage = t.untyped_storage()
             self.snapshots[key] = (storage, storage.clone())
 
-    def undo(self) -> None:
-        """Back to what a capture leaves: older tensors as they were, new ones garbage."""
+    def restore(self) -> None:
+        """Tensors that existed before the segment, and the default generator, as they were."""
         for storage, saved in self.snapshots.values():
             storage.copy_(saved)
+        torch.set_rng_state(self.rng)
+
+    def undo(self) -> None:
+        """Back to what a capture leaves: older tensors as they were, new ones garbage."""
+        self.restore()
         for t in self.allocated.values():
             t.untyped_storage().fill_(0xFF)  # NaN for floats, -1 for ints: memory holds garbage
 
@@ -252,16 +256,17 @@ class _SimRecorder:
     def __init__(self, platform: SimulatedPlatform) -> None:
         self.platform = platform
         self.mode = _RecordingMode(platform)
-        self.rng = torch.get_rng_state()
         self.mode.__enter__()
+        sim_rules.guard_host_reads()
         self.open = True
 
     def end(self) -> SimulatedGraph:
         self._close()
         graph = SimulatedGraph(self.mode.ops)
         if self.platform.validate:
-            with self.platform.pool_paused(), sim_collectives.validating():  # the check's replay neither allocates from the pool nor communicates
-                validate_segment(self.mode, graph, self.rng)  # raises, leaving the capture undone, if unfaithful
+            # The check's replay neither allocates from the pool nor communicates.
+            with self.platform.pool_paused(), sim_collectives.validating():
+                validate_segment(self.mode, graph)  # raises, leaving the capture undone, if unfaithful
         self.mode.undo()  # a capture does not execute
         self.platform.pool.weaken_ops(graph.ops)  # the graph pins no pool memory
         self.platform.recorded_ops += len(graph)
@@ -269,12 +274,12 @@ class _SimRecorder:
 
     def abort(self) -> None:
         self._close()
-        for storage, saved in self.mode.snapshots.values():
-            storage.copy_(saved)
+        self.mode.restore()
 
     def _close(self) -> None:
         if self.open:
             self.open = False
+            sim_rules.unguard_host_reads()
             self.mode.__exit__(None, None, None)
 
 
