@@ -27,10 +27,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cuda_double_allocator import NOT_PERMITTED, CachingAllocator, Segment
+from tests.cuda_double_allocator import NOT_PERMITTED, CachingAllocator, HostAllocator, Segment
+from tests.cuda_double_rules import cite, holds
 
 INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
-WORKSPACE = 4 << 20  # a cuBLAS workspace
+IMPLICIT = "CUDA error: operation would make the legacy stream depend on a capturing blocking stream"
+WORKSPACE = 32 << 20  # a cuBLAS workspace on Hopper (CTX getChosenWorkspaceSize)
 _CURRENT: FakeCuda | None = None
 
 
@@ -49,6 +51,7 @@ class Capture:
         self.invalid: str | None = None  # why CUDA invalidated it
         self.forks: set[FakeStream] = set()
         self.thread = threading.get_ident()
+        self.workspaces: list[Segment] = []
 
 
 class FakeStream:
@@ -59,11 +62,19 @@ class FakeStream:
         self.capture: Capture | None = None
         self.is_default = _default
 
+    @property
+    def cuda_stream(self) -> int:  # the raw cudaStream_t (what cuBLAS keys its workspaces by)
+        return self.id
+
     def wait_stream(self, other: FakeStream) -> None:
         # CUDA: a stream that waits on a capturing stream joins its capture (a fork); the
         # origin stream waiting on it joins it back. cudaStreamEndCapture fails on an unjoined fork.
         fake = current()
         with fake.lock:
+            if other.capture is not None and self.is_default:
+                # CUDA: the legacy default stream cannot depend on a capturing stream
+                fake._invalidate(other.capture, "legacy stream waited on a capturing stream")
+                raise RuntimeError(IMPLICIT)
             if other.capture is not None and self.capture is None:
                 self.capture = other.capture
                 other.capture.forks.add(self)
@@ -84,10 +95,12 @@ class FakeCUDAGraph:
     def __init__(self, keep_graph: bool = False):
         self.fake = current()
         self.capture: Capture | None = None
-        self.capture_ended = self.has_graph_exec = False
+        self.stream: FakeStream | None = None
+        self.began = self.capture_ended = self.has_graph_exec = False
         self.pool_id: tuple[int, int] | None = None
         self.device = 0
         self.replays = 0
+        self.workspaces: list[Segment] = []  # cuBLAS workspaces the captured kernels address
 
     def capture_begin(self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global") -> None:
         fake = self.fake
@@ -97,7 +110,7 @@ class FakeCUDAGraph:
         stream = fake.current_stream()
         if stream.is_default:
             raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
-        self.device = fake.current_device()
+        self.device, self.stream = fake.current_device(), stream
         with fake.lock:
             if pool is not None and (pool[0] or pool[1]):
                 if pool[0] and pool[1]:
@@ -105,19 +118,16 @@ class FakeCUDAGraph:
                 self.pool_id = tuple(pool)
             else:
                 self.pool_id = (next(fake._ids), 0)  # a private pool of this graph
-            # CG: beginAllocateToPool runs *before* cudaStreamBeginCapture, so a failed begin leaves routing on.
+            # CG: beginAllocateToPool (device, then host) runs *before* cudaStreamBeginCapture, so a
+            # failure after it leaves the device routing (and its use) behind.
             cap = Capture(next(fake._ids), stream, self.pool_id, capture_error_mode)
             fake._begin_allocate(self.pool_id, cap)
-            # CUDA: a stream captures one sequence at a time (cudaErrorIllegalState).
+            self.began = True
+            fake.host.begin_allocate_to_pool(self.pool_id, cap)  # host_pool_registration
+            # CUDA: a stream captures one sequence at a time (cudaErrorIllegalState). Captures on
+            # other streams may run concurrently: one capture at a time is the platform's policy.
             if stream.capture is not None:
                 raise RuntimeError(NOT_PERMITTED)
-            # torch/cuda/graphs.py (graph.__init__): "only one capture may be underway at a time in
-            # the process". Stricter than CUDA itself, which lets the second begin and then fails
-            # on the unsafe calls (sync, cudaMalloc) either one makes: both count as invalidated.
-            if fake.captures:
-                for other in fake.captures.values():
-                    fake._invalidate(other, "a second capture began in the process")
-                raise RuntimeError(f"{NOT_PERMITTED} (a second capture began while another is underway)")
             stream.capture = cap
             fake.captures[cap.id] = cap
             fake.max_concurrent = max(fake.max_concurrent, len(fake.captures))
@@ -136,27 +146,48 @@ class FakeCUDAGraph:
                 s.capture = None
             if cap.forks:
                 cap.invalid = cap.invalid or "unjoined"
-                raise RuntimeError("CUDA error: capture sequence contains a fork that was not joined to the primary stream")
-            # CG: AT_CUDA_CHECK(cudaStreamEndCapture) throws *before* endAllocateToPool: routing stays on.
             if cap.invalid is not None:
+                if holds("failed_capture_end_ends_routing"):  # 2.12+: routing ends before the re-raise
+                    fake._end_allocate(self.pool_id)
+                    fake.host.end_allocate_to_pool(self.pool_id)
+                if cap.invalid == "unjoined":
+                    raise RuntimeError("CUDA error: capture sequence contains a fork that was not joined to the primary stream")
                 raise RuntimeError(INVALIDATED)
             fake._end_allocate(self.pool_id)
+            fake.host.end_allocate_to_pool(self.pool_id)
         if cap.nodes == 0:  # CG: TORCH_WARN on an empty graph
             warnings.warn("The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device or stream.")
+        self.workspaces = list(cap.workspaces)
         self.capture_ended = self.has_graph_exec = True
 
     def replay(self) -> None:
         if not self.capture_ended:  # CG replay
             raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
+        for ws in self.workspaces:  # the kernels write the workspace address baked in at capture
+            if not self.fake.is_workspace(ws):
+                raise RuntimeError(
+                    f"CUDA error: an illegal memory access was encountered (the cuBLAS workspace at {ws.address:#x} this "
+                    f"graph captured was freed: {cite('reset_clears_cublas_workspace')})"
+                )
         self.replays += 1
         self.fake.replays += 1
 
     def reset(self) -> None:
-        # CG reset: releasePool only when capture_ended_; a failed capture_end leaks its pool use.
+        fake = self.fake
         self.capture = None
         if self.capture_ended:
-            self.fake._release(self.pool_id)
+            if holds("reset_clears_cublas_workspace"):
+                fake.clear_workspaces_for_stream(self.stream)
+            fake._release(self.pool_id)
+            fake.host.release_pool(self.pool_id)
             self.capture_ended = False
+        elif self.began and holds("failed_capture_releases_pool"):
+            with contextlib.suppress(RuntimeError):  # a routing the failed capture_end left on
+                fake._end_allocate(self.pool_id)
+                fake.host.end_allocate_to_pool(self.pool_id)
+            fake._release(self.pool_id)
+            fake.host.release_pool(self.pool_id)
+        self.began = False
         self.has_graph_exec = False
 
     def pool(self) -> tuple[int, int]:
@@ -170,7 +201,8 @@ class FakeCUDAGraph:
 
 
 class FakeMemPool:
-    """MP: the pool object holds one use of its id for its lifetime (``MemPool`` -> createOrIncrefPool)."""
+    """MP: the pool object holds one use of its id for its lifetime (``MemPool`` -> createOrIncrefPool),
+    on the device allocator only."""
 
     def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False):
         self.fake = current()
@@ -183,9 +215,13 @@ class FakeMemPool:
         return self.fake.pools[self.id].use_count if self.id in self.fake.pools else 0
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # MP ~MemPool: releasePool, then emptyCache(id)
-            self.fake._release(self.id)
-            self.fake._free_unused({self.id})
+        fake = self.fake
+        with contextlib.suppress(Exception):
+            fake._release(self.id)  # MP ~MemPool: releasePool, then emptyCache(id)
+        try:
+            fake.empty_pool(self.id)
+        except RuntimeError as e:  # thrown from a destructor: std::terminate in real torch
+            fake.fatal.append(f"~MemPool {self.id} while a capture routes: the process terminates ({e})")
 
 
 class FakeCuda(CachingAllocator):
@@ -198,7 +234,10 @@ class FakeCuda(CachingAllocator):
         self._local = threading.local()
         self.captures: dict[int, Capture] = {}
         CachingAllocator.__init__(self)
-        self.workspaces: dict[FakeStream, Segment] = {}
+        self.host = HostAllocator()
+        # CTX cublas_handle_stream_to_workspace: process-wide, keyed by (handle, stream); a handle per thread
+        self.workspaces: dict[tuple[int, FakeStream], Segment] = {}
+        self.fatal: list[str] = []  # what would have terminated the process (a destructor that threw)
         self.autotuned: set[Any] = set()
         self.max_concurrent = self.replays = 0
         self.invalidations: list[str] = []
@@ -266,11 +305,28 @@ class FakeCuda(CachingAllocator):
 
     def gemm(self) -> None:
         # cuBLAS keeps one workspace per (handle, stream): the first gemm on a stream allocates
-        # it, inside the capture (so into the pool, for good) when that stream is capturing.
+        # it, inside the capture (so into the pool) when that stream is capturing. A captured gemm
+        # bakes the workspace address into the graph.
         stream = self.current_stream()
-        if stream not in self.workspaces:
-            self.workspaces[stream] = self.malloc(WORKSPACE)
+        key = (threading.get_ident(), stream)
+        if key not in self.workspaces:
+            self.workspaces[key] = self.malloc(WORKSPACE)
+        if stream.capture is not None:
+            stream.capture.workspaces.append(self.workspaces[key])
         self.launch()
+
+    def workspace(self, stream: FakeStream) -> Segment | None:
+        """This thread's cuBLAS workspace on ``stream``."""
+        return self.workspaces.get((threading.get_ident(), stream))
+
+    def is_workspace(self, seg: Segment) -> bool:
+        return seg.allocated and any(w is seg for w in self.workspaces.values())
+
+    def clear_workspaces_for_stream(self, stream: FakeStream | None) -> None:
+        # CTX clearCublasWorkspacesForStream: every handle's workspace on that stream goes back to the allocator
+        with self.lock:
+            for key in [k for k in self.workspaces if k[1] is stream]:
+                self.free(self.workspaces.pop(key))
 
     def autotune(self, key: Any) -> None:
         # Triton/Inductor autotuning benchmarks configs and syncs on the first call of a shape.
@@ -286,7 +342,8 @@ class FakeCuda(CachingAllocator):
 
 
 def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
-    """Patch the double over torch.cuda for one test; returns its state."""
+    """Patch the double over torch.cuda until ``monkeypatch`` undoes it (a test, or a module with
+    ``pytest.MonkeyPatch.context()``: one platform for the whole module, as on a GPU); returns its state."""
     fake = FakeCuda(num_devices)
     monkeypatch.setattr(sys.modules[__name__], "_CURRENT", fake)
     cuda = torch.cuda
@@ -304,6 +361,7 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
         monkeypatch.setattr(cuda, name, value)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda device, pool: fake._end_allocate(tuple(pool)), raising=False)
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: fake._release(tuple(pool)), raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", fake.host.empty_cache, raising=False)
     # torch/cuda/memory.py use_mem_pool (run as it is) calls these through its module globals:
     # CCA beginAllocateToPool with a current-thread filter (incref, "already recording" check),
     # then endAllocateToPool and releasePool (a decref) on exit.
@@ -319,6 +377,6 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
     from piecewise_backend import platforms
     from piecewise_backend.platforms import cuda as cuda_platform
 
-    monkeypatch.setattr(cuda_platform, "_platforms", {}, raising=False)  # a fresh platform per test
+    monkeypatch.setattr(cuda_platform, "_platforms", {}, raising=False)  # a fresh platform per install
     getattr(platforms.get_platform, "cache_clear", lambda: None)()  # platform code that caches by name only
     return fake
