@@ -17,7 +17,8 @@ import torch
 
 import piecewise_backend as pb
 from piecewise_backend.platforms import cuda as cuda_platform
-from piecewise_backend.platforms import get_platform
+from piecewise_backend.memory import fresh_pool
+from piecewise_backend.platforms import get_platform, warmup_scope
 from tests import cuda_double
 from tests.cuda_double_models import DeviceMLP
 from tests.cuda_double_rules import holds
@@ -142,6 +143,19 @@ def test_a_new_generation_gets_its_own_stream_and_warms_it(fake):
     assert fake.workspace(p.stream).pool == (0, 0), "the new stream was not warmed up before its capture"
 
 
+def test_capture_in_a_scratch_pool_warms_its_stream(fake):
+    # Warmed up before fresh_pool(), captured inside it: the scratch generation's stream has no
+    # workspace yet, and one made inside the capture would stay in the pool (for good on 2.11).
+    p = get_platform("cuda")
+    w = pb.CUDAGraphWrapper(DeviceMLP(), M.FULL, config=CFG)
+    with warmup_scope(p):
+        run(w, M.NONE, None, x8())
+    with fresh_pool(p):
+        run(w, M.FULL, D8, x8())
+        assert fake.workspace(p.stream).pool == (0, 0), "the workspace was made inside the capture"
+        w.clear_graphs()
+
+
 # ---------------------------------------------------------------- failed captures
 
 
@@ -162,6 +176,7 @@ def test_failed_capture_leak_is_bounded_and_reported(fake):
     # the failed pool holds the uses the failed capture kept; once its generation ends they are given
     # back, so its memory goes (the model's output block, freed with the model, included)
     assert p.pool_id != failed_pool
+    fake.free(m.out)  # the output block the failed capture allocated (the log record keeps the model alive)
     del m, w
     gc.collect()
     p.release_cached()

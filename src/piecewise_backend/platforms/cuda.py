@@ -110,7 +110,7 @@ class CudaPlatform:
                             finally:
                                 self._stop_routing()
                     finally:
-                        self._local.warmed = False
+                        self._local.warmed = None
 
     @contextlib.contextmanager
     def warmup_scope(self) -> Iterator[None]:
@@ -120,9 +120,10 @@ class CudaPlatform:
         with exclusive("warming up"), torch.cuda.device(self.device):
             if not captures_open():
                 self.generations.collect()  # the stream warmed up is the one the capture will use
-            with on_stream(self.stream):
+            stream = self.stream
+            with on_stream(stream):
                 yield
-        self._local.warmed = True  # consumed by the next capture on this thread, or by warmed_step's end
+        self._local.warmed = stream  # consumed by the next capture on this thread, or by warmed_step's end
 
     @contextlib.contextmanager
     def warmed_step(self) -> Iterator[None]:
@@ -132,16 +133,18 @@ class CudaPlatform:
         try:
             yield
         finally:
-            self._local.warmed = False
+            self._local.warmed = None
 
     def warm_up(self, fn: Callable[..., Any], args: tuple, kwargs: dict, times: int) -> None:
         """Before a lazy capture: run ``fn`` ``times`` times eagerly (runtime mode NONE) on the
-        capture stream, unless this thread warmed up since its last capture.
+        capture stream, unless this thread warmed up on that stream since its last capture (a new
+        generation's stream has no cuBLAS workspace yet: made inside the capture, it would sit in the
+        pool for good on torch 2.11, whose reset() never frees it).
 
         Side effect: the step runs ``times`` extra times with the same inputs; state it
         updates in place (a counter, an accumulating cache) moves that many steps further.
         """
-        if getattr(self._local, "warmed", False):
+        if getattr(self._local, "warmed", None) is self.stream:
             return
         ctx = _CONTEXT.get()
         desc = ctx.batch_descriptor if ctx is not None else None
