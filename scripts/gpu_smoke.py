@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+if __name__ == "__main__" and not torch.cuda.is_available():  # at once, before the package's import
+    print("FAIL smoke: no CUDA device")
+    sys.exit(2)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import piecewise_backend as pb  # noqa: E402
 from piecewise_backend.platforms import get_platform  # noqa: E402
