@@ -6,8 +6,11 @@ rules, not values (CPU tensors compute eagerly; a fake replay re-runs nothing; t
 simulated platform checks values). Test models act on the "device" through ``launch``,
 ``malloc``, ``host_sync``, ``gemm`` and ``autotune`` of :func:`current`.
 
-The double is only as good as its fidelity: each rule names its source, and
-tests/test_cuda_double.py runs the same rule steps on the double and on a real GPU. CG is
+The double is only as good as its fidelity: each rule names its source, version-dependent
+rules come from the table in tests/cuda_double_rules.py (the installed torch's, or one a test
+pins), and tests/test_cuda_double.py runs the same rule steps on the double and on a real GPU.
+Streams, graphs and MemPools are in tests/cuda_double_graph.py, the allocators in
+tests/cuda_double_allocator.py. CG is
 aten/src/ATen/cuda/CUDAGraph.cpp, CCA c10/cuda/CUDACachingAllocator.cpp, MP
 aten/src/ATen/cuda/MemPool.cpp; "CUDA" is the runtime's stream-capture rules
 (cudaStreamCaptureModeGlobal: a potentially unsafe call from any thread fails and

@@ -197,3 +197,26 @@ def test_retired_pool_held_by_a_tensor_is_counted(fake):
     gc.collect()
     torch.cuda.empty_cache()
     assert pool not in {pid for pid, _, _ in p.retired_pools()}
+
+
+def test_parked_graphs_are_bounded(fake, monkeypatch):
+    # A wrapper cleared and captured again while another lives parks its old graphs each time:
+    # past the limit, later captures move to a new generation, and the old one ends with its last graph.
+    from piecewise_backend.platforms import cuda_pools
+
+    monkeypatch.setattr(cuda_pools, "_PARK_LIMIT", 3)
+    p = get_platform("cuda")
+    keep = captured(DeviceMLP())
+    first = p.pool_id
+    m = DeviceMLP()
+    w = pb.CUDAGraphWrapper(m, M.FULL, config=CFG)
+    for _ in range(5):
+        run(w, M.FULL, D4, x8(4))
+        w.clear_graphs()
+    assert p.pool_id != first and len(p.generations.older) >= 1
+    assert all(g.parked() <= 4 for g in p.generations.all())
+    run(keep, M.FULL, D8, x8())
+    del keep
+    gc.collect()
+    p.release_cached()
+    assert first not in {g.id for g in p.generations.all()}

@@ -83,8 +83,9 @@ class CudaRecorder:
             else:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if empty:  # CUDA warns on every capture of an empty graph; nothing to replay, but parked (see module doc)
-            self.gen.adopt(self.graph)
-            return EmptyGraph()
+            placeholder = EmptyGraph()
+            self.gen.adopt(self.graph, placeholder)
+            return placeholder
         segment = CudaGraphSegment(self.graph)
         self.gen.adopt(self.graph, segment)
         return segment
