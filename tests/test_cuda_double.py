@@ -230,16 +230,19 @@ def rule_free_blocks_of_a_private_pool_are_per_stream(dev: Device) -> None:
 
 
 def rule_legacy_stream_cannot_wait_on_a_capture(dev: Device) -> None:
+    # cudaErrorStreamCaptureImplicit at once (a side stream waiting would join the capture instead).
+    # Whether CUDA also invalidates the capture is not part of the rule: both endings are cleaned up.
     pool, s, g = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
     with torch.cuda.stream(s), closed(g, s):
         g.capture_begin(pool=pool)
         dev.work()
         with pytest.raises(RuntimeError):
             torch.cuda.default_stream().wait_stream(s)
-        with pytest.raises(RuntimeError):
+        try:
             g.capture_end()
+        except RuntimeError:
+            end_routing(pool)
     g.reset()
-    end_routing(pool)
 
 
 STEPS = [
