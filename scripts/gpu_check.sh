@@ -102,10 +102,10 @@ pytest_step() {  # pytest_step NAME LIMIT_S FILES...: -m cuda, faulthandler dump
 
 step smoke 60 "$PY" scripts/gpu_smoke.py
 pytest_step rules 60 tests/test_cuda_double.py
-pytest_step cuda 110 tests/test_cuda.py
-pytest_step memory 45 tests/test_memory.py
-pytest_step kvhf 50 tests/test_kv.py tests/test_hf.py
-step example 50 "$PY" examples/hf_generate.py --arch llama --check
+pytest_step cuda 120 tests/test_cuda.py
+pytest_step memory 40 tests/test_memory.py
+pytest_step kvhf 45 tests/test_kv.py tests/test_hf.py
+step example 45 "$PY" examples/hf_generate.py --arch llama --check
 BENCH=$(( $(left) - 20 ))
 step bench "$BENCH" "$PY" benchmarks/run.py --cuda --budget "$(( BENCH > 60 ? BENCH - 40 : 20 ))" --out "$OUT/benchmarks.md"
 
