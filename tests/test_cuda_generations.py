@@ -156,6 +156,23 @@ def test_capture_in_a_scratch_pool_warms_its_stream(fake):
         w.clear_graphs()
 
 
+def test_graphs_dying_between_warm_up_and_capture_keep_the_stream(fake):
+    # gc may collect the last graphs of the current generation after a capture's warm-up: the
+    # capture must still run on the stream that warm-up prepared (else cuBLAS makes a workspace
+    # inside the capture, in the pool, for good on 2.11).
+    p = get_platform("cuda")
+    dying = captured(DeviceMLP())
+    w = pb.CUDAGraphWrapper(DeviceMLP(), M.FULL, config=CFG)
+    with warmup_scope(p):
+        run(w, M.NONE, None, x8(4))
+    del dying
+    gc.collect()
+    with pb.expect(captures=1):
+        run(w, M.FULL, D4, x8(4))
+    assert fake.workspace(p.stream).pool == (0, 0)
+    assert all(ws.pool == (0, 0) for ws in w.entries[D4].segments[0].graph.workspaces)
+
+
 # ---------------------------------------------------------------- failed captures
 
 

@@ -100,7 +100,9 @@ class CudaPlatform:
             if not gc_managed():
                 gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
             with torch.cuda.device(self.device):
-                self.generations.collect()  # outside any capture: ending a generation drops its MemPool
+                # outside any capture (ending a generation drops its MemPool); the current one stays: this
+                # capture's warm-up made its stream's workspace (a gc between them may have freed its graphs)
+                self.generations.collect(current=False)
                 torch.cuda.synchronize()
                 with capture_open():
                     try:

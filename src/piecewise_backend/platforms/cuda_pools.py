@@ -89,11 +89,15 @@ class Generations:
         gen.end()
         self.retired[gen.id] = why
 
-    def collect(self) -> None:
-        """End every generation none of whose graphs is used any more. Call outside captures."""
+    def collect(self, current: bool = True) -> None:
+        """End every generation none of whose graphs is used any more. Call outside captures.
+        ``current=False`` keeps the current one (and its stream): right before a capture, whose
+        warm-up made the stream's cuBLAS workspace, a switch would leave the capture without it."""
         for gen in [g for g in self.older if not g.live]:
             self.older.remove(gen)
             self._end(gen, "its graphs were dropped")
+        if not current:
+            return
         if self.current.graphs and not self.current.live:
             self._end(self.current, "its graphs were dropped")
             self.current = self._new()
