@@ -388,3 +388,16 @@ def test_platform_is_keyed_by_device(fake):
         assert platform() is p1
     assert p0 is not p1 and (p0.device, p1.device) == (0, 1)
     assert p1.stream.device_index == 1 and p0.pool_id != p1.pool_id
+
+
+def test_the_platform_layer_imports_nothing_above_it():
+    # DESIGN section 3: data flows one way. The capture layer tells platforms about gc through
+    # platforms.set_gc_managed() instead of being imported by them.
+    import ast
+    from pathlib import Path
+
+    above = {"capture", "wrappers", "assembly", "runner", "memory", "entry", "backend", "kv", "hf", "dispatch"}
+    for path in Path(cuda_platform.__file__).parent.glob("cuda*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                assert (node.module or "").split(".")[0] not in above, f"{path.name} imports ..{node.module}"
