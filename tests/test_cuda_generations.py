@@ -143,6 +143,18 @@ def test_a_new_generation_gets_its_own_stream_and_warms_it(fake):
     assert fake.workspace(p.stream).pool == (0, 0), "the new stream was not warmed up before its capture"
 
 
+def test_ended_generations_streams_are_reused(fake):
+    # On torch 2.11 a stream's cuBLAS workspace is never freed: a fresh stream per generation
+    # would keep one more each time. An ended generation's stream serves a later one.
+    p = get_platform("cuda")
+    streams = set()
+    for _ in range(4):
+        w = captured(DeviceMLP())
+        streams.add(p.stream.cuda_stream)
+        w.clear_graphs()
+    assert len(streams) <= 2
+
+
 def test_capture_in_a_scratch_pool_warms_its_stream(fake):
     # Warmed up before fresh_pool(), captured inside it: the scratch generation's stream has no
     # workspace yet, and one made inside the capture would stay in the pool (for good on 2.11).

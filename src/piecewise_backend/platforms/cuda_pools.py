@@ -71,6 +71,9 @@ class Generations:
         self.retired: dict[tuple[int, int], str] = {}  # ended generations' pools -> why (memory may remain)
         self.failed_captures = 0
         self.leaked_host_uses = 0  # host-allocator uses failed captures leaked: no binding releases them
+        # streams of ended generations, reused first: torch 2.11 never frees a stream's cuBLAS workspace,
+        # so every new stream would keep one more (32 MiB per thread on Hopper)
+        self.spare_streams: list[Any] = []
         self.current: Generation | None = None
         self.current = self._new()
 
@@ -78,7 +81,11 @@ class Generations:
         return [*self.older, *self.saved, *([self.current] if self.current is not None else [])]
 
     def _new(self) -> Generation:
-        return Generation(self.device, new_capture_stream(self.device, (g.stream.cuda_stream for g in self.all())))
+        taken = {g.stream.cuda_stream for g in self.all()}
+        spare = [st for st in self.spare_streams if st.cuda_stream not in taken]
+        stream = spare[0] if spare else new_capture_stream(self.device, taken)
+        self.spare_streams = [st for st in self.spare_streams if st is not stream]
+        return Generation(self.device, stream)
 
     def switch(self) -> None:
         """Later captures go to a new generation; the current one ends once its graphs are dead."""
@@ -88,6 +95,7 @@ class Generations:
     def _end(self, gen: Generation, why: str) -> None:
         gen.end()
         self.retired[gen.id] = why
+        self.spare_streams.append(gen.stream)
 
     def collect(self, current: bool = True) -> None:
         """End every generation none of whose graphs is used any more. Call outside captures.
