@@ -209,6 +209,7 @@ def test_failed_capture_leak_is_bounded_and_reported(fake):
     del m, w
     gc.collect()
     p.release_cached()
+    assert "1 failed capture(s)" in p.generations.retired[failed_pool]
     assert failed_pool not in fake.pools, "the failed capture's pool never became freeable"
     assert all(pid != failed_pool for pid, _, _ in p.retired_pools())
 

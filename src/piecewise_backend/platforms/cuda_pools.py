@@ -39,6 +39,7 @@ class Generation:
         self.graphs: list[torch.cuda.CUDAGraph] = []  # every graph captured here, live or parked
         self.live: weakref.WeakSet[Any] = weakref.WeakSet()  # the segments entries hold
         self.leaked = 0  # device uses of this pool that failed captures kept (torch without PR 190348)
+        self.failures = 0  # captures CUDA invalidated in this pool
 
     def adopt(self, graph: torch.cuda.CUDAGraph, segment: Any = None) -> None:
         self.graphs.append(graph)
@@ -93,6 +94,8 @@ class Generations:
         self.current = self._new()
 
     def _end(self, gen: Generation, why: str) -> None:
+        if gen.failures:
+            why += f"; {gen.failures} failed capture(s) in it, {gen.leaked} leaked device use(s) given back"
         gen.end()
         self.retired[gen.id] = why
         self.spare_streams.append(gen.stream)

@@ -57,6 +57,7 @@ def recover(platform: CudaPlatform, graph: Any, gen: Generation, error: BaseExce
         gen.leaked += 1  # no PR 190348: reset() kept the failed capture's pool uses
         platform.generations.leaked_host_uses += 1
     _failed_graphs.append(graph)
+    gen.failures += 1
     platform.generations.failed_captures += 1
     with torch.cuda.device(platform.device), torch.cuda.stream(gen.stream):
         if torch.cuda.is_current_stream_capturing():
