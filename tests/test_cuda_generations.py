@@ -195,9 +195,9 @@ def test_failed_capture_leak_is_bounded_and_reported(fake):
     w = pb.CUDAGraphWrapper(m, M.FULL, config=CFG)
     run(w, M.NONE, None, x8())
     m.fail = "sync"
-    failed_pool = p.pool_id
     with pytest.raises(RuntimeError, match="not permitted"):
         run(w, M.FULL, D8, x8())
+    failed_pool = p.generations.older[-1].id  # the generation the capture failed in, set aside
     leaks = p.leaks()
     assert leaks["failed_captures"] == before["failed_captures"] + 1
     leaked = not holds("failed_capture_releases_pool")
