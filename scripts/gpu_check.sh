@@ -1,103 +1,125 @@
 #!/usr/bin/env bash
-# GPU check: the CUDA-marked tests and the CUDA benchmarks, results into docs/benchmarks.md.
+# GPU check: one verdict line per step, for the lent GPU machine's single call.
 #
-#   bash scripts/gpu_check.sh [DOC]        # from anywhere; DOC defaults to docs/benchmarks.md
+#   bash scripts/gpu_check.sh          # from anywhere; results in $OUT (default: a new /tmp folder)
 #
-# For a CUDA machine with torch (2.11+) and pytest already installed: installs nothing from
-# the network (the package itself goes in with pip --no-deps --no-build-isolation, else
-# PYTHONPATH=src), and needs no expecttest (only the -m cuda tests of tests/test_cuda_double.py,
-# test_cuda.py, test_memory.py, test_kv.py and test_hf.py run; test_hf.py and the HF example need
-# transformers and say so when it is missing).
-# Everything is bounded by `timeout` to finish within 8 minutes (GPU_CHECK_SECONDS).
-# It rewrites the GPU section of DOC (date, torch, GPU, test summary, tables). When $OUT is
-# set (the device runner's output folder), DOC and the logs are copied there too.
+# Steps, each in a process of its own with its own timeout (the smoke and the rule checks first,
+# so that a timeout still leaves a verdict on what matters most):
+#   gate    nvidia-smi, Python, torch and CUDA versions; "FAIL gate: no CUDA device" and exit 1 at once without CUDA
+#   smoke   scripts/gpu_smoke.py: the platform's riskiest paths against eager (60 s)
+#   rules   tests/test_cuda_double.py -m cuda: the CPU double's rules on this GPU and torch
+#   cuda    tests/test_cuda.py -m cuda
+#   memory  tests/test_memory.py -m cuda
+#   kvhf    tests/test_kv.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py -m cuda
+#   twins   tests/test_sim_rules.py tests/test_inputs.py -m cuda: the simulator's rules, on a real graph
+#   example examples/hf_generate.py --arch llama --check, then examples/spec_decode.py --check
+#   nccl    with 2+ GPUs only: tensor_parallel.py and moe_dbo.py --check, bench_dbo.py on NCCL
+#   bench   benchmarks/run.py --cuda (what time is left), written to $OUT/benchmarks.md
+# Each step prints "PASS|FAIL|TIMEOUT <step> (<seconds> s)"; a table of them ends the run and
+# $OUT/summary.txt; the exit status is 1 if any step did not pass. Files under $OUT (8 at most):
+# summary.txt, steps.log (every step's output, appended as it runs), junit_<step>.xml for the
+# five pytest steps, benchmarks.md. Wheels in .whl/ (e.g. expecttest) are installed first, offline.
+# The whole run stays under GPU_CHECK_SECONDS (default 450).
 set -u
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
-PY="${PYTHON:-python}"
-DOC="${1:-docs/benchmarks.md}"
-TOTAL="${GPU_CHECK_SECONDS:-480}"
-LOGS="$(mktemp -d /tmp/gpu_check.XXXXXX)"
+PY="${PYTHON:-python3}"
+OUT="${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}"
+mkdir -p "$OUT"
+TOTAL="${GPU_CHECK_SECONDS:-450}"
 START=$(date +%s)
-left() { echo $(( TOTAL - ($(date +%s) - START) )); }
-upto() { local l; l=$(left); [ "$l" -lt "$1" ] && echo $(( l > 10 ? l : 10 )) || echo "$1"; }  # a step's timeout: N s, or what is left
+SUMMARY="$OUT/summary.txt"
+LOG="$OUT/steps.log"
+: >"$SUMMARY"
+: >"$LOG"
 export PYTHONPATH="$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+say() { echo "$*" | tee -a "$SUMMARY"; }
+left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 
-echo "== gpu_check: $(date -u '+%Y-%m-%d %H:%M UTC'), logs in $LOGS"
-"$PY" - <<'EOF' 2>&1 | tee "$LOGS/env.log"
-import sys, torch
+# ---- gate: versions, and no CUDA means no verdict worth having
+say "== gpu_check $(date -u '+%Y-%m-%d %H:%M UTC'), results in $OUT"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/nvidia-smi: /' | tee -a "$SUMMARY"
+else
+  say "nvidia-smi: not found"
+fi
+GATE=$(timeout 60 "$PY" - 2>&1 <<'EOF'
+import sys
+import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("gpu", torch.cuda.get_device_name(), "| count", torch.cuda.device_count())
+sys.exit(0 if torch.cuda.is_available() else 3)
 EOF
+)
+GATE_RC=$?
+say "$GATE"
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then  # to check this script's own machinery on a CPU: every verdict is void
+  say "DRY RUN: gate bypassed without CUDA; the verdicts below say nothing about a GPU"
+elif [ "$GATE_RC" != 0 ]; then
+  say "FAIL gate: no CUDA device"
+  exit 1
+fi
+say "PASS gate ($(( $(date +%s) - START )) s)"
 
-echo "== install (no network, no deps)"
-if timeout 90 "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . >"$LOGS/pip.log" 2>&1; then
-  echo "installed editable (entry point registered)"
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (expecttest...), installed without the network
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/gpu_check_site .whl/*.whl >>"$LOG" 2>&1 \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+fi
+
+VERDICTS=()
+FAILED=0
+# step NAME LIMIT_S COMMAND...: run with a timeout (the smaller of LIMIT_S and what is left),
+# its output appended to steps.log as it runs, one verdict line
+step() {
+  local name="$1" limit="$2" budget rc t0 verdict
+  shift 2
+  budget=$(left)
+  budget=$(( budget - 10 ))
+  [ "$budget" -lt "$limit" ] && limit="$budget"
+  if [ "$limit" -lt 15 ]; then
+    verdict="TIMEOUT $name (0 s, no time left)"
+    FAILED=1
+  else
+    echo "===== $name (limit $limit s): $*" >>"$LOG"
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    rc=$?
+    if [ "$rc" = 0 ]; then verdict="PASS"; elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then verdict="TIMEOUT"; else verdict="FAIL"; fi
+    [ "$rc" = 0 ] || FAILED=1
+    verdict="$verdict $name ($(( $(date +%s) - t0 )) s)"
+    echo "===== $verdict (exit status $rc)" >>"$LOG"
+  fi
+  VERDICTS+=("$verdict")
+  say "$verdict"
+}
+pytest_step() {  # pytest_step NAME LIMIT_S FILES...: -m cuda, faulthandler dumps a hung test's stacks
+  local name="$1" limit="$2"
+  shift 2
+  step "$name" "$limit" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider -o "faulthandler_timeout=$(( limit - 5 ))" \
+    --junitxml="$OUT/junit_$name.xml" "$@"
+}
+
+step smoke 60 "$PY" scripts/gpu_smoke.py
+pytest_step rules 60 tests/test_cuda_double.py
+pytest_step cuda 120 tests/test_cuda.py
+pytest_step memory 40 tests/test_memory.py
+pytest_step kvhf 90 tests/test_kv.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py
+pytest_step twins 40 tests/test_sim_rules.py tests/test_inputs.py
+step example 45 "$PY" examples/hf_generate.py --arch llama --check
+step spec 45 "$PY" examples/spec_decode.py --arch llama --num-speculative-tokens 2 --check
+if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then
+  step nccl 150 bash -c "'$PY' -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py --check --steps 8 \
+    && '$PY' -m torch.distributed.run --standalone --nproc-per-node 2 examples/moe_dbo.py --check --steps 8 \
+    && '$PY' benchmarks/bench_dbo.py --quick --backend nccl"
 else
-  echo "pip install -e . failed (see $LOGS/pip.log); running from PYTHONPATH=src"
+  say "     nccl: not run (needs 2+ GPUs)"
 fi
+BENCH=$(( $(left) - 20 ))
+step bench "$BENCH" "$PY" benchmarks/run.py --cuda --budget "$(( BENCH > 60 ? BENCH - 40 : 20 ))" --out "$OUT/benchmarks.md"
 
-echo "== CUDA tests (-m cuda: the CPU double's rules on this GPU, tests/test_cuda.py, graph memory, KV cache, HF)"
-TEST_RC=0
-if "$PY" -c "import pytest" 2>/dev/null; then
-  # The rule checks leave the allocator as CUDA does after a failure: a process of their own.
-  timeout -k 10 60 "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda_double.py \
-    2>&1 | tee "$LOGS/cuda_tests.log"
-  RULES_RC=${PIPESTATUS[0]}
-  timeout -k 10 "$(( $(left) / 3 ))" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_cuda.py \
-    2>&1 | tee -a "$LOGS/cuda_tests.log"
-  TEST_RC=${PIPESTATUS[0]}
-  [ "$TEST_RC" = 124 ] && echo "CUDA tests: killed by timeout" | tee -a "$LOGS/cuda_tests.log"
-  # graph memory on the GPU, then the paged KV cache and the HF adapter (a step each, own timeout)
-  timeout -k 10 "$(upto 60)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_memory.py \
-    2>&1 | tee -a "$LOGS/cuda_tests.log"
-  MEM_RC=${PIPESTATUS[0]}
-  timeout -k 10 "$(upto 180)" "$PY" -m pytest -m cuda -q -rfEs -p no:cacheprovider tests/test_kv.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py \
-    2>&1 | tee -a "$LOGS/cuda_tests.log"
-  KVHF_RC=${PIPESTATUS[0]}
-  for rc in $RULES_RC $MEM_RC $KVHF_RC; do [ "$TEST_RC" = 0 ] && TEST_RC=$rc; done
-else
-  TEST_RC=127
-  echo "pytest is not installed: CUDA tests not run" | tee "$LOGS/cuda_tests.log"
-fi
-echo "pytest exit status $TEST_RC" >>"$LOGS/cuda_tests.log"
-
-echo "== HF example on the GPU (greedy tokens checked against model.generate)"
-timeout -k 10 "$(upto 90)" "$PY" examples/hf_generate.py --arch llama --check 2>&1 | tee "$LOGS/example.log"
-EXAMPLE_RC=${PIPESTATUS[0]}
-[ "$EXAMPLE_RC" = 124 ] && echo "example: killed by timeout" | tee -a "$LOGS/example.log"
-[ "$TEST_RC" = 0 ] && TEST_RC=$EXAMPLE_RC
-echo "== speculative decoding example on the GPU (target FULL verify graphs, drafter PIECEWISE)"
-timeout -k 10 "$(upto 90)" "$PY" examples/spec_decode.py --arch llama --num-speculative-tokens 2 --check 2>&1 | tee -a "$LOGS/example.log"
-SPEC_RC=${PIPESTATUS[0]}
-[ "$TEST_RC" = 0 ] && TEST_RC=$SPEC_RC
-
-if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then echo "== tensor parallel example (NCCL, 2 GPUs)"; timeout -k 10 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py --check --steps 8 2>&1 | tee "$LOGS/tp.log" ${OUT:+"$OUT/tp.log"}; echo "tensor parallel example exit status ${PIPESTATUS[0]}"; else echo "== tensor parallel example: skipped (needs >= 2 GPUs)"; fi
-
-if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then echo "== micro-batching: MoE example and step time (NCCL, 2 GPUs)"; timeout -k 10 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 examples/moe_dbo.py --check --steps 8 2>&1 | tee "$LOGS/moe_dbo.log" ${OUT:+"$OUT/moe_dbo.log"}; echo "MoE micro-batching example exit status ${PIPESTATUS[0]}"; timeout -k 10 "$(upto 120)" "$PY" benchmarks/bench_dbo.py --quick --backend nccl 2>&1 | tee "$LOGS/bench_dbo.log" ${OUT:+"$OUT/bench_dbo.log"}; else echo "== micro-batching on NCCL: skipped (needs >= 2 GPUs)"; fi
-
-echo "== CUDA benchmarks ($(left) s left)"
-BUDGET=$(( $(left) - 30 ))
-BENCH_RC=0
-if [ "$BUDGET" -gt 60 ]; then
-  # --budget cuts the timed loops short; `timeout` is the hard stop (the doc is rewritten
-  # after each part, so a kill keeps the parts already measured).
-  timeout -k 10 "$BUDGET" "$PY" benchmarks/run.py --cuda --budget "$(( BUDGET - 60 ))" --out "$DOC" \
-    --pytest-log "$LOGS/cuda_tests.log" 2>&1 | tee "$LOGS/bench.log"
-  BENCH_RC=${PIPESTATUS[0]}
-  [ "$BENCH_RC" = 124 ] && echo "benchmarks: killed by timeout after ${BUDGET}s" | tee -a "$LOGS/bench.log"
-else
-  echo "no time left for the benchmarks" | tee "$LOGS/bench.log"
-fi
-
-[ "$(left)" -gt 60 ] && timeout -k 10 "$(( $(left) - 30 ))" "$PY" benchmarks/bench_memory.py --cuda --quick 2>&1 | tee -a "$LOGS/bench.log"  # graph memory: ladder vs largest, estimate (issue 11)
-
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  cp "$DOC" "$OUT/benchmarks.md" 2>/dev/null
-  for f in env pip cuda_tests example bench; do cp "$LOGS/$f.log" "$OUT/$f.log" 2>/dev/null; done
-fi
-echo "== done in $(( $(date +%s) - START )) s: tests rc=$TEST_RC, benchmarks rc=$BENCH_RC; results in $DOC"
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
+say "== verdicts ($(( $(date +%s) - START )) s in all)"
+for v in "${VERDICTS[@]}"; do say "  $v"; done
+exit "$FAILED"

@@ -1,5 +1,7 @@
-"""The caching allocator part of the CUDA double (tests/cuda_double.py): graph pools, their
-use counts, capture routing and segments, after c10/cuda/CUDACachingAllocator.cpp (CCA)."""
+"""The caching allocators of the CUDA double (tests/cuda_double.py): graph pools, their use
+counts, capture routing and segments, after c10/cuda/CUDACachingAllocator.cpp (CCA), and the
+host (pinned memory) allocator's pool registry, after ATen/core/CachingHostAllocator.h (CHA).
+Version-dependent rules come from tests/cuda_double_rules.py."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from tests.cuda_double_rules import holds
 
 if TYPE_CHECKING:
     from tests.cuda_double import Capture, FakeStream
@@ -36,9 +40,56 @@ class Segment:
     def allocated(self, value: bool) -> None:
         self._held, self._user = value, None
 
+
 class PrivatePool:
     def __init__(self) -> None:
         self.use_count = 1  # CCA create_or_incref_pool: a new pool starts with one use
+
+
+class HostAllocator:
+    """CHA's graph-pool registry (host_pool_registration): CUDAGraph registers its pool here too.
+    The pinned blocks themselves are not modelled (a graph of this library allocates none)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[tuple[int, int], PrivatePool] = {}
+        self.freeable: set[tuple[int, int]] = set()
+        self.routing: list[tuple[tuple[int, int], Any]] = []
+
+    def begin_allocate_to_pool(self, pool_id: tuple[int, int], owner: Any) -> None:
+        # CHA create_or_incref_pool_under_lock, then the "already recording" check
+        if pool_id not in self.pools:
+            self.pools[pool_id] = PrivatePool()
+        else:
+            if self.pools[pool_id].use_count <= 0:
+                raise RuntimeError(
+                    f"INTERNAL ASSERT FAILED at CachingHostAllocator.h: it->second->use_count > 0 (host pool {pool_id} "
+                    "reached 0 uses when its last graph was reset; torch.cuda.graph calls _host_emptyCache() first)"
+                )
+            self.pools[pool_id].use_count += 1
+        if any(p == pool_id for p, _ in self.routing):
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id (host allocator)")
+        self.routing.append((pool_id, owner))
+
+    def end_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
+        for i, (p, _) in enumerate(self.routing):
+            if p == pool_id:
+                del self.routing[i]
+                return
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id (host allocator)")
+
+    def release_pool(self, pool_id: tuple[int, int]) -> None:
+        pool = self.pools[pool_id]
+        pool.use_count -= 1
+        if pool.use_count < 0:
+            raise RuntimeError("INTERNAL ASSERT FAILED at CachingHostAllocator.h: uc >= 0")
+        if pool.use_count == 0:
+            self.freeable.add(pool_id)
+
+    def empty_cache(self) -> None:
+        # CHA empty_cache: a freeable pool without blocks (all of them here) is erased
+        for pool_id in self.freeable:
+            del self.pools[pool_id]
+        self.freeable.clear()
 
 
 class CachingAllocator:
@@ -98,10 +149,17 @@ class CachingAllocator:
                     del self.pools[pid]
 
     def empty_cache(self) -> None:
-        # CCA synchronize_and_free_events: TORCH_INTERNAL_ASSERT(captures_underway.empty()).
-        if self.routing:
+        # empty_cache_skips_routed_pools: no error while a capture routes (routed pools hold a use, so
+        # they are not freeable anyway); before that rule CCA asserted captures_underway.empty().
+        if self.routing and not holds("empty_cache_skips_routed_pools"):
             raise RuntimeError("INTERNAL ASSERT FAILED: captures_underway.empty()")
         self._free_unused({(0, 0)} | {p for p, pool in self.pools.items() if pool.use_count == 0})
+
+    def empty_pool(self, pool_id: tuple[int, int]) -> None:
+        """CCA emptyCache(pool), what ~MemPool runs: synchronize_and_free_events asserts no capture routes."""
+        if self.routing:
+            raise RuntimeError("INTERNAL ASSERT FAILED: captures_underway.empty()")
+        self._free_unused({pool_id})
 
     def malloc(self, nbytes: int, *, backed: bool = False) -> Segment:
         """An allocation on the current stream (routed to a pool while that stream captures, or
@@ -112,12 +170,12 @@ class CachingAllocator:
             pool = self._routed_pool(cap)
             for seg in self.segments:
                 fits = seg.pool == pool and seg.size >= nbytes and (seg.memory is not None or not backed)
-                if fits and not seg.allocated and (pool != (0, 0) or seg.stream is stream):
+                if fits and not seg.allocated and seg.stream is stream:  # CCA: free blocks are per stream, any pool
                     seg.allocated = True
                     return seg
             # CCA cudaMallocMaybeCapturing: a cudaMalloc on a *capturing* stream runs under a relaxed
             # capture-mode guard; elsewhere it is a plain cudaMalloc, unsafe during a global capture.
-            others = [c for c in self.captures.values() if c is not cap and c.mode == "global"]
+            others = [] if cap is not None else [c for c in self.captures.values() if c.mode == "global"]
             if others:
                 for c in others:
                     self._invalidate(c, "cudaMalloc from another stream")

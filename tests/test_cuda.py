@@ -16,6 +16,7 @@ import piecewise_backend as pb
 from piecewise_backend.capture import EagerSegment, capture_active
 from piecewise_backend.memory import fresh_pool
 from piecewise_backend.platforms import get_platform, warmup_scope
+from piecewise_backend.platforms.cuda_graphs import CudaGraphSegment
 from piecewise_backend.weak import is_weak
 from tests.helpers import (
     BREAK_CALLS,
@@ -105,7 +106,7 @@ def test_cuda_platform_is_used():
     run(w, M.FULL, D8, x)
     assert w.platform.name == "cuda"
     (seg,) = w.entries[D8].segments
-    assert isinstance(seg, torch.cuda.CUDAGraph)
+    assert isinstance(seg, CudaGraphSegment) and isinstance(seg.graph, torch.cuda.CUDAGraph)
 
 
 # ---------------------------------------------------------------- replay
@@ -161,7 +162,7 @@ def test_cuda_two_breaks_g_e_g_e_g(fresh):
     assert_close(out, m(static), **TOL)
     entry = w.entries[D8]
     assert segment_kinds(entry) == "G E G E G"
-    assert all(isinstance(s, (EagerSegment, torch.cuda.CUDAGraph)) for s in entry.segments)
+    assert all(isinstance(s, (EagerSegment, CudaGraphSegment)) for s in entry.segments)
     for seed in (1, 2, 3):
         static.copy_(xc(seed))
         calls = BREAK_CALLS[key]
@@ -616,7 +617,7 @@ def test_cuda_memory_is_the_pool():
     run(w, M.FULL, D8, x)
     grown = platform.memory() - before
     assert 0 <= grown < 64 << 20
-    ids = {tuple(p.id) for p in platform.pools} | platform._retired  # dropped pools a tensor still holds
+    ids = {tuple(p.id) for p in platform.pools} | {pid for pid, _, _ in platform.retired_pools()}  # retired, still held
     assert platform.memory() == sum(
         s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) in ids
     )
@@ -648,7 +649,7 @@ def test_cuda_empty_segment_between_breaks_is_skipped():
         out = run(w, M.PIECEWISE, D8, x)
     assert not [c for c in caught if "empty" in str(c.message)]
     assert_close(out, m(x), **TOL)
-    assert sum(isinstance(s, torch.cuda.CUDAGraph) for s in w.entries[D8].segments) == 2
+    assert sum(isinstance(s, CudaGraphSegment) for s in w.entries[D8].segments) == 2
 
 
 # Graph memory on CUDA (twins of tests/test_cuda_memory.py).

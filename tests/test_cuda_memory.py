@@ -5,6 +5,7 @@ blocks of the platform's graph pool, so entries hold them weakly and a later cap
 them; breaks run between segments, where no capture routes the allocator, so the platform
 routes them to the pool itself. A pool's free blocks go back to the driver only once the
 pool is dead (no MemPool and no graph uses it). tests/test_cuda.py has the real-GPU twins.
+One platform for the module (as on a GPU), once per torch release of the double's rule table.
 """
 
 from __future__ import annotations
@@ -26,10 +27,18 @@ D4, D8 = pb.BatchDescriptor(4), pb.BatchDescriptor(8)
 CFG = pb.CompilationConfig(platform="cuda", compile_pieces="eager", num_warmups=0)
 
 
+@pytest.fixture(scope="module", params=[(2, 11), (2, 13)], ids=["torch2.11", "torch2.13"])
+def double(request):
+    with cuda_double.installed(request.param) as fake:
+        yield fake
+
+
 @pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setattr(cuda_platform, "gc_managed", lambda: True, raising=False)  # no gc.collect per capture
-    return cuda_double.install(monkeypatch)
+def fake(double, monkeypatch):
+    monkeypatch.setattr(cuda_platform, "gc_managed", lambda: True)  # no gc.collect per capture
+    get_platform("cuda").release_cached()  # each test measures from a platform without dead graphs
+    yield double
+    cuda_double.check_clean(double)
 
 
 @pb.eager_break

@@ -1,7 +1,9 @@
 """platforms/cuda.py run against the CPU double of torch.cuda's graph API (tests/cuda_double.py).
 
 Each test names the rule it checks; tests/test_cuda.py has the real-GPU twins. The double
-checks the platform's state machine (pools, routing, streams, captures), not values.
+checks the platform's state machine (pools, routing, streams, captures), not values. As on a
+GPU, one platform serves the whole module (dead graphs, parked graphs and retired pools carry
+over from test to test), once per torch release of the rule table (2.11 and 2.13 rules).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch
 import piecewise_backend as pb
 from piecewise_backend.platforms import cuda as cuda_platform
 from piecewise_backend.platforms import get_platform
+from piecewise_backend.platforms.cuda_graphs import CudaGraphSegment
 from tests import cuda_double
 from tests.cuda_double import INVALIDATED, NOT_PERMITTED, WORKSPACE
+from tests.cuda_double_models import DeviceMLP
 from tests.helpers import run, segment_kinds
 
 M = pb.CUDAGraphMode
@@ -25,37 +29,28 @@ D4, D8 = pb.BatchDescriptor(4), pb.BatchDescriptor(8)
 CFG = pb.CompilationConfig(platform="cuda", compile_pieces="eager")
 
 
+@pytest.fixture(scope="module", params=[(2, 11), (2, 13)], ids=["torch2.11", "torch2.13"])
+def double(request):
+    with cuda_double.installed(request.param) as fake:
+        yield fake
+
+
 @pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setattr(cuda_platform, "gc_managed", lambda: True, raising=False)  # no gc.collect per capture: 0.3 s here
-    return cuda_double.install(monkeypatch)
+def fake(double, monkeypatch):
+    monkeypatch.setattr(cuda_platform, "gc_managed", lambda: True)  # no gc.collect per capture: 0.3 s here
+    double.invalidations.clear()  # per test: what this test's steps did
+    double.autotuned.clear()  # each test's model is new: its kernels autotune on first use
+    double.max_concurrent = 0
+    yield double
+    cuda_double.check_clean(double)
 
 
-class DeviceMLP(torch.nn.Module):
-    """What a small MLP does on a GPU, told to the double: a gemm (cuBLAS workspace), an
-    autotuned kernel per shape, an output allocation; ``fail`` raises or syncs mid-step."""
-
-    def __init__(self, out_bytes: int = 1 << 20):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.out_bytes, self.calls, self.out = out_bytes, 0, None
-        self.fail: str | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fake = cuda_double.current()
-        self.calls += 1
-        fake.gemm()
-        fake.autotune(("mlp", x.shape[0]))
-        if self.out is not None:
-            fake.free(self.out)
-        self.out = fake.malloc(self.out_bytes)
-        if self.fail == "raise":
-            raise KeyError("boom during capture")
-        if self.fail == "sync":
-            fake.host_sync(".item()")
-        if self.fail == "fork":  # a side stream joins the capture and is never joined back
-            torch.cuda.Stream().wait_stream(torch.cuda.current_stream())
-        return self.lin(x)
+@pytest.fixture
+def fresh(monkeypatch, request):
+    """A platform of its own (a test that breaks it for good)."""
+    monkeypatch.setattr(cuda_platform, "gc_managed", lambda: True)
+    with cuda_double.installed() as fake:
+        yield fake
 
 
 def x8(n: int = 8) -> torch.Tensor:
@@ -150,7 +145,7 @@ def test_invalidation_found_at_capture_end_is_explained(fake):
         run(w, M.PIECEWISE, D8, x8())
 
 
-def test_unrecoverable_capture_fails_loudly(fake, monkeypatch):
+def test_unrecoverable_capture_fails_loudly(fresh, monkeypatch):
     def broken_end(device, pool):
         raise RuntimeError("driver gone")
 
@@ -177,13 +172,14 @@ def _runner(model: torch.nn.Module, **config) -> pb.GraphRunner:
 
 
 def test_runner_warms_up_on_the_capture_stream(fake):
+    platform().release_cached()  # memory left by earlier tests' dead graphs goes back (module-wide platform)
     m = DeviceMLP()
     runner = _runner(m)
     runner.capture(progress=False)
     p = platform()
     # cuBLAS workspaces are per stream: warmed on the capture stream, its workspace is made
     # outside the capture and stays out of the graph pool.
-    assert fake.workspaces[p.stream].pool == (0, 0)
+    assert fake.workspace(p.stream).pool == (0, 0)
     assert p.memory() == fake.pool_bytes(p.pool_id) and WORKSPACE > fake.pool_bytes(p.pool_id) > 0
     # each size ran num_warmups eager steps plus its capture, no extra lazy warm-up
     assert m.calls == 2 * (runner.config.num_warmups + 1)
@@ -195,7 +191,7 @@ def test_lazy_capture_warms_up_first(fake):
     w = pb.BreakableCUDAGraphWrapper(m, config=CFG)
     with pb.expect(captures=1):
         run(w, M.PIECEWISE, D8, x8())
-    assert fake.invalidations == [] and fake.workspaces[platform().stream].pool == (0, 0)
+    assert fake.invalidations == [] and fake.workspace(platform().stream).pool == (0, 0)
     # Side effect, documented: the step ran num_warmups extra times (same inputs) before capture.
     assert m.calls == CFG.num_warmups + 1
 
@@ -340,6 +336,7 @@ def test_memory_refuses_during_a_capture(fake):
 
 def test_memory_counts_the_pool_only(fake):
     p = platform()
+    p.release_cached()
     m = DeviceMLP(out_bytes=3 << 20)
     w = pb.CUDAGraphWrapper(m, M.FULL, config=CFG)
     run(w, M.NONE, None, x8())
@@ -377,7 +374,7 @@ def test_empty_segment_is_skipped_without_warning(fake):
     assert not [c for c in caught if "empty" in str(c.message)]
     entry = w.entries[D8]
     assert segment_kinds(entry) == "G E G E G"
-    graphs = [s for s in entry.segments if isinstance(s, torch.cuda.CUDAGraph)]
+    graphs = [s for s in entry.segments if isinstance(s, CudaGraphSegment)]
     assert len(graphs) == 2  # the middle one is a no-op, not a graph
     replays = fake.replays
     run(w, M.PIECEWISE, D8, x8())
@@ -391,3 +388,16 @@ def test_platform_is_keyed_by_device(fake):
         assert platform() is p1
     assert p0 is not p1 and (p0.device, p1.device) == (0, 1)
     assert p1.stream.device_index == 1 and p0.pool_id != p1.pool_id
+
+
+def test_the_platform_layer_imports_nothing_above_it():
+    # DESIGN section 3: data flows one way. The capture layer tells platforms about gc through
+    # platforms.set_gc_managed() instead of being imported by them.
+    import ast
+    from pathlib import Path
+
+    above = {"capture", "wrappers", "assembly", "runner", "memory", "entry", "backend", "kv", "hf", "dispatch"}
+    for path in Path(cuda_platform.__file__).parent.glob("cuda*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2:
+                assert (node.module or "").split(".")[0] not in above, f"{path.name} imports ..{node.module}"

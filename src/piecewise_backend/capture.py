@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .observability import counters
-from .platforms import Graph, Platform, Recorder, fresh_outputs
+from .platforms import Graph, Platform, Recorder, fresh_outputs, set_gc_managed
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -241,6 +241,9 @@ _bulk_lock = threading.Lock()
 def gc_managed() -> bool:
     """True inside :func:`bulk_capture`: a platform must not collect garbage per capture."""
     return _bulk_depth > 0
+
+
+set_gc_managed(gc_managed)  # platforms ask it before collecting (they do not import this module)
 
 
 @contextlib.contextmanager

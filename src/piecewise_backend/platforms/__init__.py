@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +36,20 @@ class Platform(Protocol):
     def memory(self) -> int: ...  # a monotone measure of what captures hold (bytes, or recorded ops)
 
     def describe(self, amount: int) -> str: ...  # ``amount`` of memory() in words
+
+
+_gc_probe: list[Callable[[], bool]] = [lambda: False]
+
+
+def set_gc_managed(probe: Callable[[], bool]) -> None:
+    """Tell platforms who owns garbage collection: ``probe()`` is true while a caller (the capture
+    layer's bulk capture) collected once and froze gc, so a platform must not collect per capture.
+    Set by ``piecewise_backend.capture`` at import: the platform layer never imports the layers above it."""
+    _gc_probe[0] = probe
+
+
+def gc_managed() -> bool:
+    return _gc_probe[0]()
 
 
 def fresh_outputs(args: tuple, kwargs: dict, outs: list[Any]) -> list[tuple[int, torch.Tensor]]:
