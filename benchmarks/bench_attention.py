@@ -29,6 +29,7 @@ if __package__ in (None, ""):
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import piecewise_backend as pb
 from benchmarks.common import (
@@ -41,7 +42,8 @@ LENS = (256, 1024, 4096, 8192)
 
 
 class LiveBytes(TorchDispatchMode):
-    """Peak bytes of op outputs alive at once (storages counted once, released when their last tensor dies)."""
+    """Peak bytes of op outputs alive at once (storages counted once, released when their last tensor
+    dies; views of tensors made outside, such as the cache or the metadata, not counted)."""
 
     def __init__(self):
         super().__init__()
@@ -57,9 +59,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        outside = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 key = t.untyped_storage().data_ptr()
+                if key in outside and key not in self._storages:
+                    continue  # a view of an input or of the cache: not working memory
                 if key not in self._storages:
                     self._storages[key] = [0, t.untyped_storage().nbytes()]
                     self.live += self._storages[key][1]
@@ -91,13 +96,15 @@ def op_variant(name: str, backend: str, captured: bool, cache: kv.PagedKVCache, 
     return step
 
 
-def op_table(quick: bool, device: str, deadline: float | None) -> Section:
+def op_table(
+    quick: bool, device: str, deadline: float | None, lens: tuple[int, ...] | None = None, reps: int | None = None
+) -> Section:
     cuda = device == "cuda"
     dtype, block = (torch.bfloat16, 256) if cuda else (torch.float32, 16)
     kinds = [("reference", "reference", False), ("bounded (eager)", "bounded", False), ("bounded (captured)", "bounded", True)]
     if cuda and attention.get_attention_backend("varlen").available(torch.device("cuda"), block) is None:
         kinds.append(("varlen", "varlen", False))
-    lens = (256, 8192) if quick else LENS
+    lens = lens or ((256, 8192) if quick else LENS)
     variants, memory = [], {}
     sync = torch.cuda.synchronize if cuda else None
     for n in lens:
@@ -116,7 +123,7 @@ def op_table(quick: bool, device: str, deadline: float | None) -> Section:
                     fn()
                 memory[label, n] = live.peak
             variants.append(Variant(f"{label} @{n}", fn, sync=sync, clock="wall" if cuda else "thread"))
-    samples = measure(variants, reps=5 if quick else 15, deadline=deadline)
+    samples = measure(variants, reps=reps or (5 if quick else 15), deadline=deadline)
     rows = []
     for label, _, _ in kinds:
         base = f"{label} @{lens[0]}"
@@ -127,7 +134,7 @@ def op_table(quick: bool, device: str, deadline: float | None) -> Section:
     body = table(["backend", "max_model_len", "decode step", f"vs max_model_len {lens[0]}", "peak MiB"], rows)
     body += (f"\n\n8 decode tokens, 200 cached tokens each, 8 query heads / 2 KV heads of 64, block {block}, {dtype}, "
              f"{device}. Captured = the path a FULL graph records (no host read).\n")
-    return Section(f"Attention decode step vs max_model_len ({device})", body)
+    return Section(f"Attention decode step vs max_model_len ({device})", body, {"memory": memory})
 
 
 def engine_table(quick: bool, device: str, deadline: float | None) -> Section:

@@ -239,3 +239,20 @@ def test_varlen_on_cuda_matches_reference_or_falls_back():
             got = run("varlen", cache, step, window, 0.0, None)
             real = step.meta.slot_mapping >= 0
             assert_close(got[real].float(), run("reference", cache, step, window, 0.0, None)[real], atol=2e-2, rtol=2e-2)
+
+
+def test_hf_engine_reports_and_forces_its_backend():
+    pytest.importorskip("transformers")
+    from piecewise_backend import hf
+
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", cudagraph_mode="NONE")
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    outputs = {}
+    for name in ("auto", "reference"):
+        engine = hf.HFEngine(hf.tiny_random_model("llama"), config, max_num_reqs=2, max_model_len=64, block_size=4,
+                             attention_backend=name)
+        assert engine.attention_backend == engine.runner.attention_backend == ("bounded" if name == "auto" else name)
+        outputs[name] = engine.generate(prompts, 3)
+    assert outputs["auto"] == outputs["reference"]
+    with pytest.raises(ValueError, match="attention backend 'varlen' cannot run on cpu"):
+        hf.HFEngine(hf.tiny_random_model("llama"), config, max_model_len=64, attention_backend="varlen")
