@@ -10,7 +10,9 @@ Two tables, every variant timed side by side (interleaved repetitions):
   (inputs and the cache excluded); on CUDA: ``torch.cuda.max_memory_allocated`` above the start.
 * **engine**: ``HFEngine`` on a tiny random llama (4 layers), 4 prompts, 24 new tokens each, in
   NONE and PIECEWISE modes (simulated platform on the CPU), ``max_model_len`` 8192 against 256,
-  per backend; tokens are checked identical across every variant. Goal: <= 1.3x.
+  per backend; tokens are checked identical across every variant. Goal: <= 1.3x. With
+  ``--device cuda``: FULL_AND_PIECEWISE on CUDA graphs, a bf16 model in blocks of 256 (what
+  ``varlen`` takes), token agreement reported rather than required (bf16 kernels round differently).
 
     python -m benchmarks.bench_attention [--quick] [--device cuda]
 """
@@ -157,7 +159,10 @@ def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
         for backend in backends:
             for n in lens:
                 model = hf.tiny_random_model("llama", num_hidden_layers=4, device=device)
-                engine = hf.HFEngine(model, config, max_num_reqs=4, max_model_len=n, block_size=16, attention_backend=backend)
+                if cuda:  # what varlen takes: a bf16 cache in blocks of 256
+                    model = model.to(torch.bfloat16)
+                engine = hf.HFEngine(model, config, max_num_reqs=4, max_model_len=n, block_size=256 if cuda else 16,
+                                     attention_backend=backend)
                 if mode != "NONE":
                     engine.capture()
                 key = (mode, backend, n)
@@ -178,7 +183,7 @@ def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
     body = table(["mode", "attention", "max_model_len 256", "max_model_len 8192", "8192 / 256", "goal <= 1.3x"], rows)
     body += (f"\n\nHFEngine, tiny random llama (4 layers), prompts of 12, 30, 7, 21 tokens, {new_tokens} new tokens each, "
              f"{device}; tokens identical across every row: {'yes' if same else 'NO'}.\n")
-    if not same:
+    if not same and not cuda:  # float32 on the CPU: the backends must agree token for token
         raise AssertionError(f"tokens differ between variants: {tokens}")
     return Section(f"HFEngine generation vs max_model_len ({device})", body, {"ratios": data})
 
@@ -191,7 +196,10 @@ def run(quick: bool = False, deadline: float | None = None, device: str = "cpu",
             log("attention: op table")
             sections = [op_table(quick, device, deadline)]
             log("attention: engine table")
-            sections.append(engine_table(quick, device, deadline))
+            try:
+                sections.append(engine_table(quick, device, deadline))
+            except ImportError as e:  # a bare GPU box without transformers still gets the op table
+                sections.append(Section(f"HFEngine generation vs max_model_len ({device})", f"skipped: {e}"))
     finally:
         torch.set_num_threads(before)
     return sections

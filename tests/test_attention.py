@@ -148,6 +148,23 @@ def test_captured_bounded_holds_a_block_per_token_and_never_reads_the_host():
     assert log_big.numel <= tokens * block * max(kv_heads * DIM, heads), log_big.numel
 
 
+def test_capturing_sees_full_steps_and_the_simulator_recording():
+    from piecewise_backend.platforms import get_platform
+
+    assert not attention.capturing()
+    with pb.set_forward_context(pb.CUDAGraphMode.PIECEWISE):  # a break of a PIECEWISE step: eager
+        assert not attention.capturing()
+    with pb.set_forward_context(pb.CUDAGraphMode.FULL):
+        assert attention.capturing()
+    platform = get_platform("simulated")
+    with platform.capture_scope():  # recording, whatever the context says
+        recorder = platform.begin()
+        try:
+            assert attention.capturing()
+        finally:
+            recorder.abort()
+
+
 def test_selection_per_device_and_by_name():
     assert attention.select_attention_backends("auto", "cpu", 16) == ("bounded",)
     assert attention.select_attention_backends("reference", "cpu", 16) == ("reference",)

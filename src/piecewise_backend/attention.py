@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .context import _CONTEXT
 from .modes import AttentionGraphSupport, CUDAGraphMode
+from .platforms.simulated import _RecordingMode
 
 
 class AttentionInputs(Protocol):
@@ -115,14 +116,16 @@ def select_attention_backends(name: str, device: torch.device | str, block_size:
     return (name,)
 
 
-def capturing() -> bool:
-    """Whether the current op runs inside a graph capture, where reading device values on the host is illegal."""
+def capturing(device: torch.device | None = None) -> bool:
+    """Whether the current op runs inside a graph capture, where reading device values on the host is
+    illegal: the step's runtime mode is FULL, a CUDA stream is capturing (checked for a CUDA
+    ``device``), or the simulated platform is recording."""
     ctx = _CONTEXT.get()
     if ctx is not None and ctx.runtime_mode == CUDAGraphMode.FULL:
         return True
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return True
-    return any(type(m).__name__ == "_RecordingMode" for m in _get_current_dispatch_mode_stack())
+    return any(isinstance(m, _RecordingMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _scores(grouped: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
@@ -247,7 +250,7 @@ class BoundedAttention:
     ) -> torch.Tensor:
         block_size, tables = key_cache.shape[1], meta.block_tables
         width = tables.shape[1]
-        if capturing():
+        if capturing(q.device):
             span = width if sliding_window <= 0 else min(width, (sliding_window + block_size - 2) // block_size + 1)
             chunk = self.graph_chunk_keys
         else:  # eager: the host may read how far the step's longest context reaches (one device-to-host copy)
