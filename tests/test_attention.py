@@ -168,7 +168,7 @@ def test_capturing_sees_full_steps_and_the_simulator_recording():
 def test_selection_per_device_and_by_name():
     assert attention.select_attention_backends("auto", "cpu", 16) == ("bounded",)
     assert attention.select_attention_backends("reference", "cpu", 16) == ("reference",)
-    with pytest.raises(ValueError, match=r"attention backend 'varlen' cannot run on cpu with block_size=16: it needs a CUDA"):
+    with pytest.raises(ValueError, match=r"'varlen' cannot serve a torch.float32 cache on cpu with block_size=16: it needs a CUDA"):
         attention.select_attention_backends("varlen", "cpu", 16)
     with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; registered: \[.*'bounded'.*'reference'"):
         kv.PagedKVCache(1, 1, DIM, num_blocks=2, max_model_len=8, attention_backend="flash")
@@ -237,19 +237,25 @@ def test_varlen_declares_what_it_cannot_do():
     varlen = attention.get_attention_backend("varlen")
     assert varlen.unsupported(-1, 1.0, torch.zeros(2)) == "attention backend 'varlen' does not support logit soft-capping or attention sinks"
     assert "float16 or bfloat16" in varlen.accepts(torch.zeros(1, 2, 8), torch.zeros(1, 256, 2, 8))
-    assert "multiple of 256, got 16" in attention_cuda.varlen_unavailable(torch.device("cuda"), 16) or \
-        "has no torch.nn.attention.varlen" in attention_cuda.varlen_unavailable(torch.device("cuda"), 16)
+    cuda = torch.device("cuda")
+    if attention_cuda._torch_kernel() is not None:  # this torch has the kernel: the cache's shape decides
+        assert "multiple of 256, got 16" in attention_cuda.varlen_unavailable(cuda, 16, torch.bfloat16)
+        assert "float16 or bfloat16 cache, got torch.float32" in attention_cuda.varlen_unavailable(cuda, 256, torch.float32)
+        assert attention_cuda.varlen_unavailable(cuda, 512, torch.float16) is None
+    else:
+        assert "has no torch.nn.attention.varlen" in attention_cuda.varlen_unavailable(cuda, 256, torch.bfloat16)
 
 
 @pytest.mark.cuda
 def test_varlen_on_cuda_matches_reference_or_falls_back():
     """On a GPU: torch's kernel against the reference where this torch has it; else auto picks bounded, saying why."""
-    reason = attention_cuda.varlen_unavailable(torch.device("cuda"), 256)
+    reason = attention_cuda.varlen_unavailable(torch.device("cuda"), 256, torch.bfloat16)
     if reason is not None:
         assert "torch.nn.attention.varlen" in reason, reason
-        assert attention.select_attention_backends("auto", "cuda", 256) == ("bounded",)
+        assert attention.select_attention_backends("auto", "cuda", 256, torch.bfloat16) == ("bounded",)
         return
-    assert attention.select_attention_backends("auto", "cuda", 256) == ("varlen", "bounded")
+    assert attention.select_attention_backends("auto", "cuda", 256, torch.bfloat16) == ("varlen", "bounded")
+    assert attention.select_attention_backends("auto", "cuda", 256, torch.float32) == ("bounded",)
     cache, steps = ragged_steps(0, 2, 4, 256, max_model_len=1024, dtype=torch.bfloat16, device="cuda")
     for window in (-1, 100):
         for step in steps:
@@ -271,5 +277,5 @@ def test_hf_engine_reports_and_forces_its_backend():
         assert engine.attention_backend == engine.runner.attention_backend == ("bounded" if name == "auto" else name)
         outputs[name] = engine.generate(prompts, 3)
     assert outputs["auto"] == outputs["reference"]
-    with pytest.raises(ValueError, match="attention backend 'varlen' cannot run on cpu"):
+    with pytest.raises(ValueError, match="attention backend 'varlen' cannot serve a torch.float32 cache on cpu"):
         hf.HFEngine(hf.tiny_random_model("llama"), config, max_model_len=64, attention_backend="varlen")

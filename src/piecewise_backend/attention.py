@@ -50,8 +50,8 @@ AttentionFn = Callable[
 class AttentionBackend:
     """One way to compute paged attention, and what it can do.
 
-    ``available(device, block_size)`` returns None where the backend runs, else the reason it
-    does not; ``accepts(q, key_cache)`` the same per call (dtypes, head sizes). ``graph_support``
+    ``available(device, block_size, dtype)`` returns None where the backend can serve a cache of
+    that device, block size and dtype, else the reason; ``accepts(q, key_cache)`` the same per call (dtypes, head sizes). ``graph_support``
     is what a FULL graph may hold with this backend.
     """
 
@@ -61,7 +61,7 @@ class AttentionBackend:
     sliding_window: bool = True
     softcap: bool = True
     sinks: bool = True
-    available: Callable[[torch.device, int], str | None] = lambda device, block_size: None
+    available: Callable[[torch.device, int, torch.dtype], str | None] = lambda device, block_size, dtype: None
     accepts: Callable[[torch.Tensor, torch.Tensor], str | None] = lambda q, key_cache: None
     description: str = ""
 
@@ -101,18 +101,22 @@ def get_attention_backend(name: str) -> AttentionBackend:
     return _BACKENDS[name]
 
 
-def select_attention_backends(name: str, device: torch.device | str, block_size: int) -> tuple[str, ...]:
+def select_attention_backends(
+    name: str, device: torch.device | str, block_size: int, dtype: torch.dtype = torch.float32
+) -> tuple[str, ...]:
     """The backends a cache on ``device`` uses, in order of preference: the op runs the first that
     supports a call's features. ``"auto"``: ``varlen`` where it is available (CUDA), then ``bounded``.
-    A named backend is used alone, and must be available."""
+    A named backend is used alone, and must be available for a cache of ``block_size`` and ``dtype``."""
     device = torch.device(device)
     if name == "auto":
         preferred = ["varlen"] if device.type == "cuda" else []
-        usable = [n for n in preferred if n in _BACKENDS and _BACKENDS[n].available(device, block_size) is None]
+        usable = [n for n in preferred if n in _BACKENDS and _BACKENDS[n].available(device, block_size, dtype) is None]
         return (*usable, "bounded")
-    reason = get_attention_backend(name).available(device, block_size)
+    reason = get_attention_backend(name).available(device, block_size, dtype)
     if reason is not None:
-        raise ValueError(f"attention backend {name!r} cannot run on {device} with block_size={block_size}: {reason}")
+        raise ValueError(
+            f"attention backend {name!r} cannot serve a {dtype} cache on {device} with block_size={block_size}: {reason}"
+        )
     return (name,)
 
 

@@ -41,14 +41,16 @@ def _torch_kernel() -> Kernel | None:
     return fn
 
 
-def varlen_unavailable(device: torch.device, block_size: int) -> str | None:
-    """Why ``varlen`` cannot serve a cache on ``device`` with ``block_size``, or None."""
+def varlen_unavailable(device: torch.device, block_size: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why ``varlen`` cannot serve a cache on ``device`` with ``block_size`` and ``dtype``, or None."""
     if device.type != "cuda":
         return f"it needs a CUDA device, the cache is on {device}"
     if _torch_kernel() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn_out with block_table (torch 2.13 has)"
     if block_size % 256:
         return f"FlashAttention's paged KV needs block_size a multiple of 256, got {block_size}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention needs a float16 or bfloat16 cache, got {dtype}"
     return None
 
 
@@ -81,7 +83,7 @@ class VarlenAttention:
     ) -> torch.Tensor:
         kernel = self.kernel or _torch_kernel()
         if kernel is None:
-            raise RuntimeError(f"attention backend 'varlen': {varlen_unavailable(q.device, key_cache.shape[1])}")
+            raise RuntimeError(f"attention backend 'varlen': {varlen_unavailable(q.device, key_cache.shape[1], key_cache.dtype)}")
         out = torch.empty(q.shape, dtype=key_cache.dtype, device=q.device)
         q = q.to(key_cache.dtype).contiguous()
         kernel(out, q, key_cache, value_cache, **varlen_arguments(q, key_cache, meta, scale, sliding_window))

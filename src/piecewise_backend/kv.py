@@ -112,7 +112,7 @@ class PagedKVCache:
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.tables: dict[Hashable, list[int]] = {}
         #: The attention backends the op runs for this cache, in order (see :mod:`.attention`).
-        self.attention_backends = select_attention_backends(attention_backend, device, block_size)
+        self.attention_backends = select_attention_backends(attention_backend, device, block_size, dtype)
 
     @property
     def attention_backend(self) -> str:
