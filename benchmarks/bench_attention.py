@@ -76,7 +76,9 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def decode_step(max_model_len: int, device: str, dtype: torch.dtype, block_size: int, reqs: int = 8, context: int = 200):
+def decode_step(
+    max_model_len: int, device: str, dtype: torch.dtype, block_size: int, reqs: int = 8, context: int = 200
+) -> tuple[kv.PagedKVCache, kv.PagedAttentionMetadata, torch.Tensor]:
     """A cache holding ``reqs`` requests of ``context`` tokens, and one decode step's query and metadata."""
     g = torch.Generator().manual_seed(0)
     cache = kv.PagedKVCache(1, 2, 64, num_blocks=reqs * (-(-(context + 1) // block_size)), block_size=block_size,
@@ -88,12 +90,13 @@ def decode_step(max_model_len: int, device: str, dtype: torch.dtype, block_size:
     return cache, meta, q
 
 
-def op_variant(name: str, backend: str, captured: bool, cache: kv.PagedKVCache, meta: Any, q: torch.Tensor) -> Callable[[], Any]:
+def op_variant(backend: str, captured: bool, cache: kv.PagedKVCache, meta: Any, q: torch.Tensor) -> Callable[[], Any]:
     mode = pb.CUDAGraphMode.FULL if captured else pb.CUDAGraphMode.NONE
 
     def step() -> Any:
         with pb.set_forward_context(mode):
-            return attention.run_attention((backend,), q, cache.key_caches[0], cache.value_caches[0], meta, 0.125, -1, 0.0, None)
+            caches = cache.key_caches[0], cache.value_caches[0]
+            return attention.run_attention((backend,), q, *caches, meta, 0.125, -1, 0.0, None)
 
     return step
 
@@ -103,7 +106,11 @@ def op_table(
 ) -> Section:
     cuda = device == "cuda"
     dtype, block = (torch.bfloat16, 256) if cuda else (torch.float32, 16)
-    kinds = [("reference", "reference", False), ("bounded (eager)", "bounded", False), ("bounded (captured)", "bounded", True)]
+    kinds = [
+        ("reference", "reference", False),
+        ("bounded (eager)", "bounded", False),
+        ("bounded (captured)", "bounded", True),
+    ]
     if cuda and attention.get_attention_backend("varlen").available(torch.device("cuda"), block) is None:
         kinds.append(("varlen", "varlen", False))
     lens = lens or ((256, 8192) if quick else LENS)
@@ -112,7 +119,7 @@ def op_table(
     for n in lens:
         cache, meta, q = decode_step(n, device, dtype, block)
         for label, backend, captured in kinds:
-            fn = op_variant(label, backend, captured, cache, meta, q)
+            fn = op_variant(backend, captured, cache, meta, q)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -153,7 +160,8 @@ def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
     variants, engines, tokens, names = [], {}, {}, {}
     for mode in modes:
         config = pb.CompilationConfig(
-            platform="cuda" if cuda else "simulated", cudagraph_mode=mode, compile_pieces="inductor" if cuda else "eager",
+            platform="cuda" if cuda else "simulated", cudagraph_mode=mode,
+            compile_pieces="inductor" if cuda else "eager",
             capture_sizes=[4, 8, 16, 32, 64, 128],  # no size 1: Dynamo would specialize and trace again
         )
         for backend in backends:
@@ -181,7 +189,7 @@ def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
             rows.append([mode, names[backend], fmt_time(samples.median(small)), fmt_time(samples.median(big)),
                          fmt_ratio(ratios), verdict(statistics.median(ratios), 1.3) if backend == "auto" else ""])
     body = table(["mode", "attention", "max_model_len 256", "max_model_len 8192", "8192 / 256", "goal <= 1.3x"], rows)
-    body += (f"\n\nHFEngine, tiny random llama (4 layers), prompts of 12, 30, 7, 21 tokens, {new_tokens} new tokens each, "
+    body += (f"\n\nHFEngine, tiny random llama (4 layers), prompts of 12, 30, 7, 21 tokens, {new_tokens} new tokens, "
              f"{device}; tokens identical across every row: {'yes' if same else 'NO'}.\n")
     if not same and not cuda:  # float32 on the CPU: the backends must agree token for token
         raise AssertionError(f"tokens differ between variants: {tokens}")

@@ -51,8 +51,8 @@ class AttentionBackend:
     """One way to compute paged attention, and what it can do.
 
     ``available(device, block_size, dtype)`` returns None where the backend can serve a cache of
-    that device, block size and dtype, else the reason; ``accepts(q, key_cache)`` the same per call (dtypes, head sizes). ``graph_support``
-    is what a FULL graph may hold with this backend.
+    that device, block size and dtype, else the reason; ``accepts(q, key_cache)`` the same per
+    call (dtypes, head sizes). ``graph_support`` is what a FULL graph may hold with this backend.
     """
 
     name: str
@@ -115,7 +115,8 @@ def select_attention_backends(
     reason = get_attention_backend(name).available(device, block_size, dtype)
     if reason is not None:
         raise ValueError(
-            f"attention backend {name!r} cannot serve a {dtype} cache on {device} with block_size={block_size}: {reason}"
+            f"attention backend {name!r} cannot serve a {dtype} cache on {device} with block_size={block_size}: "
+            f"{reason}"
         )
     return (name,)
 
@@ -254,13 +255,17 @@ class BoundedAttention:
     ) -> torch.Tensor:
         block_size, tables = key_cache.shape[1], meta.block_tables
         width = tables.shape[1]
+        if q.shape[0] == 0:  # nothing to attend (and no longest context to read)
+            return torch.zeros(q.shape, device=q.device)
         if capturing(q.device):
             span = width if sliding_window <= 0 else min(width, (sliding_window + block_size - 2) // block_size + 1)
             chunk = self.graph_chunk_keys
         else:  # eager: the host may read how far the step's longest context reaches (one device-to-host copy)
             pos = meta.positions[: q.shape[0]]
             last = pos // block_size
-            first = (pos - sliding_window + 1).clamp(min=0) // block_size if sliding_window > 0 else torch.zeros_like(pos)
+            first = torch.zeros_like(pos)
+            if sliding_window > 0:
+                first = (pos - sliding_window + 1).clamp(min=0) // block_size
             needed, span = (int(n) for n in torch.stack([last.max(), (last - first).max()]).cpu() + 1)
             tables = tables[:, : min(width, needed)]  # later columns are past every token's position
             chunk = self.eager_chunk_keys
@@ -293,7 +298,7 @@ def _builtins() -> list[AttentionBackend]:
         ),
         AttentionBackend(
             "bounded", BoundedAttention(), AttentionGraphSupport.ALWAYS,
-            description="only the blocks in use (eager) or the static bound a chunk at a time (captured), online softmax",
+            description="the blocks in use (eager) or the static bound a chunk at a time (captured), online softmax",
         ),
     ]
 
@@ -312,4 +317,6 @@ def run_attention(backends: tuple[str, ...], *args: Any) -> torch.Tensor:
         if reason is None:
             return backend.fn(*args)
         reasons.append(reason)
-    raise ValueError(f"pb_kv::paged_attention: no attention backend of {list(backends)} can run this call: {'; '.join(reasons)}")
+    raise ValueError(
+        f"pb_kv::paged_attention: no attention backend of {list(backends)} can run this call: {'; '.join(reasons)}"
+    )

@@ -46,7 +46,8 @@ def varlen_unavailable(device: torch.device, block_size: int, dtype: torch.dtype
     if device.type != "cuda":
         return f"it needs a CUDA device, the cache is on {device}"
     if _torch_kernel() is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn_out with block_table (torch 2.13 has)"
+        return (f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn_out with block_table "
+                "(torch 2.13 has)")
     if block_size % 256:
         return f"FlashAttention's paged KV needs block_size a multiple of 256, got {block_size}"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -83,7 +84,8 @@ class VarlenAttention:
     ) -> torch.Tensor:
         kernel = self.kernel or _torch_kernel()
         if kernel is None:
-            raise RuntimeError(f"attention backend 'varlen': {varlen_unavailable(q.device, key_cache.shape[1], key_cache.dtype)}")
+            reason = varlen_unavailable(q.device, key_cache.shape[1], key_cache.dtype)
+            raise RuntimeError(f"attention backend 'varlen': {reason}")
         out = torch.empty(q.shape, dtype=key_cache.dtype, device=q.device)
         q = q.to(key_cache.dtype).contiguous()
         kernel(out, q, key_cache, value_cache, **varlen_arguments(q, key_cache, meta, scale, sliding_window))

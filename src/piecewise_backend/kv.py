@@ -254,7 +254,8 @@ def paged_attention(
             f"got {tuple(sinks.shape)}"
         )
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    result = run_attention(meta.attention_backends, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
+    backends = meta.attention_backends
+    result = run_attention(backends, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
     out.copy_(result)
 
 
