@@ -84,15 +84,21 @@ CASES = [  # seed, kv_heads, group (GQA ratio), block, window, softcap, sinks
 ]
 
 
+@pytest.mark.parametrize("chunks", ["one", "many"])
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("seed, kv_heads, group, block, window, softcap, sinks", CASES)
-def test_bounded_matches_reference(seed, kv_heads, group, block, window, softcap, sinks, captured):
-    """Random block tables, windows, GQA ratios, padding, NaN everywhere unwritten: bounded == reference, finite."""
+def test_bounded_matches_reference(seed, kv_heads, group, block, window, softcap, sinks, captured, chunks, monkeypatch):
+    """Random block tables, windows, GQA ratios, padding, NaN everywhere unwritten: bounded == reference, finite.
+
+    ``many``: chunks of one block (eager) or two (captured), so the online softmax spans several."""
+    monkeypatch.setitem(attention._BACKENDS, "many", attention.AttentionBackend(
+        "many", attention.BoundedAttention(eager_chunk_keys=block, graph_chunk_keys=2 * block),
+        pb.AttentionGraphSupport.ALWAYS))
     cache, steps = ragged_steps(seed, kv_heads, group, block, max_model_len=64)
     sink_logits = torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(seed)) if sinks else None
     for step in steps:
         expected = run("reference", cache, step, window, softcap, sink_logits)
-        got = run("bounded", cache, step, window, softcap, sink_logits, captured)
+        got = run("bounded" if chunks == "one" else "many", cache, step, window, softcap, sink_logits, captured)
         real = step.meta.slot_mapping >= 0  # padding rows have NaN queries: their own rows are garbage
         assert torch.isfinite(got[real]).all()
         assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)

@@ -172,12 +172,16 @@ def attend(
     values = values.masked_fill(hidden[:, :, None, None], 0.0)
     grouped = q.reshape(tokens, kv_heads, q_heads // kv_heads, dim).float()
     scores = _scores(grouped, keys, scale, softcap).masked_fill(hidden[:, None, None, :], float("-inf"))
+    return torch.einsum("tkgl,tlkd->tkgd", _probs(scores, sinks), values).reshape(tokens, q_heads, dim)
+
+
+def _probs(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of masked ``(tokens, kv_heads, group, keys)`` scores, with each head's sink in the denominator."""
     if sinks is None:
-        probs = scores.softmax(-1)
-    else:  # the sink is one more logit per head whose value is zero: it only dilutes the others
-        sink = sinks.float().reshape(1, kv_heads, q_heads // kv_heads, 1).expand(tokens, -1, -1, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("tkgl,tlkd->tkgd", probs, values).reshape(tokens, q_heads, dim)
+        return scores.softmax(-1)
+    # The sink is one more logit per head whose value is zero: it only dilutes the others.
+    sink = sinks.float().reshape(1, *scores.shape[1:3], 1).expand(scores.shape[0], -1, -1, 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 def attend_blocks(
@@ -209,20 +213,29 @@ def attend_blocks(
     rows = request_index[:tokens, None]
     first = (pos - sliding_window + 1).clamp(min=0) // block_size if sliding_window > 0 else torch.zeros_like(pos)
     grouped = q.reshape(tokens, kv_heads, group, dim).float()
-    peak = torch.full((tokens, kv_heads, group), float("-inf"), device=q.device)
-    total = torch.zeros(tokens, kv_heads, group, device=q.device)
-    acc = torch.zeros(tokens, kv_heads, group, dim, device=q.device)
     offsets = torch.arange(block_size, device=q.device)
-    for start in range(0, num_blocks, chunk_blocks):
-        logical = first[:, None] + torch.arange(start, min(start + chunk_blocks, num_blocks), device=q.device)
+
+    def chunk(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masked scores and values of blocks ``start .. stop - 1`` of each token's walk."""
+        logical = first[:, None] + torch.arange(start, stop, device=q.device)
         blocks = block_tables[rows, logical.clamp(max=width - 1)]  # past the table: masked below (key_pos > pos)
         key_pos = (logical[:, :, None] * block_size + offsets).flatten(1)  # (tokens, chunk keys)
         hidden = key_pos > pos[:, None]
         if sliding_window > 0:
             hidden = hidden | (key_pos <= pos[:, None] - sliding_window)
         keys = key_cache[blocks].flatten(1, 2).float()
+        # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
         values = value_cache[blocks].flatten(1, 2).float().masked_fill(hidden[:, :, None, None], 0.0)
-        scores = _scores(grouped, keys, scale, softcap).masked_fill(hidden[:, None, None, :], float("-inf"))
+        return _scores(grouped, keys, scale, softcap).masked_fill(hidden[:, None, None, :], float("-inf")), values
+
+    if num_blocks <= chunk_blocks:  # one chunk: a plain softmax, fewer ops for a graph to replay
+        scores, values = chunk(0, num_blocks)
+        return torch.einsum("tkgl,tlkd->tkgd", _probs(scores, sinks), values).reshape(tokens, q_heads, dim)
+    peak = torch.full((tokens, kv_heads, group), float("-inf"), device=q.device)
+    total = torch.zeros(tokens, kv_heads, group, device=q.device)
+    acc = torch.zeros(tokens, kv_heads, group, dim, device=q.device)
+    for start in range(0, num_blocks, chunk_blocks):
+        scores, values = chunk(start, min(start + chunk_blocks, num_blocks))
         new_peak = torch.maximum(peak, scores.amax(-1))
         shift = new_peak.masked_fill(new_peak == float("-inf"), 0.0)  # no key seen yet: exp(-inf - 0) = 0
         probs = torch.exp(scores - shift[..., None])
@@ -230,11 +243,8 @@ def attend_blocks(
         total = total * rescale + probs.sum(-1)
         acc = acc * rescale[..., None] + torch.einsum("tkgl,tlkd->tkgd", probs, values)
         peak = new_peak
-    if sinks is not None:
-        shift = peak.masked_fill(peak == float("-inf"), 0.0)
-        total = total + torch.exp(sinks.float().reshape(1, kv_heads, group) - shift)
-    # A padding token whose window starts past its own position sees no key: output 0, never 0/0.
-    total = total.masked_fill(total == 0, 1.0)
+    if sinks is not None:  # every token sees its own key, so the peak is finite here
+        total = total + torch.exp(sinks.float().reshape(1, kv_heads, group) - peak)
     return (acc / total[..., None]).reshape(tokens, q_heads, dim)
 
 
