@@ -50,6 +50,7 @@ SPAN = re.compile(r"`([^`]+)`")
 SECTION_MODULES = {
     "piecewise_backend.kv": "kv", "piecewise_backend.hf": "hf", "piecewise_backend.spec": "spec",
     "piecewise_backend.parallel": "parallel",
+    "piecewise_backend.attention_cuda": "attention_cuda", "piecewise_backend.attention": "attention",
 }
 
 

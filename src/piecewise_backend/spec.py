@@ -52,7 +52,8 @@ class _Side:
         self.runner = GraphRunner(
             torch.compile(adapt(model), backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
             model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn, max_num_reqs=max_num_reqs,
-            attention_support=support, uniform_decode_query_len=query_len, drafter=drafter, device=param.device,
+            attention_support=min(support, self.cache.attention_graph_support), attention_backend=self.cache.attention_backend,
+            uniform_decode_query_len=query_len, drafter=drafter, device=param.device,
         )
 
     def step(self, chunks: list[tuple[int, int, int]], tokens: list[int], uniform: bool) -> list[int]:
