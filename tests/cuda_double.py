@@ -37,6 +37,7 @@ from tests.cuda_double_graph import (  # noqa: F401 (re-exported)
     WORKSPACE,
     Capture,
     FakeCUDAGraph,
+    FakeEvent,
     FakeMemPool,
     FakeStream,
     current,
@@ -62,6 +63,11 @@ class FakeCuda(CachingAllocator):
         self.max_concurrent = self.replays = 0
         self.invalidations: list[str] = []
         self._defaults: dict[int, FakeStream] = {}
+        self.handles: set[int] = set()  # threads with a cuBLAS handle (CTX getCurrentCUDABlasHandle: one per thread)
+        self.unjoined: list[FakeStream] = []  # streams a capture_end found not joined back
+        self.stray: list[tuple[str, FakeStream]] = []  # launches outside every capture while one was underway
+        self.races: list[str] = []  # reads of a value whose producing launch the reading stream did not wait for
+        self._writes: dict[str, tuple[FakeStream, int]] = {}
 
     # ---- streams and devices (current stream and device are per thread, as in c10)
     def current_device(self) -> int:
@@ -111,13 +117,26 @@ class FakeCuda(CachingAllocator):
             raise RuntimeError(NOT_PERMITTED)
 
     # ---- what test models do on the device
-    def launch(self) -> None:
-        """A kernel launch on the current stream: recorded while it captures."""
-        cap = self.current_stream().capture
+    def launch(self, writes: str | None = None, reads: str | None = None) -> None:
+        """A kernel launch on the current stream: recorded while it captures. ``writes``/``reads``
+        name a value it produces/consumes: a read on a stream that does not wait (by events) for
+        the value's producer is a race (:attr:`races`), captured or not."""
+        stream = self.current_stream()
+        cap = stream.capture
         if cap is not None:
             if cap.invalid is not None:  # CUDA: work on an invalidated capture fails
                 raise RuntimeError(INVALIDATED)
             cap.nodes += 1
+        elif self.captures:  # legal (torch's streams are non-blocking), but the graph will lack this kernel
+            self.stray.append((threading.current_thread().name, stream))
+        with self.lock:
+            if reads is not None and reads in self._writes:
+                producer, seq = self._writes[reads]
+                if not stream.covers(producer, seq):
+                    self.races.append(f"{reads} read on {stream} before {producer} op {seq} that wrote it")
+            seq = stream.tick()
+            if writes is not None:
+                self._writes[writes] = (stream, seq)
 
     def host_sync(self, what: str = ".item()") -> None:
         """``.item()``, ``nonzero``...: a sync of the current stream (illegal while it captures)."""
@@ -128,7 +147,13 @@ class FakeCuda(CachingAllocator):
         # it, inside the capture (so into the pool) when that stream is capturing. A captured gemm
         # bakes the workspace address into the graph.
         stream = self.current_stream()
-        key = (threading.get_ident(), stream)
+        me = threading.get_ident()
+        if me not in self.handles:
+            # CTX getCurrentCUDABlasHandle creates this thread's handle on its first use: cublasCreate
+            # allocates device memory with a plain cudaMalloc, unsafe during a capture (see _unsafe)
+            self._unsafe("cublasCreate")
+            self.handles.add(me)
+        key = (me, stream)
         if key not in self.workspaces:
             self.workspaces[key] = self.malloc(WORKSPACE)
         if stream.capture is not None:
@@ -155,6 +180,18 @@ class FakeCuda(CachingAllocator):
             self.autotuned.add(key)
         self.launch()
 
+    def _unsafe(self, what: str) -> None:
+        """A potentially unsafe CUDA call (cudaMalloc outside the caching allocator's relaxed guard) from
+        this thread. CUDA (cudaStreamCaptureMode): it fails, and invalidates the capture, if a capture in
+        global mode is underway on any thread or one in thread_local mode on this thread; relaxed: never."""
+        me = threading.get_ident()
+        with self.lock:
+            hit = [c for c in self.captures.values() if c.mode == "global" or c.mode == "thread_local" and c.thread == me]
+            for c in hit:
+                self._invalidate(c, what)
+        if hit:
+            raise RuntimeError(NOT_PERMITTED)
+
     def _invalidate(self, cap: Capture, why: str) -> None:
         if cap.invalid is None:
             cap.invalid = why
@@ -173,7 +210,7 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
         "Stream": FakeStream, "stream": fake.stream, "current_stream": fake.current_stream,
         "default_stream": fake.default_stream, "synchronize": fake.synchronize,
         "is_current_stream_capturing": fake.is_current_stream_capturing,
-        "CUDAGraph": FakeCUDAGraph, "graph_pool_handle": lambda: (0, next(fake._ids)), "MemPool": FakeMemPool,
+        "CUDAGraph": FakeCUDAGraph, "Event": FakeEvent, "graph_pool_handle": lambda: (0, next(fake._ids)), "MemPool": FakeMemPool,
         "memory_snapshot": lambda *a, **k: fake.memory_snapshot(), "memory_reserved": fake.memory_reserved,
         "empty_cache": fake.empty_cache,
     }
