@@ -143,9 +143,18 @@ class FakeCuda(CachingAllocator):
         self.current_stream().synchronize(what)
 
     def gemm(self) -> None:
-        # cuBLAS keeps one workspace per (handle, stream): the first gemm on a stream allocates
-        # it, inside the capture (so into the pool) when that stream is capturing. A captured gemm
-        # bakes the workspace address into the graph.
+        # A captured gemm bakes the address of its (handle, stream) workspace into the graph.
+        stream = self.current_stream()
+        workspace = self.workspaces[self.blas_handle()]
+        if stream.capture is not None:
+            stream.capture.workspaces.append(workspace)
+        self.launch()
+
+    def blas_handle(self) -> tuple[int, FakeStream]:
+        """torch.cuda.current_blas_handle(): this thread's handle, set up for the current stream.
+
+        cuBLAS keeps one workspace per (handle, stream): the first use on a stream allocates
+        it, inside the capture (so into the pool) when that stream is capturing."""
         stream = self.current_stream()
         me = threading.get_ident()
         if me not in self.handles:
@@ -156,9 +165,7 @@ class FakeCuda(CachingAllocator):
         key = (me, stream)
         if key not in self.workspaces:
             self.workspaces[key] = self.malloc(WORKSPACE)
-        if stream.capture is not None:
-            stream.capture.workspaces.append(self.workspaces[key])
-        self.launch()
+        return key
 
     def workspace(self, stream: FakeStream) -> Segment | None:
         """This thread's cuBLAS workspace on ``stream``."""
@@ -205,14 +212,14 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
     monkeypatch.setattr(cuda_double_graph, "_CURRENT", fake)
     cuda = torch.cuda
     patches = {
-        "is_available": lambda: True, "device_count": lambda: fake.num_devices,
+        "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: fake.num_devices,
         "current_device": fake.current_device, "device": fake.device, "get_device_name": lambda d=None: "CUDA double",
         "Stream": FakeStream, "stream": fake.stream, "current_stream": fake.current_stream,
         "default_stream": fake.default_stream, "synchronize": fake.synchronize,
         "is_current_stream_capturing": fake.is_current_stream_capturing,
         "CUDAGraph": FakeCUDAGraph, "Event": FakeEvent, "graph_pool_handle": lambda: (0, next(fake._ids)), "MemPool": FakeMemPool,
         "memory_snapshot": lambda *a, **k: fake.memory_snapshot(), "memory_reserved": fake.memory_reserved,
-        "empty_cache": fake.empty_cache,
+        "empty_cache": fake.empty_cache, "current_blas_handle": fake.blas_handle,
     }
     for name, value in patches.items():
         monkeypatch.setattr(cuda, name, value)

@@ -5,7 +5,8 @@ MoE layer's dispatch or combine), the other half computes. Exactly one micro-bat
 at a time; ``dbo_yield()`` passes the turn to the other one, so the order of every launch (and of
 every collective, on every rank) is fixed by the yield points, not by the OS scheduler.
 Outside a micro-batched step the ``dbo_*`` functions do nothing (``dbo_register_recv_hook`` runs
-its hook at once), so the same model code runs either way.
+its hook at once), so the same model code runs either way. On CUDA, ``dbo_comm()`` regions run on a
+communication stream (ubatch_streams); elsewhere they run in place.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .ubatch_streams import CommStreams, StepStreams
 
 NUM_UBATCHES = 2
 DEFAULT_TIMEOUT_S = 300.0
@@ -40,8 +43,9 @@ def _rank() -> int:
 class Handover:
     """The turn-taking of one micro-batched step (one per step, shared by its threads)."""
 
-    def __init__(self, step: int, timeout_s: float) -> None:
+    def __init__(self, step: int, timeout_s: float, streams: StepStreams | None = None) -> None:
         self.step, self.deadline = step, time.monotonic() + timeout_s
+        self.streams = streams  # CUDA: the compute and communication streams of the step
         self.cond = threading.Condition()
         self.turn = 0
         self.finished = [False] * NUM_UBATCHES
@@ -82,9 +86,16 @@ class Handover:
             self.turn = other
             self.cond.notify_all()
             self._wait(index)
+        self.join(index)
         self.run_own_hooks(index)
 
+    def join(self, index: int) -> None:
+        """A hand-over point of ``index``: its compute waits for its finished communication (CUDA)."""
+        if self.streams is not None:
+            self.streams.join(index)
+
     def finish(self, index: int, result: Any) -> None:
+        self.join(index)
         self.run_own_hooks(index)
         with self.cond:
             self.results[index] = result
@@ -113,6 +124,8 @@ class Handover:
         """Run the hooks the other micro-batch left for ``index`` to run."""
         with self.cond:
             todo, self.hooks[index] = self.hooks[index], []
+        for owner in {owner for owner, _ in todo}:
+            self.join(owner)  # a hook consumes its owner's communication
         for _, fn in todo:
             fn()
 
@@ -167,6 +180,28 @@ def dbo_yield() -> None:
     handover = getattr(_local, "handover", None)
     if handover is not None:
         handover.yield_(_local.index)
+
+
+@contextlib.contextmanager
+def dbo_comm(*keep: torch.Tensor) -> Iterator[None]:
+    """Launch communication inside this region (a no-op outside micro-batching and off CUDA).
+
+    In a micro-batched CUDA step the region runs on the communication stream, after the compute
+    launched so far; this micro-batch's compute waits for it at its next hand-over (``dbo_yield``
+    returning). Launch the collective in the region, leave it, then ``dbo_yield()``, then use the
+    result. ``keep``: tensors the communication reads that the caller may drop before it resumes.
+    """
+    handover = getattr(_local, "handover", None)
+    streams = handover.streams if handover is not None else None
+    if streams is None or getattr(_local, "in_comm", False):
+        yield
+        return
+    _local.in_comm = True
+    try:
+        with streams.comm_region(_local.index, keep):
+            yield
+    finally:
+        _local.in_comm = False
 
 
 def dbo_register_recv_hook(fn: Callable[[], Any]) -> None:
@@ -232,12 +267,13 @@ class UBatchThreads:
         self.name = name
         self.steps = 0
         self._threads: list[tuple[threading.Thread, queue.Queue]] = []
+        self.comm = CommStreams()
 
     def _spawn(self) -> None:
         self._threads = []
         for i in range(NUM_UBATCHES):
             q: queue.Queue = queue.Queue()
-            t = threading.Thread(target=_serve, args=(i, q), name=f"{self.name}-{i}", daemon=True)
+            t = threading.Thread(target=_serve, args=(i, q, self.comm), name=f"{self.name}-{i}", daemon=True)
             t.start()
             self._threads.append((t, q))
 
@@ -249,9 +285,15 @@ class UBatchThreads:
             raise RuntimeError("micro-batching does not nest: a micro-batch thread started another micro-batched step")
         if not self._threads or not all(t.is_alive() for t, _ in self._threads):
             self._spawn()
-        self.steps += 1
-        handover = Handover(self.steps, timeout_s)
         state = capture_state()
+        streams = None
+        if state["stream"] is not None:
+            streams = self.comm.for_step(state["stream"], NUM_UBATCHES)
+            state["prepare"] = not torch.cuda.is_current_stream_capturing()
+            if not state["prepare"]:
+                self.comm.check_ready(streams, [t.ident for t, _ in self._threads])
+        self.steps += 1
+        handover = Handover(self.steps, timeout_s, streams)
         for i, (_, q) in enumerate(self._threads):
             q.put((handover, jobs[i], state))
         try:
@@ -262,10 +304,12 @@ class UBatchThreads:
                     q.put(None)
                 self._threads = []
             raise
+        if streams is not None:
+            streams.join_all()
         return results, handover.order
 
 
-def _serve(index: int, jobs: queue.Queue) -> None:
+def _serve(index: int, jobs: queue.Queue, comm: CommStreams) -> None:
     while True:
         item = jobs.get()
         if item is None:
@@ -275,6 +319,8 @@ def _serve(index: int, jobs: queue.Queue) -> None:
         try:
             handover.start(index)
             with inherited_state(state):
+                if state.get("prepare") and handover.streams is not None:
+                    comm.prepare(handover.streams)
                 result = job()
             handover.finish(index, result)
         except UBatchAborted:
