@@ -73,6 +73,9 @@ class FakeCuda(CachingAllocator):
     def current_device(self) -> int:
         return getattr(self._local, "device", 0)
 
+    def set_device(self, index: Any) -> None:
+        self._local.device = int(getattr(index, "index", index) or 0)
+
     @contextlib.contextmanager
     def device(self, index: Any) -> Iterator[None]:
         old = self.current_device()
@@ -213,7 +216,7 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
     cuda = torch.cuda
     patches = {
         "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: fake.num_devices,
-        "current_device": fake.current_device, "device": fake.device, "get_device_name": lambda d=None: "CUDA double",
+        "current_device": fake.current_device, "set_device": fake.set_device, "device": fake.device, "get_device_name": lambda d=None: "CUDA double",
         "Stream": FakeStream, "stream": fake.stream, "current_stream": fake.current_stream,
         "default_stream": fake.default_stream, "synchronize": fake.synchronize,
         "is_current_stream_capturing": fake.is_current_stream_capturing,

@@ -10,6 +10,8 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tests.cuda_double_allocator import NOT_PERMITTED, Segment
 from tests.cuda_double_rules import cite, holds
 
@@ -53,6 +55,10 @@ class FakeStream:
         self.is_default = _default
         self.seq = 0
         self.clock: dict[int, int] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.device_index)
 
     @property
     def cuda_stream(self) -> int:  # the raw cudaStream_t (what cuBLAS keys its workspaces by)
@@ -194,6 +200,7 @@ class FakeCUDAGraph:
         if cap.nodes == 0:  # CG: TORCH_WARN on an empty graph
             warnings.warn("The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device or stream.")
         self.workspaces = list(cap.workspaces)
+        self.streams = set(cap.members)  # every stream the capture recorded work of
         self.capture_ended = self.has_graph_exec = True
 
     def replay(self) -> None:
