@@ -261,3 +261,14 @@ def test_cuda_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_join
                 origin.wait_event(done)
             errors = _try(graph.capture_end)
         assert bool(errors) != join, errors
+
+
+@pytest.mark.cuda
+def test_cuda_capture_without_warm_up_is_refused_before_any_thread_launches():
+    # twin of test_capture_without_warm_up_is_refused_before_any_thread_launches
+    wrapper = pb.wrap_model(MatmulComm().cuda(), CFG.replace(num_warmups=0))
+    x = torch.randn(6, 4, device="cuda")
+    pb.mark_persistent(x)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="never ran a step eagerly on the capture stream"):
+        _step_rows(wrapper, x)
+    torch.cuda.synchronize()
