@@ -100,6 +100,15 @@ def test_eager_cuda_steps_run_comm_on_its_stream_and_each_half_waits_for_its_own
     assert len(comm) == 1 and torch.cuda.default_stream() not in comm and fake.races == []
 
 
+def test_simulated_steps_keep_no_streams_even_where_cuda_is_initialized(fake):
+    model = CommModel()
+    wrapper = pb.wrap_model(model, CFG.replace(platform="simulated"))
+    x = torch.arange(5.0)
+    pb.mark_persistent(x)
+    _step(wrapper, x, FULL)
+    assert {s for _, _, s in model.streams} == {torch.cuda.default_stream()}  # dbo_comm ran in place
+
+
 def test_a_missing_join_fails_the_capture_at_capture_end(fake, monkeypatch):
     monkeypatch.setattr(ubatch_streams.StepStreams, "join", lambda self, index: None)
     monkeypatch.setattr(ubatch_streams.StepStreams, "join_all", lambda self: None)

@@ -141,8 +141,11 @@ class UBatchThreads:
             t.start()
             self._threads.append((t, q))
 
-    def run(self, jobs: list[Callable[[], Any]], timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[Any], list[int]]:
-        """Results of ``jobs`` in micro-batch order, and the order in which turns ran."""
+    def run(
+        self, jobs: list[Callable[[], Any]], timeout_s: float = DEFAULT_TIMEOUT_S, streams: bool = True
+    ) -> tuple[list[Any], list[int]]:
+        """Results of ``jobs`` in micro-batch order, and the order in which turns ran. ``streams``:
+        on CUDA, give ``dbo_comm()`` regions the communication stream (False: the simulator's steps)."""
         if len(jobs) != NUM_UBATCHES:
             raise ValueError(f"UBatchThreads.run takes {NUM_UBATCHES} jobs, got {len(jobs)}")
         if current_ubatch() is not None:
@@ -150,14 +153,14 @@ class UBatchThreads:
         if not self._threads or not all(t.is_alive() for t, _ in self._threads):
             self._spawn()
         state = capture_state()
-        streams = None
-        if state["stream"] is not None:
-            streams = self.comm.for_step(state["stream"], NUM_UBATCHES)
+        step_streams = None
+        if streams and state["stream"] is not None:
+            step_streams = self.comm.for_step(state["stream"], NUM_UBATCHES)
             state["prepare"] = not torch.cuda.is_current_stream_capturing()
             if not state["prepare"]:
-                self.comm.check_ready(streams, [t.ident for t, _ in self._threads])
+                self.comm.check_ready(step_streams, [t.ident for t, _ in self._threads])
         self.steps += 1
-        handover = Handover(self.steps, timeout_s, streams)
+        handover = Handover(self.steps, timeout_s, step_streams)
         for i, (_, q) in enumerate(self._threads):
             q.put((handover, jobs[i], state))
         try:
@@ -168,8 +171,8 @@ class UBatchThreads:
                     q.put(None)
                 self._threads = []
             raise
-        if streams is not None:
-            streams.join_all()
+        if step_streams is not None:
+            step_streams.join_all()
         return results, handover.order
 
 
