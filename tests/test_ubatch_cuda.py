@@ -109,6 +109,29 @@ def test_simulated_steps_keep_no_streams_even_where_cuda_is_initialized(fake):
     assert {s for _, _, s in model.streams} == {torch.cuda.default_stream()}  # dbo_comm ran in place
 
 
+def test_a_half_failing_with_its_comm_unjoined_fails_the_step_with_its_error_and_capture_works_again(fake):
+    class Failing(CommModel):
+        fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail and pb.get_forward_context().ubatch_index == 1 and torch.cuda.is_current_stream_capturing():
+                with pb.dbo_comm(x):
+                    cuda_double.current().launch()
+                raise KeyError("half 1 failed after launching its collective")
+            return super().forward(x)
+
+    model = Failing()
+    wrapper = pb.wrap_model(model, CFG)
+    x = torch.arange(5.0)
+    pb.mark_persistent(x)
+    with pytest.raises(KeyError, match="half 1 failed") as info:
+        _step(wrapper, x, FULL)
+    assert any("micro-batch 1" in note for note in info.value.__notes__) and not wrapper.ubatch_entries
+    cuda_double.check_clean(fake)  # the capture was ended (unjoined: it failed) and released
+    model.fail = False
+    assert torch.equal(_step(wrapper, x, FULL), x * 2) and len(wrapper.ubatch_entries) == 1
+
+
 def test_a_missing_join_fails_the_capture_at_capture_end(fake, monkeypatch):
     monkeypatch.setattr(ubatch_streams.StepStreams, "join", lambda self, index: None)
     monkeypatch.setattr(ubatch_streams.StepStreams, "join_all", lambda self: None)
