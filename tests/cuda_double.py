@@ -9,8 +9,12 @@ simulated platform checks values). Test models act on the "device" through ``lau
 The double is only as good as its fidelity: each rule names its source, version-dependent
 rules come from the table in tests/cuda_double_rules.py (the installed torch's, or one a test
 pins), and tests/test_cuda_double.py runs the same rule steps on the double and on a real GPU.
-Streams, graphs and MemPools are in tests/cuda_double_graph.py, the allocators in
-tests/cuda_double_allocator.py. CG is
+Streams (per-thread current stream, vector clocks), events (a wait on an event recorded in a
+capture forks the waiting stream into it; capture_end fails unless the origin stream waited for
+every joined stream's last operation), graphs and MemPools are in tests/cuda_double_graph.py,
+the allocators in tests/cuda_double_allocator.py. ``launch(writes=, reads=)`` notes a read on a
+stream that never waited for the value's producer (``races``), and a launch outside every capture
+while one is underway (``stray``: legal, but missing from the graph). CG is
 aten/src/ATen/cuda/CUDAGraph.cpp, CCA c10/cuda/CUDACachingAllocator.cpp, MP
 aten/src/ATen/cuda/MemPool.cpp; "CUDA" is the runtime's stream-capture rules
 (cudaStreamCaptureModeGlobal: a potentially unsafe call from any thread fails and

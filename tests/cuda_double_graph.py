@@ -1,4 +1,4 @@
-"""The CUDA double's streams, graphs and MemPools (see tests/cuda_double.py, which installs them).
+"""The CUDA double's streams, events, graphs and MemPools (see tests/cuda_double.py, which installs them).
 
 CG is aten/src/ATen/cuda/CUDAGraph.cpp, MP aten/src/ATen/cuda/MemPool.cpp; version-dependent
 behaviour follows tests/cuda_double_rules.py.

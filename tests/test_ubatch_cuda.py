@@ -258,6 +258,7 @@ def test_cuda_global_capture_refuses_cudamalloc_from_another_thread():
     # twin of test_double_global_capture_refuses_cudamalloc_from_another_thread_thread_local_does_not
     for mode, refused in (("global", True), ("thread_local", False)):
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # nothing cached could serve the other thread's allocation
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
         errors: list[str] = []
