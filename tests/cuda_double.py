@@ -200,7 +200,9 @@ class FakeCuda(CachingAllocator):
         global mode is underway on any thread or one in thread_local mode on this thread; relaxed: never."""
         me = threading.get_ident()
         with self.lock:
-            hit = [c for c in self.captures.values() if c.mode == "global" or c.mode == "thread_local" and c.thread == me]
+            hit = [
+                c for c in self.captures.values() if c.mode == "global" or c.mode == "thread_local" and c.thread == me
+            ]
             for c in hit:
                 self._invalidate(c, what)
         if hit:
@@ -220,11 +222,13 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
     cuda = torch.cuda
     patches = {
         "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: fake.num_devices,
-        "current_device": fake.current_device, "set_device": fake.set_device, "device": fake.device, "get_device_name": lambda d=None: "CUDA double",
+        "current_device": fake.current_device, "set_device": fake.set_device,
+        "device": fake.device, "get_device_name": lambda d=None: "CUDA double",
         "Stream": FakeStream, "stream": fake.stream, "current_stream": fake.current_stream,
         "default_stream": fake.default_stream, "synchronize": fake.synchronize,
         "is_current_stream_capturing": fake.is_current_stream_capturing,
-        "CUDAGraph": FakeCUDAGraph, "Event": FakeEvent, "graph_pool_handle": lambda: (0, next(fake._ids)), "MemPool": FakeMemPool,
+        "CUDAGraph": FakeCUDAGraph, "Event": FakeEvent,
+        "graph_pool_handle": lambda: (0, next(fake._ids)), "MemPool": FakeMemPool,
         "memory_snapshot": lambda *a, **k: fake.memory_snapshot(), "memory_reserved": fake.memory_reserved,
         "empty_cache": fake.empty_cache, "current_blas_handle": fake.blas_handle,
     }

@@ -266,7 +266,8 @@ def test_cuda_global_capture_refuses_cudamalloc_from_another_thread():
             graph.capture_begin(capture_error_mode=mode)
             torch.ones(1, device="cuda").add_(1)
             # an odd size the cache cannot serve: a fresh cudaMalloc on the other thread's default stream
-            t = threading.Thread(target=lambda: errors.extend(_try(lambda: torch.empty((97 << 20) + 3, dtype=torch.uint8, device="cuda"))))
+            fresh = lambda: torch.empty((97 << 20) + 3, dtype=torch.uint8, device="cuda")  # noqa: E731
+            t = threading.Thread(target=lambda: errors.extend(_try(fresh)))
             t.start(); t.join()  # noqa: E702
             ended = _try(graph.capture_end)
         assert bool(errors or ended) == refused, (mode, errors, ended)

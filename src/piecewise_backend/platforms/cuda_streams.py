@@ -90,4 +90,6 @@ def new_comm_stream(device: int, compute: Any) -> Any:
         stream = torch.cuda.Stream(device=device, priority=-1)
         if stream.cuda_stream != compute.cuda_stream:
             return stream
-    raise RuntimeError(f"no CUDA stream of cuda:{device} other than the compute stream {compute} is free for communication")
+    raise RuntimeError(
+        f"no CUDA stream of cuda:{device} other than the compute stream {compute} is free for communication"
+    )
