@@ -9,8 +9,12 @@ simulated platform checks values). Test models act on the "device" through ``lau
 The double is only as good as its fidelity: each rule names its source, version-dependent
 rules come from the table in tests/cuda_double_rules.py (the installed torch's, or one a test
 pins), and tests/test_cuda_double.py runs the same rule steps on the double and on a real GPU.
-Streams, graphs and MemPools are in tests/cuda_double_graph.py, the allocators in
-tests/cuda_double_allocator.py. CG is
+Streams (per-thread current stream, vector clocks), events (a wait on an event recorded in a
+capture forks the waiting stream into it; capture_end fails unless the origin stream waited for
+every joined stream's last operation), graphs and MemPools are in tests/cuda_double_graph.py,
+the allocators in tests/cuda_double_allocator.py. ``launch(writes=, reads=)`` notes a read on a
+stream that never waited for the value's producer (``races``), and a launch outside every capture
+while one is underway (``stray``: legal, but missing from the graph). CG is
 aten/src/ATen/cuda/CUDAGraph.cpp, CCA c10/cuda/CUDACachingAllocator.cpp, MP
 aten/src/ATen/cuda/MemPool.cpp; "CUDA" is the runtime's stream-capture rules
 (cudaStreamCaptureModeGlobal: a potentially unsafe call from any thread fails and
@@ -37,6 +41,7 @@ from tests.cuda_double_graph import (  # noqa: F401 (re-exported)
     WORKSPACE,
     Capture,
     FakeCUDAGraph,
+    FakeEvent,
     FakeMemPool,
     FakeStream,
     current,
@@ -62,10 +67,18 @@ class FakeCuda(CachingAllocator):
         self.max_concurrent = self.replays = 0
         self.invalidations: list[str] = []
         self._defaults: dict[int, FakeStream] = {}
+        self.handles: set[int] = set()  # threads with a cuBLAS handle (CTX getCurrentCUDABlasHandle: one per thread)
+        self.unjoined: list[FakeStream] = []  # streams a capture_end found not joined back
+        self.stray: list[tuple[str, FakeStream]] = []  # launches outside every capture while one was underway
+        self.races: list[str] = []  # reads of a value whose producing launch the reading stream did not wait for
+        self._writes: dict[str, tuple[FakeStream, int]] = {}
 
     # ---- streams and devices (current stream and device are per thread, as in c10)
     def current_device(self) -> int:
         return getattr(self._local, "device", 0)
+
+    def set_device(self, index: Any) -> None:
+        self._local.device = int(getattr(index, "index", index) or 0)
 
     @contextlib.contextmanager
     def device(self, index: Any) -> Iterator[None]:
@@ -111,29 +124,55 @@ class FakeCuda(CachingAllocator):
             raise RuntimeError(NOT_PERMITTED)
 
     # ---- what test models do on the device
-    def launch(self) -> None:
-        """A kernel launch on the current stream: recorded while it captures."""
-        cap = self.current_stream().capture
+    def launch(self, writes: str | None = None, reads: str | None = None) -> None:
+        """A kernel launch on the current stream: recorded while it captures. ``writes``/``reads``
+        name a value it produces/consumes: a read on a stream that does not wait (by events) for
+        the value's producer is a race (:attr:`races`), captured or not."""
+        stream = self.current_stream()
+        cap = stream.capture
         if cap is not None:
             if cap.invalid is not None:  # CUDA: work on an invalidated capture fails
                 raise RuntimeError(INVALIDATED)
             cap.nodes += 1
+        elif self.captures:  # legal (torch's streams are non-blocking), but the graph will lack this kernel
+            self.stray.append((threading.current_thread().name, stream))
+        with self.lock:
+            if reads is not None and reads in self._writes:
+                producer, seq = self._writes[reads]
+                if not stream.covers(producer, seq):
+                    self.races.append(f"{reads} read on {stream} before {producer} op {seq} that wrote it")
+            seq = stream.tick()
+            if writes is not None:
+                self._writes[writes] = (stream, seq)
 
     def host_sync(self, what: str = ".item()") -> None:
         """``.item()``, ``nonzero``...: a sync of the current stream (illegal while it captures)."""
         self.current_stream().synchronize(what)
 
     def gemm(self) -> None:
-        # cuBLAS keeps one workspace per (handle, stream): the first gemm on a stream allocates
-        # it, inside the capture (so into the pool) when that stream is capturing. A captured gemm
-        # bakes the workspace address into the graph.
+        # A captured gemm bakes the address of its (handle, stream) workspace into the graph.
         stream = self.current_stream()
-        key = (threading.get_ident(), stream)
+        workspace = self.workspaces[self.blas_handle()]
+        if stream.capture is not None:
+            stream.capture.workspaces.append(workspace)
+        self.launch()
+
+    def blas_handle(self) -> tuple[int, FakeStream]:
+        """torch.cuda.current_blas_handle(): this thread's handle, set up for the current stream.
+
+        cuBLAS keeps one workspace per (handle, stream): the first use on a stream allocates
+        it, inside the capture (so into the pool) when that stream is capturing."""
+        stream = self.current_stream()
+        me = threading.get_ident()
+        if me not in self.handles:
+            # CTX getCurrentCUDABlasHandle creates this thread's handle on its first use: cublasCreate
+            # allocates device memory with a plain cudaMalloc, unsafe during a capture (see _unsafe)
+            self._unsafe("cublasCreate")
+            self.handles.add(me)
+        key = (me, stream)
         if key not in self.workspaces:
             self.workspaces[key] = self.malloc(WORKSPACE)
-        if stream.capture is not None:
-            stream.capture.workspaces.append(self.workspaces[key])
-        self.launch()
+        return key
 
     def workspace(self, stream: FakeStream) -> Segment | None:
         """This thread's cuBLAS workspace on ``stream``."""
@@ -155,6 +194,20 @@ class FakeCuda(CachingAllocator):
             self.autotuned.add(key)
         self.launch()
 
+    def _unsafe(self, what: str) -> None:
+        """A potentially unsafe CUDA call (cudaMalloc outside the caching allocator's relaxed guard) from
+        this thread. CUDA (cudaStreamCaptureMode): it fails, and invalidates the capture, if a capture in
+        global mode is underway on any thread or one in thread_local mode on this thread; relaxed: never."""
+        me = threading.get_ident()
+        with self.lock:
+            hit = [
+                c for c in self.captures.values() if c.mode == "global" or c.mode == "thread_local" and c.thread == me
+            ]
+            for c in hit:
+                self._invalidate(c, what)
+        if hit:
+            raise RuntimeError(NOT_PERMITTED)
+
     def _invalidate(self, cap: Capture, why: str) -> None:
         if cap.invalid is None:
             cap.invalid = why
@@ -168,14 +221,16 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
     monkeypatch.setattr(cuda_double_graph, "_CURRENT", fake)
     cuda = torch.cuda
     patches = {
-        "is_available": lambda: True, "device_count": lambda: fake.num_devices,
-        "current_device": fake.current_device, "device": fake.device, "get_device_name": lambda d=None: "CUDA double",
+        "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: fake.num_devices,
+        "current_device": fake.current_device, "set_device": fake.set_device,
+        "device": fake.device, "get_device_name": lambda d=None: "CUDA double",
         "Stream": FakeStream, "stream": fake.stream, "current_stream": fake.current_stream,
         "default_stream": fake.default_stream, "synchronize": fake.synchronize,
         "is_current_stream_capturing": fake.is_current_stream_capturing,
-        "CUDAGraph": FakeCUDAGraph, "graph_pool_handle": lambda: (0, next(fake._ids)), "MemPool": FakeMemPool,
+        "CUDAGraph": FakeCUDAGraph, "Event": FakeEvent,
+        "graph_pool_handle": lambda: (0, next(fake._ids)), "MemPool": FakeMemPool,
         "memory_snapshot": lambda *a, **k: fake.memory_snapshot(), "memory_reserved": fake.memory_reserved,
-        "empty_cache": fake.empty_cache,
+        "empty_cache": fake.empty_cache, "current_blas_handle": fake.blas_handle,
     }
     for name, value in patches.items():
         monkeypatch.setattr(cuda, name, value)

@@ -93,7 +93,7 @@ class HostAllocator:
 
 
 class CachingAllocator:
-    """Mixed into FakeCuda, which provides ``current_stream``, ``captures`` and ``_invalidate``."""
+    """Mixed into FakeCuda, which provides ``current_stream``, ``captures`` and ``_unsafe``."""
 
     lock: threading.RLock
     captures: dict[int, Capture]
@@ -173,13 +173,12 @@ class CachingAllocator:
                 if fits and not seg.allocated and seg.stream is stream:  # CCA: free blocks are per stream, any pool
                     seg.allocated = True
                     return seg
-            # CCA cudaMallocMaybeCapturing: a cudaMalloc on a *capturing* stream runs under a relaxed
-            # capture-mode guard; elsewhere it is a plain cudaMalloc, unsafe during a global capture.
-            others = [] if cap is not None else [c for c in self.captures.values() if c.mode == "global"]
-            if others:
-                for c in others:
-                    self._invalidate(c, "cudaMalloc from another stream")
-                raise RuntimeError(NOT_PERMITTED)
+            # CCA cudaMallocMaybeCapturing: a cudaMalloc on a *capturing* stream (any thread: the check is
+            # the current stream's capture status) runs under a relaxed capture-mode guard; elsewhere it
+            # is a plain cudaMalloc, unsafe during a global capture (from any thread) or a thread_local
+            # one (from the capturing thread).
+            if cap is None:
+                self._unsafe("cudaMalloc from a stream outside the capture")
             memory = torch.empty(nbytes, dtype=torch.uint8) if backed else None
             address = memory.data_ptr() if backed else next(self._ids) << 20
             seg = Segment(address, nbytes, pool, stream, memory)

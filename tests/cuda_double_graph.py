@@ -1,4 +1,4 @@
-"""The CUDA double's streams, graphs and MemPools (see tests/cuda_double.py, which installs them).
+"""The CUDA double's streams, events, graphs and MemPools (see tests/cuda_double.py, which installs them).
 
 CG is aten/src/ATen/cuda/CUDAGraph.cpp, MP aten/src/ATen/cuda/MemPool.cpp; version-dependent
 behaviour follows tests/cuda_double_rules.py.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from tests.cuda_double_allocator import NOT_PERMITTED, Segment
 from tests.cuda_double_rules import cite, holds
@@ -35,38 +37,67 @@ class Capture:
         self.id, self.stream, self.pool, self.mode = cid, stream, pool, mode
         self.nodes = 0
         self.invalid: str | None = None  # why CUDA invalidated it
-        self.forks: set[FakeStream] = set()
+        self.members: set[FakeStream] = {stream}  # streams that joined it (CUDA: they capture until it ends)
         self.thread = threading.get_ident()
         self.workspaces: list[Segment] = []
 
 
 class FakeStream:
+    """A stream with a vector clock: ``clock[s.id]`` is how far this stream's next work depends on
+    stream ``s``'s work (its own entry: the ops it ran). Events carry a copy; waiting merges it."""
+
     def __init__(self, device: int | None = None, priority: int = 0, *, _default: bool = False):
         fake = current()
         self.device_index = fake.current_device() if device is None else int(device)
         self.id = next(fake._ids)
+        self.priority = priority
         self.capture: Capture | None = None
         self.is_default = _default
+        self.seq = 0
+        self.clock: dict[int, int] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.device_index)
 
     @property
     def cuda_stream(self) -> int:  # the raw cudaStream_t (what cuBLAS keys its workspaces by)
         return self.id
 
-    def wait_stream(self, other: FakeStream) -> None:
-        # CUDA: a stream that waits on a capturing stream joins its capture (a fork); the
-        # origin stream waiting on it joins it back. cudaStreamEndCapture fails on an unjoined fork.
+    def tick(self) -> int:
+        """One more operation on this stream (a kernel, a wait node)."""
+        self.seq += 1
+        self.clock[self.id] = self.seq
+        return self.seq
+
+    def covers(self, other: FakeStream, seq: int) -> bool:
+        """Whether this stream's next work runs after ``other``'s ``seq``-th operation."""
+        return other is self and self.seq >= seq or self.clock.get(other.id, 0) >= seq
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = FakeEvent() if event is None else event
+        event.record(self)
+        return event
+
+    def wait_event(self, event: FakeEvent) -> None:
+        # CUDA cudaStreamWaitEvent: an event recorded in a capture makes the waiting stream join
+        # that capture (a fork); the legacy default stream cannot (cudaErrorStreamCaptureImplicit).
         fake = current()
         with fake.lock:
-            if other.capture is not None and self.is_default:
-                # CUDA: the legacy default stream cannot depend on a capturing stream
-                fake._invalidate(other.capture, "legacy stream waited on a capturing stream")
+            cap = event.capture if event.capture is not None and event.capture.id in fake.captures else None
+            if cap is not None and self.is_default:
+                fake._invalidate(cap, "legacy stream waited on a capturing stream")
                 raise RuntimeError(IMPLICIT)
-            if other.capture is not None and self.capture is None:
-                self.capture = other.capture
-                other.capture.forks.add(self)
-            elif self.capture is not None and other in self.capture.forks and self.capture.stream is self:
-                self.capture.forks.discard(other)
-                other.capture = None
+            if cap is not None and self.capture is None:
+                self.capture = cap
+                cap.members.add(self)
+            for sid, seq in event.clock.items():
+                self.clock[sid] = max(self.clock.get(sid, 0), seq)
+            self.tick()
+
+    def wait_stream(self, other: FakeStream) -> None:
+        # torch.cuda.Stream.wait_stream is self.wait_event(other.record_event())
+        self.wait_event(other.record_event())
 
     def synchronize(self, why: str = "cudaStreamSynchronize") -> None:
         if self.capture is not None:
@@ -75,6 +106,29 @@ class FakeStream:
 
     def __repr__(self) -> str:
         return f"FakeStream(id={self.id}, device={self.device_index}{', default' if self.is_default else ''})"
+
+
+class FakeEvent:
+    """torch.cuda.Event: ``record`` copies the stream's clock (and the capture it records into)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.clock: dict[int, int] = {}
+        self.capture: Capture | None = None
+        self.stream: FakeStream | None = None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = current().current_stream() if stream is None else stream
+        with current().lock:
+            self.stream, self.capture, self.clock = stream, stream.capture, dict(stream.clock)
+            self.clock[stream.id] = stream.seq
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        (current().current_stream() if stream is None else stream).wait_event(self)
+
+    def synchronize(self) -> None:
+        if self.capture is not None and self.capture.id in current().captures:  # CUDA: cudaEventSynchronize
+            current()._invalidate(self.capture, "cudaEventSynchronize")
+            raise RuntimeError(NOT_PERMITTED)
 
 
 class FakeCUDAGraph:
@@ -126,12 +180,14 @@ class FakeCUDAGraph:
             raise RuntimeError("Capture must end on the same stream it began on.")
         with fake.lock:
             # CUDA cudaStreamEndCapture: the stream leaves capture mode whatever happened.
-            cap.stream.capture = None
             fake.captures.pop(cap.id, None)
-            for s in cap.forks:
+            # CUDA: every stream that joined must be joined back: the origin's last work depends on its last op
+            unjoined = [s for s in cap.members if s is not cap.stream and not cap.stream.covers(s, s.seq)]
+            for s in cap.members:
                 s.capture = None
-            if cap.forks:
+            if unjoined:
                 cap.invalid = cap.invalid or "unjoined"
+                fake.unjoined.extend(unjoined)
             if cap.invalid is not None:
                 if holds("failed_capture_end_ends_routing"):  # 2.12+: routing ends before the re-raise
                     fake._end_allocate(self.pool_id)
@@ -144,6 +200,7 @@ class FakeCUDAGraph:
         if cap.nodes == 0:  # CG: TORCH_WARN on an empty graph
             warnings.warn("The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device or stream.")
         self.workspaces = list(cap.workspaces)
+        self.streams = set(cap.members)  # every stream the capture recorded work of
         self.capture_ended = self.has_graph_exec = True
 
     def replay(self) -> None:

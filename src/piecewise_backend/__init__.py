@@ -21,5 +21,5 @@ from .platforms.cuda import CaptureInvalidatedError
 from .weak import is_weak, weak_ref_tensor, weak_ref_tensors
 from .aot import CompiledModel, aot_compile, load_compiled
 from .shapes import mark_token_dim
-from .ubatch import dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
+from .ubatch import dbo_comm, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
 from .ubatch_wrapper import UBatchSlice, UBatchWrapper

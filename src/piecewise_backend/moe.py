@@ -6,8 +6,9 @@ reach their experts' rank and come back through two ``all_to_all_single`` collec
 fixed shape (every rank sends each peer all of its ``tokens * top_k`` routed rows, the expert
 id riding along as one more column; the receiver keeps the rows of its own experts), so a
 step's collectives depend on its token count only and can be captured in a graph.
-``dbo_yield()`` follows the launch of each collective: under micro-batching the other half
-computes while this half's rows are on the wire.
+Each collective is launched in a ``dbo_comm()`` region (on CUDA: the communication stream) and
+followed by ``dbo_yield()``: under micro-batching the other half computes while this half's rows
+are on the wire.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ubatch import dbo_yield
+from .ubatch import dbo_comm, dbo_yield
 
 _functional = torch.ops._c10d_functional
 
@@ -69,8 +70,9 @@ class MoE(nn.Module):
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """Launch a fixed-shape all-to-all, let the other micro-batch run, then wait for the result."""
         rows = [x.shape[0] // self.world] * self.world
-        out = _functional.all_to_all_single(x, rows, rows, dist.group.WORLD.group_name)
-        dbo_yield()  # in flight: the other half computes meanwhile
+        with dbo_comm(x):
+            out = _functional.all_to_all_single(x, rows, rows, dist.group.WORLD.group_name)
+        dbo_yield()  # in flight: the other half computes meanwhile (its compute waits for it on resuming)
         return _functional.wait_tensor(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .config import CompilationConfig
 from .context import _CONTEXT, BatchDescriptor, set_forward_context
 from .modes import CUDAGraphMode
+from .platforms import resolve_platform_name
 from .ubatch import DEFAULT_TIMEOUT_S, NUM_UBATCHES, UBatchThreads
 from .wrappers import CUDAGraphWrapper, _GraphWrapper
 
@@ -131,7 +132,8 @@ class UBatchWrapper(_GraphWrapper):
         slices = list(ctx.ubatch_slices)
         mode = ctx.runtime_mode if ctx.runtime_mode == _FULL else _NONE
         jobs = [self._job(i, s, mode) for i, s in enumerate(slices)]
-        outputs, self.last_order = self.threads.run(jobs, self.timeout_s)
+        cuda = resolve_platform_name(self.config.platform) == "cuda"  # the simulator's steps keep no streams
+        outputs, self.last_order = self.threads.run(jobs, self.timeout_s, streams=cuda)
         return combine_outputs(outputs, slices)
 
     def _job(self, index: int, piece: UBatchSlice, mode: CUDAGraphMode) -> Callable[[], Any]:

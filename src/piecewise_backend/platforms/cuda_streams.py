@@ -77,3 +77,19 @@ def new_capture_stream(device: int, taken: Iterable[int]) -> Any:
         f"every pooled CUDA stream of cuda:{device} already carries a live generation of graphs ({len(taken)}); "
         "clear_graphs() on wrappers no longer used, or restart the process"
     )
+
+
+def new_comm_stream(device: int, compute: Any) -> Any:
+    """A stream for micro-batch communication on ``device``, never the raw stream of ``compute``.
+
+    Drawn at high priority: c10 keeps one stream pool per priority, so it cannot be a capture
+    stream of a generation (priority 0, :func:`new_capture_stream`) on a GPU with more than one
+    priority level, and communication kernels get scheduled ahead of the compute they overlap.
+    """
+    for _ in range(256):
+        stream = torch.cuda.Stream(device=device, priority=-1)
+        if stream.cuda_stream != compute.cuda_stream:
+            return stream
+    raise RuntimeError(
+        f"no CUDA stream of cuda:{device} other than the compute stream {compute} is free for communication"
+    )
