@@ -10,7 +10,7 @@
 #   rules   tests/test_cuda_double.py -m cuda: the CPU double's rules on this GPU and torch
 #   cuda    tests/test_cuda.py -m cuda
 #   memory  tests/test_memory.py -m cuda
-#   kvhf    tests/test_kv.py tests/test_attention.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py -m cuda
+#   kvhf    tests/test_kv.py tests/test_attention.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py tests/test_ubatch_cuda.py -m cuda
 #   twins   tests/test_sim_rules.py tests/test_inputs.py -m cuda: the simulator's rules, on a real graph
 #   example examples/hf_generate.py --arch llama --check, then examples/spec_decode.py --check
 #   nccl    with 2+ GPUs only: tensor_parallel.py and moe_dbo.py --check, bench_dbo.py on NCCL
@@ -106,7 +106,7 @@ step smoke 60 "$PY" scripts/gpu_smoke.py
 pytest_step rules 60 tests/test_cuda_double.py
 pytest_step cuda 120 tests/test_cuda.py
 pytest_step memory 40 tests/test_memory.py
-pytest_step kvhf 90 tests/test_kv.py tests/test_attention.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py
+pytest_step kvhf 90 tests/test_kv.py tests/test_attention.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py tests/test_ubatch_cuda.py
 pytest_step twins 40 tests/test_sim_rules.py tests/test_inputs.py
 step example 45 "$PY" examples/hf_generate.py --arch llama --check
 step spec 45 "$PY" examples/spec_decode.py --arch llama --num-speculative-tokens 2 --check
