@@ -227,7 +227,10 @@ def aot_compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, config
     if config is not None and not isinstance(config, CompilationConfig):
         raise TypeError(f"aot_compile's config must be a CompilationConfig, got {type(config).__name__}")
     backend = _AOTBackend(config or CompilationConfig())
-    compiled = torch.compile(model.forward, fullgraph=True, backend=backend).aot_compile((tuple(example_inputs), {}))
+    # torch 2.11 has the API but adds ``.aot_compile`` only with this flag on (the default from 2.13)
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(model.forward, fullgraph=True, backend=backend)
+    compiled = compiled.aot_compile((tuple(example_inputs), {}))
     inference_args = [a.is_inference() if isinstance(a, torch.Tensor) else None for a in example_inputs]
     result = CompiledModel(compiled, model, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), inference_args)
     if path is not None:
