@@ -8,7 +8,8 @@ their fake-tensor metadata), and each compiled piece is deserialized (``standalo
 aot=True)`` bytes). docs/restart.md lists the guards and limits.
 
 Built on torch's ``torch.compile(...).aot_compile`` and ``torch.compiler.load_compiled_function``
-(experimental in torch 2.13). Limits, checked where possible: the grad mode of every call must be
+(experimental in torch 2.11 and 2.13; torch 2.11 offers the first only with
+``torch._dynamo.config.enable_aot_compile``, which :func:`aot_compile` turns on for its own compile). Limits, checked where possible: the grad mode of every call must be
 the one at compile time; the loaded function serves the shapes its guards accept (mark the token
 dimension with :func:`~piecewise_backend.shapes.mark_token_dim` before compiling to serve every
 size); the file is tied to the torch and Python versions it was made with.
