@@ -180,3 +180,14 @@ def test_marked_inputs_and_the_runner_work_with_a_loaded_model(saved):
         runner.capture(progress=False)
         torch.testing.assert_close(runner.run(input_ids=ids(5)), model(ids(5)))
         torch.testing.assert_close(runner.run(input_ids=ids(1)), model(ids(1)))
+
+
+def test_aot_compile_works_with_dynamos_aot_flag_off(tmp_path):
+    # torch 2.11 ships torch.compile(...).aot_compile behind this flag, off by default; aot_compile
+    # turns it on for its own compile only. Forcing it off here runs the 2.11 path on 2.13 too.
+    model = tiny_llama(1)
+    with torch._dynamo.config.patch(enable_aot_compile=False), torch.inference_mode():
+        compiled = pb.aot_compile(model, [pb.mark_token_dim(ids(4))], config=EAGER, path=tmp_path / "m.pb")
+        torch.testing.assert_close(compiled(ids(3)), model(ids(3)))
+        assert torch._dynamo.config.enable_aot_compile is False  # left as the caller set it
+        torch.testing.assert_close(pb.load_compiled(tmp_path / "m.pb", model)(ids(2)), model(ids(2)))

@@ -208,6 +208,17 @@ def test_custom_passes_enter_the_key_by_uuid():
     assert len(set(keys.values())) == len(keys)
 
 
+
+def test_every_pass_of_a_list_enters_the_key():
+    gm = dynamo_graph(piece_fn, X)
+    keys = {}
+    for passes in (["a"], ["a", "b"], ["b", "a"]):
+        with torch._inductor.config.patch({"post_grad_custom_post_pass": [_Pass(u) for u in passes]}):
+            keys[tuple(passes)] = compile_cache.piece_key(gm)
+    with torch._inductor.config.patch({"post_grad_custom_post_pass": _Pass("a")}):
+        assert compile_cache.piece_key(gm) == keys["a",]  # one pass, alone or in a list: the same passes run
+    assert len(set(keys.values())) == len(keys)
+
 def test_compile_time_state_enters_the_key():
     gm = dynamo_graph(piece_fn, X)
     plain = compile_cache.piece_key(gm)

@@ -8,10 +8,12 @@ their fake-tensor metadata), and each compiled piece is deserialized (``standalo
 aot=True)`` bytes). docs/restart.md lists the guards and limits.
 
 Built on torch's ``torch.compile(...).aot_compile`` and ``torch.compiler.load_compiled_function``
-(experimental in torch 2.13). Limits, checked where possible: the grad mode of every call must be
-the one at compile time; the loaded function serves the shapes its guards accept (mark the token
-dimension with :func:`~piecewise_backend.shapes.mark_token_dim` before compiling to serve every
-size); the file is tied to the torch and Python versions it was made with.
+(experimental in torch 2.11 and 2.13; torch 2.11 offers the first only with
+``torch._dynamo.config.enable_aot_compile``, which :func:`aot_compile` turns on for its own compile).
+Limits, checked where possible: the grad mode of every call must be the one at compile time; the
+loaded function serves the shapes its guards accept (mark the token dimension with
+:func:`~piecewise_backend.shapes.mark_token_dim` before compiling to serve every size); the file is
+tied to the torch and Python versions it was made with.
 
 A file is ``MAGIC | sha256(payload) | payload`` (the payload a pickle): every way a file can be
 wrong (truncated, bit flips, another format, torch failing to load it) is an :class:`AOTFileError`
@@ -227,7 +229,10 @@ def aot_compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, config
     if config is not None and not isinstance(config, CompilationConfig):
         raise TypeError(f"aot_compile's config must be a CompilationConfig, got {type(config).__name__}")
     backend = _AOTBackend(config or CompilationConfig())
-    compiled = torch.compile(model.forward, fullgraph=True, backend=backend).aot_compile((tuple(example_inputs), {}))
+    # torch 2.11 has the API but adds ``.aot_compile`` only with this flag on (on by default in 2.13)
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(model.forward, fullgraph=True, backend=backend)
+    compiled = compiled.aot_compile((tuple(example_inputs), {}))
     inference_args = [a.is_inference() if isinstance(a, torch.Tensor) else None for a in example_inputs]
     result = CompiledModel(compiled, model, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), inference_args)
     if path is not None:

@@ -36,16 +36,22 @@ _PASS_HOOKS = (
 _FUNCTORCH_IGNORED = re.compile(r"cache|force_non_lazy_backward_lowering|graph_format|^debug|joint_custom_pass")
 
 
+def _passes(value: Any) -> tuple[Any, ...]:
+    """The passes a hook holds: none, one, or a list (torch 2.13 accepts lists; 2.11 has no helper for this)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
 def _hooks(d: Describer) -> list[str]:
     from torch._functorch import config as functorch_config
     from torch._inductor import config
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
     parts = []
     hooks = [(f"torch._inductor.config.{n}", getattr(config, n, None)) for n in _PASS_HOOKS]
     hooks.append(("torch._functorch.config.joint_custom_pass", getattr(functorch_config, "joint_custom_pass", None)))
     for name, value in hooks:
-        for p in get_custom_graph_passes(value):
+        for p in _passes(value):
             if isinstance(p, str):
                 parts.append(f"{name}={p}")
                 continue
