@@ -107,7 +107,7 @@ def hfengine(model: torch.nn.Module, prompts: list[list[int]], new: int, cuda: b
         total_s = time.perf_counter() - t0
         admitted = max(i for i, info in enumerate(infos) if not info.uniform_decode)  # the last step with a prompt
         n, s = decode_window(events, events[admitted][0])
-        decode = [info for info in infos[admitted + 1:]]
+        decode = infos[admitted + 1:]
         full = sum(info.mode == pb.CUDAGraphMode.FULL for info in decode)
         return Run(tokens, n, s, total_s, (full, len(decode)))
 
@@ -227,14 +227,16 @@ def throughput_table(quick: bool, device: str, dtype: torch.dtype, deadline: flo
     cuda = device == "cuda"
     raise_recompile_limits()
     sizes = SIZES[("cuda" if cuda else "cpu") + ("-quick" if quick else "")]
-    make = lambda: hf.tiny_random_model("llama", device=device, **sizes).to(dtype)  # noqa: E731  same seed, same weights
+    def make() -> torch.nn.Module:  # the same seed: the same weights every time
+        return hf.tiny_random_model("llama", device=device, **sizes).to(dtype)
+
     prompts, new = prompts_for(device, quick, make().config.vocab_size)
     expected = reference(make(), prompts, new)
     runners: dict[str, Callable[[], Run]] = {}
     notes: list[str] = []
     log("hf_throughput: HFEngine (compile, capture)")
-    label, runners_hf = hfengine(make(), prompts, new, cuda)
-    runners[label] = runners_hf
+    label, hf_go = hfengine(make(), prompts, new, cuda)
+    runners[label] = hf_go
     log("hf_throughput: transformers continuous batching")
     cb_model = make()
     try:
@@ -287,8 +289,8 @@ def throughput_table(quick: bool, device: str, dtype: torch.dtype, deadline: flo
              "starts and stops its manager's thread every call). Reference tokens: per-prompt `generate` without "
              "padding.\n")
     if not cuda:
-        body += ("\n**CPU: the CUDA graphs are simulated (recorded and replayed op by op on the host), so these numbers "
-                 "show that the comparison runs, not how fast any engine is. Measure with `--device cuda`.**\n")
+        body += ("\n**CPU: the CUDA graphs are simulated (recorded and replayed op by op on the host), so these "
+                 "numbers show that the comparison runs, not how fast any engine is. Measure with `--device cuda`.**\n")
     for note in notes:
         body += f"\n{note}\n"
     data = {"rates": {n: statistics.median(r.rate for r in runs[n]) for n in runners}, "hf_tokens_equal": hf_ok,
@@ -318,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer new tokens and repetitions")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (default 1)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
