@@ -85,7 +85,8 @@ def hfengine(model: torch.nn.Module, prompts: list[list[int]], new: int, cuda: b
     from piecewise_backend import hf
 
     total = sum(len(p) for p in prompts)
-    sizes = [s for s in (4, 8, 16, 32, 64, 128, 256, 512) if s < total] + [1 << (total - 1).bit_length()]
+    # two sizes: the decode batch and the one prefill step (equal budgets: no other step shape), so capture is short
+    sizes = sorted({1 << (len(prompts) - 1).bit_length(), 1 << (total - 1).bit_length()})
     config = pb.CompilationConfig(platform="cuda" if cuda else "simulated", cudagraph_mode="FULL_AND_PIECEWISE",
                                   compile_pieces="inductor" if cuda else "eager", capture_sizes=sizes)
     block = 256 if cuda else 16  # varlen takes blocks of 256
