@@ -14,6 +14,9 @@
 #   twins   tests/test_sim_rules.py tests/test_inputs.py -m cuda: the simulator's rules, on a real graph
 #   example examples/hf_generate.py --arch llama --check, then examples/spec_decode.py --check
 #   nccl    with 2+ GPUs only: tensor_parallel.py and moe_dbo.py --check, bench_dbo.py on NCCL
+#   attnbench  benchmarks/bench_attention.py --device cuda --quick: decode step and memory vs max_model_len (90 s)
+#   hfbench    benchmarks/bench_hf_throughput.py --device cuda --quick: decode tokens/s of HFEngine FULL graphs vs
+#              transformers' generate_batch vs generate (120 s); both tables go to steps.log only
 #   bench   benchmarks/run.py --cuda (what time is left), written to $OUT/benchmarks.md
 # Each step prints "PASS|FAIL|TIMEOUT <step> (<seconds> s)"; a table of them ends the run and
 # $OUT/summary.txt; the exit status is 1 if any step did not pass. Files under $OUT (8 at most):
@@ -117,6 +120,8 @@ if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/
 else
   say "     nccl: not run (needs 2+ GPUs)"
 fi
+step attnbench 90 "$PY" -m benchmarks.bench_attention --device cuda --quick
+step hfbench 120 "$PY" -m benchmarks.bench_hf_throughput --device cuda --quick
 BENCH=$(( $(left) - 20 ))
 step bench "$BENCH" "$PY" benchmarks/run.py --cuda --budget "$(( BENCH > 60 ? BENCH - 40 : 20 ))" --out "$OUT/benchmarks.md"
 

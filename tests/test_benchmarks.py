@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,3 +64,28 @@ def test_attention_benchmark_tables_and_memory_tracker():
     memory = section.data["memory"]
     assert memory["reference", 1024] > 3 * memory["reference", 256]  # the reference grows with max_model_len
     assert memory["bounded (eager)", 1024] == memory["bounded (eager)", 256]
+
+
+def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
+    """run.py --only hf_throughput on the CPU: every engine's row (or why transformers' own is absent), HFEngine's
+    decode steps replayed FULL, its tokens equal per-prompt generate's, and the warning that CPU numbers mean little."""
+    from benchmarks.bench_hf_throughput import decode_window
+
+    # the window starts when every request has its first token: 2 tokens at t=1 are prefill, the rest is decode
+    assert decode_window([(0.5, 2), (1.0, 2), (1.5, 2), (3.0, 2)], 1.0) == (4, 2.0)
+    assert decode_window([(1.0, 4)], 1.0) == (0, 0.0)
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "hf_throughput"], cwd=ROOT, capture_output=True,
+        text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    hf_row = re.search(r"^\| HFEngine FULL_AND_PIECEWISE .*\| (\d+) +\| ([\d,]+) +\| ([\d.]+)x.*\| (.*) \|$", out, re.M)
+    assert hf_row, out
+    assert hf_row.group(1) == "32" and float(hf_row.group(2).replace(",", "")) > 0  # 4 prompts x 8 new tokens
+    assert "all 4 prompts; FULL replays 7/7 decode steps" in hf_row.group(4)
+    assert re.search(r"^\| model\.generate \(eager, batch left padded\) +\| 32 .*\| 1\.000x", out, re.M), out
+    cb_row = re.search(r"^\| transformers generate_batch .*\| 32 ", out, re.M)
+    assert cb_row or "transformers continuous batching" in out, out  # a row, or the line saying why there is none
+    assert "the CUDA graphs are simulated" in out
