@@ -275,3 +275,16 @@ def check_clean(fake: FakeCuda) -> None:
 def _expected_leftover(fake: FakeCuda) -> bool:
     # torch 2.11 leaves the host allocator routing to a failed capture's pool on for good (no binding ends it)
     return not fake.routing and not holds("failed_capture_end_ends_routing")
+
+
+def per_release_fixture() -> Any:
+    """A module-scoped ``double`` fixture: the module runs once per torch release whose rules differ
+    (2.11, 2.13), on one double for the whole module, as one process-wide platform is on a GPU."""
+
+    @pytest.fixture(scope="module", params=[(2, 11), (2, 13)], ids=["torch2.11", "torch2.13"])
+    def double(request: Any) -> Iterator[FakeCuda]:
+        with installed(request.param) as fake:
+            yield fake
+
+    return double
+

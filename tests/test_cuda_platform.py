@@ -29,10 +29,7 @@ D4, D8 = pb.BatchDescriptor(4), pb.BatchDescriptor(8)
 CFG = pb.CompilationConfig(platform="cuda", compile_pieces="eager")
 
 
-@pytest.fixture(scope="module", params=[(2, 11), (2, 13)], ids=["torch2.11", "torch2.13"])
-def double(request):
-    with cuda_double.installed(request.param) as fake:
-        yield fake
+double = cuda_double.per_release_fixture()
 
 
 @pytest.fixture
