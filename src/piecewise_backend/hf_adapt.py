@@ -1,0 +1,173 @@
+"""What :func:`piecewise_backend.hf.adapt` checks before serving a HF model, and the probe forward.
+
+A model is served only if the paged attention computes what its own attention computes and its
+forward can be replayed by a CUDA graph. :func:`refusal` names the first reason it cannot be
+(from the config and the modules); :func:`probe` runs one tiny eager forward with a recording
+attention to read every attention layer's head layout from the modules themselves and to find
+device-to-host reads (``nonzero``, ``.item()``, boolean-mask indexing) that no graph can replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
+
+from .platforms.simulated import OpKind, classify
+
+PROBE_IMPLEMENTATION = "pb_probe"
+#: ``layer_types`` / ``layers_block_type`` entries the paged attention serves (others are refused).
+SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
+# Layer classes that keep a recurrent or convolution state from one token to the next.
+_STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
+
+
+@dataclasses.dataclass
+class LayerLayout:
+    """What one attention layer passed to the attention interface in the probe."""
+
+    module: torch.nn.Module
+    q_heads: int
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    calls: int = 1
+
+
+@dataclasses.dataclass
+class ProbeResult:
+    layers: dict[int, LayerLayout]
+    host_reads: list[str]  # "aten.nonzero in model.layers.0.mlp.experts", first seen first
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of one cache that holds every layer (head dims padded to the widest)."""
+        return max(self.layers) + 1, max(l.kv_heads for l in self.layers.values()), self.head_dim
+
+    @property
+    def head_dim(self) -> int:
+        return max(max(l.k_dim, l.v_dim) for l in self.layers.values())
+
+
+_RECORD: list[ProbeResult] = []
+
+
+def probe_attention_forward(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface entry of the probe: records the layer's layout, returns zeros of the output's shape."""
+    result = _RECORD[-1]
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx: the paged cache cannot tell its layers apart")
+    if layer in result.layers:
+        result.layers[layer].calls += 1
+    else:
+        result.layers[layer] = LayerLayout(module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+class _HostReads(TorchDispatchMode):
+    """Notes each op that makes the host wait for device data, with the module it ran in."""
+
+    def __init__(self, tracker: ModuleTracker, found: list[str]):
+        super().__init__()
+        self.tracker, self.found = tracker, found
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if classify(func, args) is OpKind.HOST_SYNC:
+            where = max(self.tracker.parents, key=len, default="the model")
+            self.found.append(f"{func._schema.name} in {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
+    """One eager forward of ``tokens`` tokens (one request) with the recording attention; restores the model's attention."""
+    transformers = __import__("transformers")
+    transformers.AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention_forward)
+    previous = model.config._attn_implementation
+    result = ProbeResult({}, [])
+    param = next(model.parameters())
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
+    model.set_attn_implementation(PROBE_IMPLEMENTATION)
+    _RECORD.append(result)
+    try:
+        with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads):
+            model(input_ids=ids, position_ids=torch.arange(tokens, device=param.device)[None], use_cache=False)
+    finally:
+        _RECORD.pop()
+        model.set_attn_implementation(previous)
+    return result
+
+
+def refusal(model: torch.nn.Module) -> str | None:
+    """Why the paged attention would serve ``model`` wrongly (from its config and modules), or None."""
+    name = type(model).__name__
+    text = model.config.get_text_config()
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk:
+        return f"{name} uses chunked attention (attention_chunk_size={chunk}); the paged attention has no chunk mask"
+    for field in ("layer_types", "layers_block_type"):
+        kinds = getattr(text, field, None)
+        other = sorted({str(k) for k in kinds or ()} - SERVED_LAYER_TYPES)
+        if other:
+            return (
+                f"{name} has layers of type {other} ({field}); the paged attention serves "
+                f"{sorted(SERVED_LAYER_TYPES)} layers only (no recurrent, convolution, chunked or indexed attention state)"
+            )
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return f"{name} soft-caps attention logits; the paged attention does not"
+    for path, m in model.named_modules():
+        kind = type(m).__name__
+        if _STATEFUL.search(kind) or isinstance(m, torch.nn.Conv1d):
+            return f"{name} keeps recurrent or convolution state between tokens ({kind} at {path}); the paged cache holds K/V only"
+        if isinstance(getattr(m, "sinks", None), torch.Tensor):
+            return f"{name} uses attention sinks ({kind}.sinks at {path}); the paged attention has none"
+        if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False:
+            return f"{name} has non-causal attention ({path}); paged attention is causal only"
+    return None
+
+
+def graph_safe_experts(model: torch.nn.Module) -> str | None:
+    """Switch mixture-of-experts layers to an implementation without host syncs; returns it (None: no experts).
+
+    HF's default ``grouped_mm`` falls back (off CUDA, or without bf16) to a loop over ``offsets.tolist()``
+    and ``eager`` loops over ``nonzero()``: a graph would replay the routing seen at capture.
+    ``batched_mm`` gathers each token's experts with static shapes; native ``grouped_mm`` (CUDA, bf16,
+    sm80+) is kept, as it is sync-free and does not gather weights per token.
+    """
+    if not model._can_set_experts_implementation():
+        return None
+    param = next(model.parameters())
+    native = (
+        param.device.type == "cuda" and param.dtype == torch.bfloat16
+        and hasattr(torch.nn.functional, "grouped_mm") and torch.cuda.get_device_capability(param.device) >= (8, 0)
+    )
+    chosen = "grouped_mm" if native else "batched_mm"
+    model.set_experts_implementation(chosen)
+    return chosen
+
+
+def layout_refusal(name: str, result: ProbeResult) -> str | None:
+    """Why the probe's findings rule the model out, or None."""
+    if result.host_reads:
+        return (
+            f"{name} reads device data on the host in its forward ({result.host_reads[0]}): "
+            "a data-dependent shape or a sync, which a CUDA graph would replay with the values seen at capture"
+        )
+    if not result.layers:
+        return f"{name} calls no attention through transformers' AttentionInterface"
+    twice = [i for i, l in result.layers.items() if l.calls > 1]
+    if twice:
+        return f"{name} runs attention layer {twice[0]} more than once per forward; the paged cache holds one K/V per layer"
+    kv_heads = {l.kv_heads for l in result.layers.values()}
+    if len(kv_heads) > 1:
+        return f"{name} has layers with different KV head counts {sorted(kv_heads)}; one paged cache holds one count"
+    bad = [i for i, l in result.layers.items() if l.q_heads % l.kv_heads]
+    if bad:
+        return f"{name}: layer {bad[0]} has {result.layers[bad[0]].q_heads} query heads, not a multiple of its KV heads"
+    return None
