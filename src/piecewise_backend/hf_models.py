@@ -10,11 +10,12 @@ import torch
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    num_experts_per_tok=2,
 )
 #: Shrunk only where the model's default config sets them (None means the feature is off).
 TINY_IF_SET = dict(
     # mixture of experts: few small experts (the defaults allocate up to GBs: llama4, qwen3_5_moe, ...)
-    num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    num_local_experts=4, num_experts=4, n_routed_experts=4, moe_intermediate_size=32,
     shared_expert_intermediate_size=32, intermediate_size_mlp=128, n_group=2, topk_group=1, first_k_dense_replace=1,
     # multi-head latent attention (deepseek_v2/v3, minicpm3, ...): v's head dim differs from q/k's on purpose
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
@@ -22,8 +23,9 @@ TINY_IF_SET = dict(
     attention_chunk_size=8, sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
 )
-# MLA configs derive head_dim from the rope part (and reject another): they keep their own.
-_DERIVED_HEAD_DIM = ("kv_lora_rank",)
+# MLA configs expand K/V to every query head (num_key_value_heads = num_attention_heads) and derive
+# head_dim from the rope part.
+_MLA = ("kv_lora_rank",)
 
 
 def _transformers() -> Any:
@@ -56,8 +58,10 @@ def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = 
     if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
     wanted = {**TINY, **sizes}
-    if any(hasattr(defaults, k) for k in _DERIVED_HEAD_DIM) and "head_dim" not in sizes:
-        wanted.pop("head_dim")
+    if any(hasattr(defaults, k) for k in _MLA):  # K/V expanded to every query head; head_dim derived
+        wanted["num_key_value_heads"] = sizes.get("num_key_value_heads", wanted["num_attention_heads"])
+        if "head_dim" not in sizes:
+            wanted.pop("head_dim")
     optional = {k: v for k, v in TINY_IF_SET.items() if k not in sizes and getattr(defaults, k, None) is not None}
     fields = {k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)}
     config = transformers.AutoConfig.for_model(arch, **fields)
