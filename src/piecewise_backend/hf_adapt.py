@@ -95,10 +95,18 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     _RECORD.append(result)
+    tolist = torch.Tensor.tolist
     try:
         with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads):
+
+            def recording_tolist(t: torch.Tensor) -> Any:  # reads memory directly: no op to dispatch
+                result.host_reads.append(f"Tensor.tolist in {max(tracker.parents, key=len, default='the model')}")
+                return tolist(t)
+
+            torch.Tensor.tolist = recording_tolist  # type: ignore[method-assign]
             model(input_ids=ids, position_ids=torch.arange(tokens, device=param.device)[None], use_cache=False)
     finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
         _RECORD.pop()
         model.set_attn_implementation(previous)
     return result
