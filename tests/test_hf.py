@@ -18,7 +18,7 @@ import piecewise_backend as pb
 from piecewise_backend import kv
 
 transformers = pytest.importorskip("transformers")
-from piecewise_backend import hf  # noqa: E402
+from piecewise_backend import hf, hf_adapt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -77,14 +77,69 @@ def test_adapt_refuses_what_it_cannot_serve():
         hf.tiny_random_model("nope")
 
 
-def test_attention_refuses_softcap_and_other_layouts():
-    module = torch.nn.Module()
-    module.layer_idx = 0
-    q = torch.zeros(1, 4, 3, 16)
-    with pytest.raises(NotImplementedError, match="softcapping"):
-        hf.paged_attention_forward(module, q, q, q, None, softcap=30.0)
-    with pytest.raises(ValueError, match="batch of 1 row.*got batch 2"):
-        hf.paged_attention_forward(module, q.expand(2, -1, -1, -1), q, q, None)
+@pytest.mark.parametrize(
+    "arch, sizes, reason",
+    [
+        # the chunk mask (Llama 4) would be dropped: tokens differ once a sequence is longer than a chunk
+        ("llama4_text", {}, r"chunked attention \(attention_chunk_size=8\)"),
+        # convolution state between tokens (lfm2) and recurrent/linear attention state (qwen3_next)
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, r"layers of type \['conv'\]"),
+        ("qwen3_next", {}, r"layers of type \['linear_attention'\]"),
+        ("falcon_mamba", {}, r"layers of type \['linear_attention'\]|recurrent or convolution state"),
+        # differential attention calls the interface twice per layer with the same layer index
+        ("diffllama", {}, "runs attention layer 0 more than once per forward"),
+        # expert routing through .tolist(): a graph would replay the capture-time routing
+        ("jetmoe", {}, r"reads device data on the host.*Tensor.tolist in .*experts"),
+    ],
+)
+def test_adapt_refuses_models_it_would_serve_wrongly(arch, sizes, reason):
+    model = hf.tiny_random_model(arch, **sizes)
+    with pytest.raises(ValueError, match=reason):
+        hf.adapt(model)
+
+
+def test_probe_finds_host_reads_of_moe_routing_and_adapt_switches_them_off():
+    """The cause of mixtral's wrong tokens: HF's experts loop over ``nonzero()`` (eager) or, under
+    Dynamo without CUDA bf16, over ``offsets.tolist()`` (grouped_mm's fallback), so a graph replays the
+    routing seen at capture. The probe sees the first; adapt switches to ``batched_mm`` (static shapes,
+    no host read) either way. (The engine twin: test_hf_models.py serves mixtral and checks its tokens.)"""
+    model = hf.tiny_random_model("mixtral")
+    model.set_experts_implementation("eager")
+    assert any(r.startswith("aten::nonzero in ") and "experts" in r for r in hf_adapt.probe(model).host_reads)
+    adapted = hf.adapt(model)
+    assert model.config._experts_implementation == "batched_mm"
+    assert hf_adapt.probe(model).host_reads == []
+    assert adapted.kv_shape == (2, 2, 16)
+
+
+def test_kv_shape_comes_from_the_attention_modules():
+    """Multi-query (gpt_bigcode: 1 KV head, the config says nothing of it) and MLA (deepseek_v3:
+    K/V per query head, K's head dim 24 and V's 12: one cache of the wider)."""
+    bigcode = hf.tiny_random_model("gpt_bigcode")
+    assert hf.kv_shape(bigcode.config) != (2, 1, 16)  # what the config alone suggests: wrong
+    assert hf.kv_shape(bigcode) == (2, 1, 16)
+    deepseek = hf.tiny_random_model("deepseek_v3")
+    assert hf.kv_shape(deepseek) == (2, 4, 24)
+    assert deepseek.config._attn_implementation == "sdpa"  # the probe restores the model's attention
+
+
+def test_mla_pads_v_to_the_cache_head_dim_and_matches_hf():
+    """deepseek_v3's V head dim (12) is narrower than K's (24): padded inside the adapter, sliced after."""
+    model = hf.tiny_random_model("deepseek_v3")
+    reference = copy.deepcopy(model)
+    adapted = hf.adapt(model)
+    cache = kv.PagedKVCache(*adapted.kv_shape, num_blocks=8, block_size=4, max_model_len=16)
+    prompt = torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(0))
+    meta = cache.step_inputs([(0, 0, 6)])
+    with torch.no_grad(), pb.set_forward_context(attn_metadata=cache.metadata(meta)):
+        assert_close(adapted(prompt, meta[kv.POSITIONS]), reference(prompt[None]).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_tiny_random_model_builds_configs_with_read_only_fields():
+    falcon = hf.tiny_random_model("falcon")  # its head_dim is a property without a setter
+    assert falcon.config.hidden_size == 64 and falcon.config.num_hidden_layers == 2
+    mixtral = hf.tiny_random_model("mixtral")  # experts shrunk too
+    assert mixtral.config.num_local_experts == 4 and sum(p.numel() for p in mixtral.parameters()) < 500_000
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +184,30 @@ def test_example_check_reports_a_difference(llama_engine, capsys):
     good = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=3, eos_token_id=None,
                               attention_mask=torch.ones(1, 3, dtype=torch.long))[0, 3:].tolist()
     assert example.check(reference, [prompt], [good], [3], eos=None) == []
-    wrong = good[:-1] + [(good[-1] + 1) % 256]
+    with torch.no_grad():
+        worst = reference(torch.tensor([prompt + good[:-1]])).logits[0, -1].argmin().item()
+    wrong = good[:-1] + [worst]
     assert example.check(reference, [prompt, prompt], [good, wrong], [3, 3], eos=None) == [1]
     assert "MISMATCH request 1" in capsys.readouterr().out
+
+
+def test_example_check_accepts_a_tie_and_only_a_tie(capsys):
+    """Two tokens with the same lm_head row tie exactly: the engine may pick either. A token below
+    the best logit by more than LOGIT_TOL is still wrong."""
+    example = load_example()
+    reference = hf.tiny_random_model("llama")
+    prompt = [5, 6, 7]
+    kwargs = dict(do_sample=False, max_new_tokens=1, eos_token_id=None, attention_mask=torch.ones(1, 3, dtype=torch.long))
+    first = reference.generate(torch.tensor([prompt]), **kwargs)[0, 3].item()
+    twin = (first + 1) % 256
+    with torch.no_grad():
+        reference.lm_head.weight[twin] = reference.lm_head.weight[first]
+    ties: list[int] = []
+    assert example.check(reference, [prompt], [[twin]], [1], eos=None, ties=ties) == [] and ties == [0]
+    assert "TIE request 0" in capsys.readouterr().out
+    with torch.no_grad():
+        reference.lm_head.weight[twin] -= 0.05 * reference.lm_head.weight[twin].sign()  # now clearly below
+    assert example.check(reference, [prompt], [[twin]], [1], eos=None) == [0]
 
 
 def test_engine_rejects_bad_requests(llama_engine):
@@ -140,6 +216,22 @@ def test_engine_rejects_bad_requests(llama_engine):
         engine.generate([[1] * 30], 5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
         engine.generate([[1], [2]], [3])
+
+
+def test_engine_rejects_token_ids_outside_the_vocabulary(llama_engine):
+    engine, _ = llama_engine
+    with pytest.raises(ValueError, match=r"prompt 1: token id 256 is outside the vocabulary \(ids 0..255\)"):
+        engine.generate([[3, 4], [5, 256]], 2)
+    with pytest.raises(ValueError, match="prompt 0: token id -1 is outside the vocabulary"):
+        engine.generate([[-1]], 2)
+    assert engine.cache.tables == {}
+
+
+def test_engine_rejects_max_model_len_past_the_models_positions():
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
+    model = hf.tiny_random_model("gpt2", max_position_embeddings=16)  # learned positions: 16 rows
+    with pytest.raises(ValueError, match="max_model_len=32 exceeds the model's max_position_embeddings=16"):
+        hf.HFEngine(model, config, max_model_len=32)
 
 
 def test_engine_frees_blocks_when_a_step_fails(llama_engine):
