@@ -59,6 +59,7 @@ def classify(arch: str, rc: int | None, out: str, seconds: float) -> Result:
 
 
 def run_one(arch: str, timeout: float) -> Result:
+    """The example in a fresh process: ``python examples/hf_generate.py --arch ARCH --check``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "src"))
     start = time.perf_counter()
     try:
@@ -69,6 +70,49 @@ def run_one(arch: str, timeout: float) -> Result:
     except subprocess.TimeoutExpired:
         return classify(arch, None, "", time.perf_counter() - start)
     return classify(arch, proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start)
+
+
+def run_forked(arch: str, timeout: float) -> Result:
+    """The example's ``main`` in a child forked from this process, which imported torch and transformers
+    once (the import is most of a short run's time): the same isolation, exit status and output."""
+    import multiprocessing
+    import tempfile
+
+    with tempfile.TemporaryFile(mode="w+") as log:
+        child = multiprocessing.get_context("fork").Process(target=_child, args=(arch, log.fileno()))
+        start = time.perf_counter()
+        child.start()
+        child.join(timeout)
+        seconds = time.perf_counter() - start
+        if child.is_alive():
+            child.kill()
+            child.join()
+            return classify(arch, None, "", seconds)
+        log.seek(0)
+        return classify(arch, child.exitcode, log.read(), seconds)
+
+
+def _child(arch: str, fd: int) -> None:
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = sys.stdout
+    import importlib.util
+    import traceback
+
+    sys.argv = [str(ROOT / "examples" / "hf_generate.py"), "--arch", arch, "--check"]  # argparse's prog name
+    spec = importlib.util.spec_from_file_location("hf_generate", ROOT / "examples" / "hf_generate.py")
+    example = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(example)
+        code = example.main(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _cell(text: str, limit: int = 300) -> str:
@@ -107,11 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per type")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "models.md")
     parser.add_argument("--conditions", default="", help="extra words for the conditions line (machine load, ...)")
+    parser.add_argument("--subprocess", action="store_true", help="a fresh interpreter per type (slower: imports each time)")
     args = parser.parse_args(argv)
     types = args.types or causal_lm_types()
+    if not args.subprocess:  # imported once here, inherited by every forked child
+        os.environ.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        sys.path.insert(0, str(ROOT / "src"))
+        import torch
+        import transformers  # noqa: F401
+
+        import piecewise_backend.hf  # noqa: F401
+
+        torch.set_num_threads(1)
     results = []
     for i, arch in enumerate(types):
-        result = run_one(arch, args.timeout)
+        result = run_one(arch, args.timeout) if args.subprocess else run_forked(arch, args.timeout)
         results.append(result)
         print(f"[{i + 1}/{len(types)}] {arch}: {result.outcome} ({result.seconds:.1f} s) {result.reason[:160]}", flush=True)
     import torch
@@ -120,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     device = "CUDA" if torch.cuda.is_available() else "simulated platform on the CPU"
     conditions = (f"{when}; torch {torch.__version__}, transformers {transformers.__version__}; {device}; "
-                  f"{args.timeout:.0f} s per type, one at a time. {args.conditions}").strip()
+                  f"{args.timeout:.0f} s per type, one at a time"
+                  f"{' (fresh interpreter each)' if args.subprocess else ' (each in a child forked after importing torch and transformers)'}. "
+                  f"{args.conditions}").strip()
     args.out.write_text(table(results, conditions) + "\n")
     print(", ".join(f"{sum(r.outcome == o for r in results)} {o}" for o in OUTCOMES))
     return 0
