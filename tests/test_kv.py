@@ -42,10 +42,28 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = -
     return out.transpose(0, 1)
 
 
-def run_op(cache: kv.PagedKVCache, meta: dict[str, torch.Tensor], q, k, v, window: int = -1) -> torch.Tensor:
+def plain_reference(q, k, v, window: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over one whole request written out by hand, with soft-capping and sinks."""
+    n = q.shape[0]
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(n)
+    mask = i[None, :] <= i[:, None]
+    if window > 0:
+        mask &= i[None, :] > i[:, None] - window
+    weights = torch.where(mask, scores.exp(), 0.0)
+    denominator = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + sinks.exp()[:, None, None]
+    return torch.einsum("hqk,khd->qhd", weights / denominator, v)
+
+
+def run_op(cache: kv.PagedKVCache, meta: dict[str, torch.Tensor], q, k, v, window: int = -1, **extra) -> torch.Tensor:
     out = torch.empty_like(q)
     with pb.set_forward_context(attn_metadata=cache.metadata(meta)):
-        torch.ops.pb_kv.paged_attention(q, k, v, out, 0, SCALE, window)
+        torch.ops.pb_kv.paged_attention(q, k, v, out, 0, SCALE, window, **extra)
     return out
 
 
@@ -145,6 +163,43 @@ def test_paged_attention_matches_sdpa_on_ragged_chunked_batches(window):
         untouched[real] = False
         assert torch.equal(flat[untouched], old_flat[untouched])
         assert cached[-1].isnan().any()  # the garbage did land in scratch
+
+
+@pytest.mark.parametrize("window", [-1, 3])
+@pytest.mark.parametrize("softcap, with_sinks", [(0.0, True), (0.5, False), (0.5, True)])
+def test_paged_attention_softcap_and_sinks_match_plain_reference(window, softcap, with_sinks):
+    """Soft-capping (scores -> tanh(s/cap)*cap) and per-head sink logits, over a prefill then a decode step."""
+    g = torch.Generator().manual_seed(3)
+    lens = [6, 9, 1]
+    seqs = [tuple(torch.randn(n, h, DIM, generator=g) * 2 for h in (HEADS, KV_HEADS, KV_HEADS)) for n in lens]
+    sinks = torch.randn(HEADS, generator=g) if with_sinks else None
+    cache = make_cache()
+    fragment(cache)
+    got: list[list[torch.Tensor]] = [[] for _ in lens]
+    for rows in ([(r, 0, n - 1) for r, n in enumerate(lens) if n > 1], [(r, n - 1, 1) for r, n in enumerate(lens)]):
+        q, k, v = (torch.cat([seqs[r][i][s : s + n] for r, s, n in rows]) for i in range(3))
+        meta = pad_step(cache.step_inputs(rows), 2)
+        q, k, v = (torch.cat([t, torch.full((2, *t.shape[1:]), float("nan"))]) for t in (q, k, v))
+        out = run_op(cache, meta, q, k, v, window, softcap=softcap, sinks=sinks)
+        offset = 0
+        for r, _, n in rows:
+            got[r].append(out[offset : offset + n])
+            offset += n
+    for r, (q, k, v) in enumerate(seqs):
+        expected = plain_reference(q, k, v, window, softcap, sinks)
+        assert_close(torch.cat(got[r]), expected, atol=1e-5, rtol=1e-5)
+        if (softcap or with_sinks) and len(q) > 1:  # the feature changed the result: ignoring it would fail
+            assert not torch.allclose(expected, plain_reference(q, k, v, window), atol=1e-3)
+
+
+def test_paged_attention_refuses_bad_softcap_and_sinks():
+    cache = make_cache()
+    meta = cache.step_inputs([("a", 0, 2)])
+    q, k = torch.zeros(2, HEADS, DIM), torch.zeros(2, KV_HEADS, DIM)
+    with pytest.raises(ValueError, match=r"softcap must be a finite float >= 0 \(0 = off\), got -1.0"):
+        run_op(cache, meta, q, k, k, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, shape \(4,\); got \(2,\)"):
+        run_op(cache, meta, q, k, k, sinks=torch.zeros(KV_HEADS))
 
 
 class OpLog(TorchDispatchMode):

@@ -194,11 +194,15 @@ def attend(
     block_tables: torch.Tensor,
     scale: float,
     sliding_window: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each query token over its request's cached keys, in float32.
 
     Gathers every token's whole block table (static shape: ``max_blocks_per_req * block_size``
     keys) and masks keys after the token's position (and outside ``sliding_window`` if > 0).
+    ``softcap`` > 0 caps each score to ``tanh(s / softcap) * softcap`` before masking; ``sinks``
+    (one logit per query head) joins each head's softmax denominator without a value.
     """
     tokens, q_heads, dim = q.shape
     kv_heads = key_cache.shape[2]
@@ -215,7 +219,14 @@ def attend(
     values = values.masked_fill(hidden[:, :, None, None], 0.0)
     grouped = q.reshape(tokens, kv_heads, q_heads // kv_heads, dim).float()
     scores = torch.einsum("tkgd,tlkd->tkgl", grouped, keys) * scale
-    probs = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(-1)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # the sink is one more logit per head whose value is zero: it only dilutes the others
+        sink = sinks.float().reshape(1, kv_heads, q_heads // kv_heads, 1).expand(tokens, -1, -1, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     return torch.einsum("tkgl,tlkd->tkgd", probs, values).reshape(tokens, q_heads, dim)
 
 
@@ -233,11 +244,21 @@ def current_metadata() -> PagedAttentionMetadata:
 
 @torch.library.custom_op("pb_kv::paged_attention", mutates_args=("out",))
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int, scale: float, sliding_window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` of layer ``layer`` into the cache, then ``out = attention(q, cached prefix)``.
 
     ``q``/``out``: (tokens, heads, head_dim); ``k``/``v``: (tokens, kv_heads, head_dim).
+    ``softcap`` > 0 soft-caps the scores (``tanh(s / softcap) * softcap``, gemma2-style); ``sinks``
+    (``(heads,)``, gpt-oss-style) is a per-head logit added to the softmax denominator only.
     """
     meta = current_metadata()
     if not 0 <= layer < len(meta.key_caches):
@@ -250,8 +271,16 @@ def paged_attention(
         )
     if meta.slot_mapping.shape[0] < q.shape[0]:
         raise ValueError(f"pb_kv::paged_attention: {q.shape[0]} tokens but metadata for {meta.slot_mapping.shape[0]}")
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"pb_kv::paged_attention: softcap must be a finite float >= 0 (0 = off), got {softcap}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"pb_kv::paged_attention: sinks must hold one logit per query head, shape ({q.shape[1]},); "
+            f"got {tuple(sinks.shape)}"
+        )
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    result = attend(q, key_cache, value_cache, meta.positions, meta.request_index, meta.block_tables, scale, sliding_window)
+    result = attend(q, key_cache, value_cache, meta.positions, meta.request_index, meta.block_tables, scale,
+                    sliding_window, softcap, sinks)
     out.copy_(result)
 
 
