@@ -69,8 +69,7 @@ def test_adapt_refuses_what_it_cannot_serve():
         hf.adapt(hf.tiny_random_model("bert"))
     gemma2 = hf.tiny_random_model("gemma2")  # no SDPA support in HF: built with eager attention
     assert gemma2.config._attn_implementation == "eager"
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM soft-caps attention logits"):
-        hf.adapt(gemma2)
+    hf.adapt(gemma2)  # soft-capping is carried by the op now (served: test_hf_models.py)
     with pytest.raises(ValueError, match="'t5' has no causal LM class"):
         hf.tiny_random_model("t5")
     with pytest.raises(ValueError, match="'nope' is not a transformers model type"):
@@ -140,6 +139,45 @@ def test_tiny_random_model_builds_configs_with_read_only_fields():
     assert falcon.config.hidden_size == 64 and falcon.config.num_hidden_layers == 2
     mixtral = hf.tiny_random_model("mixtral")  # experts shrunk too
     assert mixtral.config.num_local_experts == 4 and sum(p.numel() for p in mixtral.parameters()) < 500_000
+
+
+def test_attention_refuses_other_layouts():
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(ValueError, match="batch of 1 row.*got batch 2"):
+        hf.paged_attention_forward(module, q.expand(2, -1, -1, -1), q, q, None)
+
+
+def _probe_one_layer(*args, **kwargs) -> hf_adapt.ProbeResult:
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 4, 3, 16)
+    result = hf_adapt.ProbeResult({}, [])
+    hf_adapt._RECORD.append(result)
+    try:
+        out, _ = hf_adapt.probe_attention_forward(module, q, q[:, :2], q[:, :2, :, :8], *args, **kwargs)
+    finally:
+        hf_adapt._RECORD.pop()
+    assert out.shape == (1, 3, 4, 8)  # (batch, tokens, heads, v's head dim)
+    return result
+
+
+def test_probe_refuses_attention_inputs_the_paged_attention_would_ignore():
+    """An argument the op does not apply (a relative position bias, another sink convention) or a mask
+    that is not the causal one would be dropped silently: refused up front, naming it."""
+    assert hf_adapt.layout_refusal("M", _probe_one_layer(None, scaling=0.25, sliding_window=None, softcap=None)) is None
+    extra = _probe_one_layer(None, position_bias=torch.zeros(4, 3, 3))
+    expected = "M passes ['position_bias'] to attention (layer 0); the paged attention does not apply them"
+    assert hf_adapt.layout_refusal("M", extra) == expected
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    assert hf_adapt.layout_refusal("M", _probe_one_layer(causal)) is None
+    bidirectional = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    refused = hf_adapt.layout_refusal("M", _probe_one_layer(bidirectional))
+    assert "builds its own attention mask for layer 0, not the causal mask" in refused
+    window = torch.ones(3, 3, dtype=torch.bool).tril().triu(-1)[None, None]  # sliding window of 2
+    assert hf_adapt.layout_refusal("M", _probe_one_layer(window, sliding_window=2)) is None
+    assert hf_adapt.layout_refusal("M", _probe_one_layer(window)) is not None  # a window the op would not apply
 
 
 @pytest.fixture(scope="module")

@@ -53,14 +53,13 @@ def paged_attention_forward(
     """
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_IMPLEMENTATION} attention takes the tokens-first layout (batch of 1 row), got batch {query.shape[0]}")
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} attention supports neither logit softcapping nor attention sinks")
+    sinks = kwargs.get("s_aux")  # gpt-oss style: one logit per query head in each softmax denominator
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     dim = getattr(module, "pb_head_dim", query.shape[-1])
     v_dim = value.shape[-1]
     q, k, v = (F.pad(t[0], (0, dim - t.shape[-1])).transpose(0, 1).contiguous() for t in (query, key, value))
     out = torch.empty_like(q)
-    torch.ops.pb_kv.paged_attention(q, k, v, out, module.layer_idx, scale, sliding_window or -1)
+    torch.ops.pb_kv.paged_attention(q, k, v, out, module.layer_idx, scale, sliding_window or -1, float(softcap or 0.0), sinks)
     return out[..., :v_dim].unsqueeze(0), None
 
 

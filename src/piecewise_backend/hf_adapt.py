@@ -36,6 +36,8 @@ class LayerLayout:
     k_dim: int
     v_dim: int
     calls: int = 1
+    extra: tuple[str, ...] = ()  # keyword arguments the paged attention would ignore
+    mask: str | None = None  # how an attention mask the model built differs from the causal one
 
 
 @dataclasses.dataclass
@@ -53,6 +55,27 @@ class ProbeResult:
 
 
 _RECORD: list[ProbeResult] = []
+#: Attention-interface keyword arguments the paged attention honours or that do not change its result.
+UNDERSTOOD_KWARGS = frozenset({
+    "attention_mask", "dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal", "position_ids",
+    "cache_position", "output_attentions", "use_cache", "past_key_values", "cache", "layer_idx", "position_embeddings",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "return_dict", "token_type_ids",
+})
+
+
+def _mask_difference(mask: Any, tokens: int, window: int | None) -> str | None:
+    """None if ``mask`` (a mask the model built itself, or None) is the causal (sliding) one; else what differs."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    visible = visible.reshape(-1, *visible.shape[-2:])[..., -tokens:, -tokens:]
+    pos = torch.arange(tokens, device=mask.device)
+    causal = pos[None, :] <= pos[:, None]
+    if window:
+        causal &= pos[None, :] > pos[:, None] - window
+    if bool((visible == causal).all()):  # a CPU bool read of the probe's own tensors, outside any capture
+        return None
+    return "not the causal mask (bidirectional or custom masking)"
 
 
 def probe_attention_forward(
@@ -66,7 +89,12 @@ def probe_attention_forward(
     if layer in result.layers:
         result.layers[layer].calls += 1
     else:
-        result.layers[layer] = LayerLayout(module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+        extra = tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in UNDERSTOOD_KWARGS))
+        mask = args[0] if args else kwargs.get("attention_mask")
+        result.layers[layer] = LayerLayout(
+            module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], extra=extra,
+            mask=_mask_difference(mask, query.shape[2], kwargs.get("sliding_window")),
+        )
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
 
@@ -127,14 +155,10 @@ def refusal(model: torch.nn.Module) -> str | None:
                 f"{name} has layers of type {other} ({field}); the paged attention serves "
                 f"{sorted(SERVED_LAYER_TYPES)} layers only (no recurrent, convolution, chunked or indexed attention state)"
             )
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return f"{name} soft-caps attention logits; the paged attention does not"
     for path, m in model.named_modules():
         kind = type(m).__name__
         if _STATEFUL.search(kind) or isinstance(m, torch.nn.Conv1d):
             return f"{name} keeps recurrent or convolution state between tokens ({kind} at {path}); the paged cache holds K/V only"
-        if isinstance(getattr(m, "sinks", None), torch.Tensor):
-            return f"{name} uses attention sinks ({kind}.sinks at {path}); the paged attention has none"
         if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False:
             return f"{name} has non-causal attention ({path}); paged attention is causal only"
     return None
@@ -172,6 +196,12 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
     twice = [i for i, l in result.layers.items() if l.calls > 1]
     if twice:
         return f"{name} runs attention layer {twice[0]} more than once per forward; the paged cache holds one K/V per layer"
+    extra = next(((i, l.extra) for i, l in result.layers.items() if l.extra), None)
+    if extra is not None:
+        return f"{name} passes {list(extra[1])} to attention (layer {extra[0]}); the paged attention does not apply them"
+    masked = next(((i, l.mask) for i, l in result.layers.items() if l.mask), None)
+    if masked is not None:
+        return f"{name} builds its own attention mask for layer {masked[0]}, {masked[1]}; the paged attention is causal only"
     kv_heads = {l.kv_heads for l in result.layers.values()}
     if len(kv_heads) > 1:
         return f"{name} has layers with different KV head counts {sorted(kv_heads)}; one paged cache holds one count"
