@@ -306,3 +306,12 @@ def test_hf_generate_example_on_cuda():
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "platform: cuda" in proc.stdout and "check: 5/5 requests match model.generate" in proc.stdout
+
+
+def test_hf_generate_example_exits_2_with_the_reason_for_a_refused_model():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama4_text", "--check"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "error: Llama4ForCausalLM uses chunked attention (attention_chunk_size=8)" in proc.stderr
