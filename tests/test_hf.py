@@ -100,11 +100,14 @@ def test_adapt_refuses_models_it_would_serve_wrongly(arch, sizes, reason):
 def test_probe_finds_host_reads_of_moe_routing_and_adapt_switches_them_off():
     """The cause of mixtral's wrong tokens: HF's experts loop over ``nonzero()`` (eager) or, under
     Dynamo without CUDA bf16, over ``offsets.tolist()`` (grouped_mm's fallback), so a graph replays the
-    routing seen at capture. The probe sees the first; adapt switches to ``batched_mm`` (static shapes,
-    no host read) either way. (The engine twin: test_hf_models.py serves mixtral and checks its tokens.)"""
+    routing seen at capture. The probe (which follows the branches taken under torch.compile) sees both;
+    adapt switches to ``batched_mm`` (static shapes, no host read). (The engine twin: test_hf_models.py
+    serves mixtral and checks its tokens.)"""
     model = hf.tiny_random_model("mixtral")
     model.set_experts_implementation("eager")
     assert any(r.startswith("aten::nonzero in ") and "experts" in r for r in hf_adapt.probe(model).host_reads)
+    model.set_experts_implementation("grouped_mm")  # HF's default
+    assert any(r.startswith("Tensor.tolist in ") and "experts" in r for r in hf_adapt.probe(model).host_reads)
     adapted = hf.adapt(model)
     assert model.config._experts_implementation == "batched_mm"
     assert hf_adapt.probe(model).host_reads == []
@@ -139,6 +142,16 @@ def test_tiny_random_model_builds_configs_with_read_only_fields():
     assert falcon.config.hidden_size == 64 and falcon.config.num_hidden_layers == 2
     mixtral = hf.tiny_random_model("mixtral")  # experts shrunk too
     assert mixtral.config.num_local_experts == 4 and sum(p.numel() for p in mixtral.parameters()) < 500_000
+    llama4 = hf.tiny_random_model("llama4_text")  # its default experts' sizes would allocate GBs
+    assert sum(p.numel() for p in llama4.parameters()) < 2_000_000
+    plbart = hf.tiny_random_model("plbart")  # its encoder/decoder head counts must divide d_model
+    assert plbart.config.d_model == 64
+
+
+def test_tiny_random_model_names_what_it_cannot_shrink():
+    """A size field TINY does not know is found on the meta device (nothing allocated) and named."""
+    with pytest.raises(ValueError, match=r"cannot build 'blt' from a shrunk config \(\d+M parameters \(> 50M"):
+        hf.tiny_random_model("blt")
 
 
 def test_attention_refuses_other_layouts():

@@ -123,8 +123,11 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     _RECORD.append(result)
-    tolist = torch.Tensor.tolist
+    tolist, is_compiling = torch.Tensor.tolist, torch.compiler.is_compiling
     try:
+        # HF takes other branches under torch.compile (eager-only input checks skipped, MoE fallbacks):
+        # the probe follows the ones Dynamo will trace.
+        torch.compiler.is_compiling = lambda: True
         with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads):
 
             def recording_tolist(t: torch.Tensor) -> Any:  # reads memory directly: no op to dispatch
@@ -134,7 +137,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
             torch.Tensor.tolist = recording_tolist  # type: ignore[method-assign]
             model(input_ids=ids, position_ids=torch.arange(tokens, device=param.device)[None], use_cache=False)
     finally:
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        torch.Tensor.tolist, torch.compiler.is_compiling = tolist, is_compiling  # type: ignore[method-assign]
         _RECORD.pop()
         model.set_attn_implementation(previous)
     return result
