@@ -20,12 +20,13 @@ TINY_IF_SET = dict(
     # multi-head latent attention (deepseek_v2/v3, minicpm3, ...): v's head dim differs from q/k's on purpose
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
     # chunked / sliding attention and per-layer inputs sized to the tiny model
-    attention_chunk_size=8, sliding_window=8, rotary_dim=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
+    attention_chunk_size=8, sliding_window=8, rotary_dim=8, num_kv_shared_layers=1, activation_sparsity_pattern=[0.0, 0.0], hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
     # encoder-decoder style names (d_model, *_attention_heads) that the head count must divide
     d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
     encoder_layers=2, decoder_layers=2,
     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
 )
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 _CONSTRAINED = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok")
 #: A tiny model above this many parameters means a size field was not shrunk: refused, not allocated.
 MAX_PARAMS = 50_000_000
@@ -56,7 +57,8 @@ def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, A
     """The fields of TINY/TINY_IF_SET/``sizes`` that ``defaults`` (one config) has and can set.
 
     ``level`` 1 leaves out TINY_IF_SET, level 2 also the fields some configs constrain (head counts,
-    head_dim, experts per token): fewer fields, more configs valid, still tiny by the parameter check.
+    head_dim, experts per token) but sets expert counts, level 3 also leaves sub-configs as they are:
+    fewer fields, more configs valid, still tiny by the parameter check.
     """
     wanted = {**TINY, **sizes}
     if level >= 2:
@@ -67,13 +69,15 @@ def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, A
             wanted.pop("head_dim", None)
     optional = {} if level else {k: v for k, v in TINY_IF_SET.items() if k not in sizes and _settable(defaults, k)
                                  and getattr(defaults, k) is not None}
+    if level >= 2:  # expert counts some MoE configs leave None by default (dots1)
+        optional = {k: TINY_IF_SET[k] for k in _EXPERT_COUNTS if k not in sizes and _settable(defaults, k)}
     return {k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)}
 
 
 def _shrunk(transformers: Any, defaults: Any, sizes: dict[str, Any], level: int) -> Any:
     """``defaults`` rebuilt with tiny sizes, its sub-configs (text, vision, ...) too."""
     config = transformers.AutoConfig.for_model(defaults.model_type, **_fields(defaults, sizes, level))
-    for key in getattr(config, "sub_configs", {}) or {}:
+    for key in (getattr(config, "sub_configs", {}) or {}) if level < 3 else ():
         sub = getattr(config, key, None)
         if isinstance(sub, transformers.PretrainedConfig):
             setattr(config, key, type(sub)(**_fields(sub, sizes, level)))  # the sub-config's defaults, shrunk
@@ -83,7 +87,7 @@ def _shrunk(transformers: Any, defaults: Any, sizes: dict[str, Any], level: int)
 def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -> Any:
     """The first shrunk config (fewest changes last) that builds a model under MAX_PARAMS, on the meta device."""
     errors = []
-    for level in range(3):
+    for level in range(4):
         try:
             config = _shrunk(transformers, defaults, sizes, level)
             with torch.device("meta"):  # count first: a size field left unshrunk can mean GBs
