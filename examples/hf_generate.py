@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"captured {report.graphs} graphs in {report.seconds:.2f} s ({report.stats})")
 
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else None
+    text = model.config.get_text_config()  # a multimodal model's language part
+    prompts = [torch.randint(3, text.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    eos = text.eos_token_id if isinstance(text.eos_token_id, int) else None
 
     def show(info: StepInfo) -> None:
         kind = "decode" if info.uniform_decode else "mixed "

@@ -137,6 +137,26 @@ def test_mla_pads_v_to_the_cache_head_dim_and_matches_hf():
         assert_close(adapted(prompt, meta[kv.POSITIONS]), reference(prompt[None]).logits[0], atol=1e-5, rtol=1e-5)
 
 
+def test_layers_with_fewer_kv_heads_repeat_them_in_one_cache():
+    """mimo_v2_flash's layers hold 2 or 4 KV heads (4 query heads): one cache of 4 KV heads, each of a
+    2-head layer's KV heads stored twice, so every query head still meets its own KV head."""
+    model = hf.tiny_random_model("mimo_v2_flash")
+    reference = copy.deepcopy(model)
+    assert sorted({l.kv_heads for l in hf_adapt.probe(model).layers.values()}) == [2, 4]
+    adapted = hf.adapt(model)
+    assert adapted.kv_shape[1] == 4
+    cache = kv.PagedKVCache(*adapted.kv_shape, num_blocks=8, block_size=4, max_model_len=16)
+    prompt = torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        meta = cache.step_inputs([(0, 0, 6)])
+        with pb.set_forward_context(attn_metadata=cache.metadata(meta)):
+            assert_close(adapted(prompt, meta[kv.POSITIONS]), reference(prompt[None]).logits[0], atol=1e-5, rtol=1e-5)
+        meta = cache.step_inputs([(0, 6, 1)])  # decode: reads the 6 cached tokens of every layer
+        with pb.set_forward_context(attn_metadata=cache.metadata(meta)):
+            step = adapted(torch.tensor([9]), meta[kv.POSITIONS])
+        assert_close(step, reference(torch.cat([prompt, torch.tensor([9])])[None]).logits[0, -1:], atol=1e-5, rtol=1e-5)
+
+
 def test_tiny_random_model_builds_configs_with_read_only_fields():
     falcon = hf.tiny_random_model("falcon")  # its head_dim is a property without a setter
     assert falcon.config.hidden_size == 64 and falcon.config.num_hidden_layers == 2

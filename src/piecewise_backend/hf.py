@@ -50,6 +50,8 @@ def paged_attention_forward(
 
     q/k/v are zero-padded to the cache's head dim (``module.pb_head_dim``, set by :func:`adapt`) when
     narrower, which leaves the scores unchanged (the scale is the unpadded one); the output is sliced back.
+    A layer with fewer KV heads than the cache repeats each ``module.pb_kv_repeat`` times: query head
+    ``h`` still meets KV head ``h // (heads // kv_heads)``.
     """
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_IMPLEMENTATION} attention takes the tokens-first layout (batch of 1 row), got batch {query.shape[0]}")
@@ -57,6 +59,9 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     dim = getattr(module, "pb_head_dim", query.shape[-1])
     v_dim = value.shape[-1]
+    repeat = getattr(module, "pb_kv_repeat", 1)  # a layer with fewer KV heads than the cache: each one repeated
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (F.pad(t[0], (0, dim - t.shape[-1])).transpose(0, 1).contiguous() for t in (query, key, value))
     out = torch.empty_like(q)
     torch.ops.pb_kv.paged_attention(q, k, v, out, module.layer_idx, scale, sliding_window or -1, float(softcap or 0.0), sinks)
@@ -106,6 +111,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
         raise ValueError(reason)
     for layout in result.layers.values():
         layout.module.pb_head_dim = result.head_dim
+        layout.module.pb_kv_repeat = result.kv_shape()[1] // layout.kv_heads
     model.set_attn_implementation(register_attention())
     return TokensFirst(model.eval(), result.kv_shape())
 

@@ -205,10 +205,14 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
     masked = next(((i, l.mask) for i, l in result.layers.items() if l.mask), None)
     if masked is not None:
         return f"{name} builds its own attention mask for layer {masked[0]}, {masked[1]}; the paged attention is causal only"
-    kv_heads = {l.kv_heads for l in result.layers.values()}
-    if len(kv_heads) > 1:
-        return f"{name} has layers with different KV head counts {sorted(kv_heads)}; one paged cache holds one count"
     bad = [i for i, l in result.layers.items() if l.q_heads % l.kv_heads]
     if bad:
         return f"{name}: layer {bad[0]} has {result.layers[bad[0]].q_heads} query heads, not a multiple of its KV heads"
+    # One cache of the most KV heads: a layer with fewer repeats each KV head, which keeps GQA's pairing
+    # only if the counts divide (and the layer's query heads are a multiple of the cache's count).
+    cache_kv = result.kv_shape()[1]
+    odd = [i for i, l in result.layers.items() if cache_kv % l.kv_heads or l.q_heads % cache_kv]
+    if odd:
+        counts = sorted({(l.q_heads, l.kv_heads) for l in result.layers.values()})
+        return f"{name} has layers with (query, KV) head counts {counts} that one paged cache of {cache_kv} KV heads cannot hold"
     return None

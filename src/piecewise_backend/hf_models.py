@@ -12,7 +12,7 @@ TINY = dict(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     num_experts_per_tok=2,
 )
-#: Shrunk only where the model's default config sets them (None means the feature is off).
+#: Shrunk only where the model's default config sets them (None or 0 means the feature is off).
 TINY_IF_SET = dict(
     # mixture of experts: few small experts (the defaults allocate up to GBs: llama4, qwen3_5_moe, ...)
     num_local_experts=4, num_experts=4, n_routed_experts=4, moe_intermediate_size=32,
@@ -68,7 +68,7 @@ def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, A
         if "head_dim" not in sizes:
             wanted.pop("head_dim", None)
     optional = {} if level else {k: v for k, v in TINY_IF_SET.items() if k not in sizes and _settable(defaults, k)
-                                 and getattr(defaults, k) is not None}
+                                 and getattr(defaults, k)}
     if level >= 2:  # expert counts some MoE configs leave None by default (dots1)
         optional = {k: TINY_IF_SET[k] for k in _EXPERT_COUNTS if k not in sizes and _settable(defaults, k)}
     return {k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)}
