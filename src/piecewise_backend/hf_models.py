@@ -65,8 +65,8 @@ def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, A
         wanted = {k: v for k, v in wanted.items() if k in sizes or k not in _CONSTRAINED}
     if any(_settable(defaults, k) for k in _MLA) and "num_attention_heads" in wanted:  # K/V expanded to every query head; head_dim derived
         wanted["num_key_value_heads"] = sizes.get("num_key_value_heads", wanted["num_attention_heads"])
-        if "head_dim" not in sizes:
-            wanted.pop("head_dim", None)
+        if "head_dim" not in sizes:  # MLA's head_dim is the rope part's (deepseek derives it, longcat reads it)
+            wanted["head_dim"] = sizes.get("qk_rope_head_dim", TINY_IF_SET["qk_rope_head_dim"])
     optional = {} if level else {k: v for k, v in TINY_IF_SET.items() if k not in sizes and _settable(defaults, k)
                                  and getattr(defaults, k)}
     if level >= 2:  # expert counts some MoE configs leave None by default (dots1)
