@@ -1,12 +1,17 @@
 """Serve a stock Hugging Face decoder-only model on GraphRunner with a paged KV cache.
 
 Needs ``transformers`` (``pip install piecewise_backend[hf]``); importing ``piecewise_backend``
-alone never imports it. Works for any decoder-only model whose attention goes through
-transformers' ``AttentionInterface`` (Llama, Qwen2/3, Mistral, ...):
+alone never imports it. Works for decoder-only models whose attention goes through
+transformers' ``AttentionInterface`` (Llama, Qwen, Mistral, Mixtral, DeepSeek V2/V3, gpt-oss,
+Gemma 2/3, ...); :func:`adapt` refuses, naming the reason, every model it would serve wrongly
+(:mod:`piecewise_backend.hf_adapt`; docs/models.md lists every type's outcome):
 
 * :func:`register_attention` adds ``pb_paged`` to the interface: HF's q/k/v (after RoPE) go to
   ``pb_kv::paged_attention``, which reads the step's metadata from the forward context. HF builds
   no mask and no cache for an implementation it does not know masks for, and ``use_cache=False``.
+* :func:`adapt` reads the cache layout from the attention modules (a probe forward), pads
+  narrower head dims and repeats KV heads of layers with fewer, and switches MoE experts to a
+  sync-free implementation.
 * :class:`TokensFirst` is the runner's layout: all tokens of a step as one row
   (``input_ids[None]``), with ``position_ids`` per token, so RoPE sees each token's own position.
 * :class:`HFEngine` owns the cache and the runner and runs a continuous-batching greedy loop:
