@@ -348,3 +348,26 @@ def test_hf_generate_example_exits_2_with_the_reason_for_a_refused_model():
     )
     assert proc.returncode == 2, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "error: Llama4ForCausalLM uses chunked attention (attention_chunk_size=8)" in proc.stderr
+
+
+def test_model_survey_classifies_each_exit_and_groups_the_table():
+    spec = importlib.util.spec_from_file_location("model_survey", ROOT / "scripts" / "model_survey.py")
+    survey = importlib.util.module_from_spec(spec)
+    sys.modules["model_survey"] = survey  # its dataclass looks its module up
+    spec.loader.exec_module(survey)
+    results = [
+        survey.classify("a", 0, "step 0: ...\ncheck: 5/5 requests match model.generate\n", 1.0),
+        survey.classify("b", 2, "usage: x\nhf_generate.py: error: BForCausalLM uses chunked attention\n", 0.5),
+        survey.classify("c", 2, "hf_generate.py: error: tiny_random_model cannot build 'c' from a shrunk config (X)\n", 0.2),
+        survey.classify("d", 1, "MISMATCH request 1: engine [1] != generate [2]\ncheck: 4/5 requests match model.generate\n", 2.0),
+        survey.classify("e", 1, "Traceback (most recent call last):\n  File ...\nRuntimeError: boom\n", 0.1),
+        survey.classify("f", None, "", 60.0),
+    ]
+    assert [(r.arch, r.outcome) for r in results] == [
+        ("a", "pass"), ("b", "refused"), ("c", "not built"), ("d", "wrong"), ("e", "crash"), ("f", "timeout")
+    ]
+    assert results[1].reason == "BForCausalLM uses chunked attention" and results[4].reason == "RuntimeError: boom"
+    text = survey.table(results, "test conditions")
+    assert "Counts: 1 pass, 1 refused, 1 not built, 1 wrong, 1 crash, 1 timeout (6 types)." in text
+    assert text.index("## pass (1)") < text.index("## refused (1)") < text.index("## timeout (1)")
+    assert "| d | wrong | 4/5 requests match model.generate; first: MISMATCH request 1" in text
