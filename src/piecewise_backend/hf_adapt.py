@@ -123,7 +123,8 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     _RECORD.append(result)
-    tolist, is_compiling = torch.Tensor.tolist, torch.compiler.is_compiling
+    tolist, is_compiling = torch.Tensor.__dict__.get("tolist"), torch.compiler.is_compiling
+    base_tolist = torch.Tensor.tolist
     try:
         # HF takes other branches under torch.compile (eager-only input checks skipped, MoE fallbacks):
         # the probe follows the ones Dynamo will trace.
@@ -132,12 +133,16 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
 
             def recording_tolist(t: torch.Tensor) -> Any:  # reads memory directly: no op to dispatch
                 result.host_reads.append(f"Tensor.tolist in {max(tracker.parents, key=len, default='the model')}")
-                return tolist(t)
+                return base_tolist(t)
 
             torch.Tensor.tolist = recording_tolist  # type: ignore[method-assign]
             model(input_ids=ids, position_ids=torch.arange(tokens, device=param.device)[None], use_cache=False)
     finally:
-        torch.Tensor.tolist, torch.compiler.is_compiling = tolist, is_compiling  # type: ignore[method-assign]
+        torch.compiler.is_compiling = is_compiling
+        if tolist is None:  # inherited from the C base class: remove the override, leave no trace
+            del torch.Tensor.tolist
+        else:
+            torch.Tensor.tolist = tolist  # type: ignore[method-assign]
         _RECORD.pop()
         model.set_attn_implementation(previous)
     return result
