@@ -193,6 +193,7 @@ def _probe_one_layer(*args, **kwargs) -> hf_adapt.ProbeResult:
     finally:
         hf_adapt._RECORD.pop()
     assert out.shape == (1, 3, 4, 8)  # (batch, tokens, heads, v's head dim)
+    result.compare_masks()
     return result
 
 
@@ -381,3 +382,12 @@ def test_probe_leaves_torch_as_it_found_it():
     hf_adapt.probe(hf.tiny_random_model("llama"))
     assert "tolist" not in torch.Tensor.__dict__ and torch.Tensor.tolist is tolist
     assert torch.compiler.is_compiling is is_compiling and not torch.compiler.is_compiling()
+
+
+def test_adapt_refuses_a_dynamic_mask_and_a_forward_that_needs_more_than_ids():
+    """doge builds its attention mask from the values (the op would drop it); the probe's own mask
+    comparison is no host read of the model's. gemma4's assistant needs embeddings from another model."""
+    with pytest.raises(ValueError, match="DogeForCausalLM builds its own attention mask for layer 0, not the causal mask"):
+        hf.adapt(hf.tiny_random_model("doge"))
+    with pytest.raises(ValueError, match=r"fails on a plain token-id forward \(ValueError: inputs_embeds and shared_kv_states"):
+        hf.adapt(hf.tiny_random_model("gemma4_unified_assistant"))

@@ -110,7 +110,10 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     reason = refusal(model)
     if reason is None:
         graph_safe_experts(model)
-        result = probe(model.eval())
+        try:
+            result = probe(model.eval())
+        except Exception as e:  # e.g. a forward that needs more than token ids (embeddings, shared K/V states)
+            raise ValueError(f"{name} fails on a plain token-id forward ({type(e).__name__}: {e}); adapt() gives it nothing else") from e
         reason = layout_refusal(name, result)
     if reason is not None:
         raise ValueError(reason)

@@ -44,6 +44,13 @@ class LayerLayout:
 class ProbeResult:
     layers: dict[int, LayerLayout]
     host_reads: list[str]  # "aten.nonzero in model.layers.0.mlp.experts", first seen first
+    masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)
+
+    def compare_masks(self) -> None:
+        """Set each layer's ``mask`` to how the mask the model built differs from the causal one (None: it does not)."""
+        for layer, (mask, tokens, window) in self.masks.items():
+            self.layers[layer].mask = _mask_difference(mask, tokens, window)
+        self.masks.clear()
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(layers, kv_heads, head_dim) of one cache that holds every layer (head dims padded to the widest)."""
@@ -91,10 +98,9 @@ def probe_attention_forward(
     else:
         extra = tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in UNDERSTOOD_KWARGS))
         mask = args[0] if args else kwargs.get("attention_mask")
-        result.layers[layer] = LayerLayout(
-            module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], extra=extra,
-            mask=_mask_difference(mask, query.shape[2], kwargs.get("sliding_window")),
-        )
+        result.layers[layer] = LayerLayout(module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], extra=extra)
+        if isinstance(mask, torch.Tensor):  # compared after the forward: reading it here would count as a host read
+            result.masks[layer] = (mask.detach().clone(), query.shape[2], kwargs.get("sliding_window"))
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
 
@@ -145,6 +151,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
             torch.Tensor.tolist = tolist  # type: ignore[method-assign]
         _RECORD.pop()
         model.set_attn_implementation(previous)
+    result.compare_masks()
     return result
 
 
@@ -165,7 +172,9 @@ def refusal(model: torch.nn.Module) -> str | None:
             )
     for path, m in model.named_modules():
         kind = type(m).__name__
-        if _STATEFUL.search(kind) or isinstance(m, torch.nn.Conv1d):
+        # A layer's own module (it has a layer_idx: it would keep a per-layer cache); an audio or vision
+        # encoder's convolutions run once over the input and keep nothing between tokens.
+        if hasattr(m, "layer_idx") and (_STATEFUL.search(kind) or any(isinstance(c, torch.nn.Conv1d) for c in m.children())):
             return f"{name} keeps recurrent or convolution state between tokens ({kind} at {path}); the paged cache holds K/V only"
         if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False:
             return f"{name} has non-causal attention ({path}); paged attention is causal only"
