@@ -145,12 +145,23 @@ def table(results: list[Result], conditions: str) -> str:
     return "\n".join(lines)
 
 
+def parse(text: str) -> list[Result]:
+    """The rows of a table written by :func:`table`."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and cells[1] in OUTCOMES:
+            rows.append(Result(cells[0], cells[1], cells[2].replace("\\|", "|"), float(cells[3])))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="*", help="model types to run (default: every causal-LM type)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per type")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "models.md")
     parser.add_argument("--conditions", default="", help="extra words for the conditions line (machine load, ...)")
+    parser.add_argument("--merge", action="store_true", help="replace only these types' rows in --out, keep the others")
     parser.add_argument("--subprocess", action="store_true", help="a fresh interpreter per type (slower: imports each time)")
     args = parser.parse_args(argv)
     types = args.types or causal_lm_types()
@@ -177,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.timeout:.0f} s per type, one at a time"
                   f"{' (fresh interpreter each)' if args.subprocess else ' (each in a child forked after importing torch and transformers)'}. "
                   f"{args.conditions}").strip()
+    if args.merge:  # rows of the other types kept from the existing table, with its conditions
+        old_text = args.out.read_text()
+        kept = [r for r in parse(old_text) if r.arch not in set(types)]
+        previous = next(line.removeprefix("Conditions: ") for line in old_text.splitlines() if line.startswith("Conditions: "))
+        conditions = f"{previous} Re-run later for {', '.join(types)}: {conditions}"
+        results = sorted(kept + results, key=lambda r: r.arch)
     args.out.write_text(table(results, conditions) + "\n")
     print(", ".join(f"{sum(r.outcome == o for r in results)} {o}" for o in OUTCOMES))
     return 0

@@ -375,6 +375,7 @@ def test_model_survey_classifies_each_exit_and_groups_the_table():
     assert "Counts: 1 pass, 1 refused, 1 not built, 1 wrong, 1 crash, 1 timeout (6 types)." in text
     assert text.index("## pass (1)") < text.index("## refused (1)") < text.index("## timeout (1)")
     assert "| d | wrong | 4/5 requests match model.generate; first: MISMATCH request 1" in text
+    assert survey.parse(text) == results  # what --merge reads back
 
 
 def test_probe_leaves_torch_as_it_found_it():
