@@ -25,6 +25,10 @@ from piecewise_backend.hf import HFEngine, StepInfo, tiny_random_model
 
 PROMPT_LENS = (5, 12, 3, 9, 7)
 NEW_TOKENS = (6, 3, 9, 4, 7)  # per request: they finish at different steps
+#: Logits processors some configs turn on (bart's forced EOS, marian's banned pad, ...): the engine is plain greedy.
+PLAIN_GREEDY = dict(forced_bos_token_id=None, forced_eos_token_id=None, bad_words_ids=None, suppress_tokens=None,
+                    begin_suppress_tokens=None, min_length=0, min_new_tokens=None, no_repeat_ngram_size=0,
+                    repetition_penalty=1.0)
 #: A token whose reference logit is within this of the best is a tie (float32 logits, float order differs).
 LOGIT_TOL = 1e-3
 
@@ -47,7 +51,7 @@ def check(
         ids = torch.tensor([prompt], device=device)
         with torch.no_grad():
             full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new_tokens[i], eos_token_id=eos, pad_token_id=eos)
+                                      max_new_tokens=new_tokens[i], eos_token_id=eos, pad_token_id=eos, **PLAIN_GREEDY)
         expected = full[0, len(prompt):].tolist()
         if out == expected:
             continue

@@ -20,6 +20,7 @@ from torch.utils.module_tracker import ModuleTracker
 from .platforms.simulated import OpKind, classify
 
 PROBE_IMPLEMENTATION = "pb_probe"
+POSITION_SHIFT = 2
 #: ``layer_types`` / ``layers_block_type`` entries the paged attention serves (others are refused).
 SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
 # Layer classes that keep a recurrent or convolution state from one token to the next.
@@ -36,6 +37,7 @@ class LayerLayout:
     k_dim: int
     v_dim: int
     calls: int = 1
+    causal: bool = True  # neither the module nor the call says is_causal=False
     extra: tuple[str, ...] = ()  # keyword arguments the paged attention would ignore
     mask: str | None = None  # how an attention mask the model built differs from the causal one
 
@@ -45,6 +47,8 @@ class ProbeResult:
     layers: dict[int, LayerLayout]
     host_reads: list[str]  # "aten.nonzero in model.layers.0.mlp.experts", first seen first
     masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)
+    qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    ignores_positions: bool = False  # q and k of every layer unchanged when position_ids move
 
     def compare_masks(self) -> None:
         """Set each layer's ``mask`` to how the mask the model built differs from the causal one (None: it does not)."""
@@ -93,12 +97,16 @@ def probe_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise ValueError(f"{type(module).__name__} has no layer_idx: the paged cache cannot tell its layers apart")
+    result.qk.setdefault(layer, (query.detach().clone(), key.detach().clone()))
     if layer in result.layers:
         result.layers[layer].calls += 1
     else:
         extra = tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in UNDERSTOOD_KWARGS))
         mask = args[0] if args else kwargs.get("attention_mask")
-        result.layers[layer] = LayerLayout(module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], extra=extra)
+        causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
+        result.layers[layer] = LayerLayout(
+            module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], causal=causal, extra=extra
+        )
         if isinstance(mask, torch.Tensor):  # compared after the forward: reading it here would count as a host read
             result.masks[layer] = (mask.detach().clone(), query.shape[2], kwargs.get("sliding_window"))
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
@@ -119,11 +127,13 @@ class _HostReads(TorchDispatchMode):
 
 
 def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
-    """One eager forward of ``tokens`` tokens (one request) with the recording attention; restores the model's attention."""
+    """Eager forwards of ``tokens`` tokens (one request, then the same at later positions) with the
+    recording attention; restores the model's attention."""
     transformers = __import__("transformers")
     transformers.AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention_forward)
     previous = model.config._attn_implementation
     result = ProbeResult({}, [])
+    shifted = ProbeResult({}, result.host_reads)
     param = next(model.parameters())
     vocab = model.config.get_text_config().vocab_size
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
@@ -142,7 +152,10 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
                 return base_tolist(t)
 
             torch.Tensor.tolist = recording_tolist  # type: ignore[method-assign]
-            model(input_ids=ids, position_ids=torch.arange(tokens, device=param.device)[None], use_cache=False)
+            positions = torch.arange(tokens, device=param.device)[None]
+            model(input_ids=ids, position_ids=positions, use_cache=False)
+            _RECORD[-1] = shifted  # the same tokens further on: a model that reads position_ids sees other q/k
+            model(input_ids=ids, position_ids=positions + POSITION_SHIFT, use_cache=False)
     finally:
         torch.compiler.is_compiling = is_compiling
         if tolist is None:  # inherited from the C base class: remove the override, leave no trace
@@ -152,6 +165,9 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         _RECORD.pop()
         model.set_attn_implementation(previous)
     result.compare_masks()
+    same = [torch.equal(q, shifted.qk[i][0]) and torch.equal(k, shifted.qk[i][1]) for i, (q, k) in result.qk.items() if i in shifted.qk]
+    result.ignores_positions = bool(same) and all(same)
+    result.qk.clear()
     return result
 
 
@@ -176,8 +192,6 @@ def refusal(model: torch.nn.Module) -> str | None:
         # encoder's convolutions run once over the input and keep nothing between tokens.
         if hasattr(m, "layer_idx") and (_STATEFUL.search(kind) or any(isinstance(c, torch.nn.Conv1d) for c in m.children())):
             return f"{name} keeps recurrent or convolution state between tokens ({kind} at {path}); the paged cache holds K/V only"
-        if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False:
-            return f"{name} has non-causal attention ({path}); paged attention is causal only"
     return None
 
 
@@ -210,6 +224,17 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
         )
     if not result.layers:
         return f"{name} calls no attention through transformers' AttentionInterface"
+    if result.ignores_positions:
+        return (
+            f"{name} ignores position_ids (its positions come from the sequence length), so the second request "
+            "of a step and every decode token would get wrong positions"
+        )
+    # Only the attention a token-id forward runs: an audio or vision encoder's bidirectional attention
+    # (or a decoder's cross-attention, absent without encoder states) is not served by the cache.
+    bidirectional = next((i for i, l in result.layers.items() if not l.causal), None)
+    if bidirectional is not None:
+        kind = type(result.layers[bidirectional].module).__name__
+        return f"{name} has non-causal attention (layer {bidirectional}, {kind}); paged attention is causal only"
     twice = [i for i, l in result.layers.items() if l.calls > 1]
     if twice:
         return f"{name} runs attention layer {twice[0]} more than once per forward; the paged cache holds one K/V per layer"
