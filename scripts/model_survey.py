@@ -45,8 +45,11 @@ def classify(arch: str, rc: int | None, out: str, seconds: float) -> Result:
     if rc is None:
         return Result(arch, "timeout", "", seconds)
     if rc == 0:
-        check = next((line for line in lines if line.startswith("check:")), "served (no check line)")
-        return Result(arch, "pass", check.removeprefix("check: "), seconds)
+        check = next((line for line in lines if line.startswith("check:")), "served (no check line)").removeprefix("check: ")
+        forward = [line.split(":")[0].removeprefix("FORWARD ") for line in lines if line.startswith("FORWARD ")]
+        if forward:  # the engine equals the model's forward; HF's cached generate does not
+            check += f"; generate's cached path disagrees with the model's own forward for {', '.join(forward)}"
+        return Result(arch, "pass", check, seconds)
     error = next((line.split("error: ", 1)[1] for line in lines if "hf_generate.py: error: " in line), None)
     if rc == 2 and error is not None:
         return Result(arch, "not built" if "cannot build" in error or any(s in error for s in _NOT_BUILT) else "refused", error, seconds)
