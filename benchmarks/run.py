@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import Section, env_table, environment, log
 
-CPU_BENCHMARKS = ("wrappers", "replay", "forward", "compile", "memory")
+CPU_BENCHMARKS = ("wrappers", "replay", "forward", "compile", "memory", "attention")
 QUICK_SKIPS = {"compile": "skipped in --quick (every row is a fresh process with a cold or warm Inductor cache)"}
 
 TEMPLATE = """# Benchmarks

@@ -47,7 +47,10 @@ def test_ci_runs_the_readme_test_command() -> None:
 # --- docs/api.md against the code ---------------------------------------------------------
 
 SPAN = re.compile(r"`([^`]+)`")
-SECTION_MODULES = {"piecewise_backend.kv": "kv", "piecewise_backend.hf": "hf", "piecewise_backend.parallel": "parallel"}
+SECTION_MODULES = {
+    "piecewise_backend.kv": "kv", "piecewise_backend.hf": "hf", "piecewise_backend.parallel": "parallel",
+    "piecewise_backend.attention_cuda": "attention_cuda", "piecewise_backend.attention": "attention",
+}
 
 
 def _api_rows() -> list[tuple[str, str]]:

@@ -9,16 +9,19 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import piecewise_backend as pb
-from piecewise_backend import kv
+from piecewise_backend import attention, kv
 from tests.helpers import SIM, compile_model
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 SCALE = DIM**-0.5
 
 
-def make_cache(num_blocks: int = 32, max_model_len: int = 32, layers: int = 1, device: str = "cpu") -> kv.PagedKVCache:
+def make_cache(
+    num_blocks: int = 32, max_model_len: int = 32, layers: int = 1, device: str = "cpu", attention_backend: str = "auto"
+) -> kv.PagedKVCache:
     return kv.PagedKVCache(
-        layers, KV_HEADS, DIM, num_blocks=num_blocks, block_size=BLOCK, max_model_len=max_model_len, device=device
+        layers, KV_HEADS, DIM, num_blocks=num_blocks, block_size=BLOCK, max_model_len=max_model_len, device=device,
+        attention_backend=attention_backend,
     )
 
 
@@ -273,16 +276,21 @@ class PagedAttnModel(torch.nn.Module):
         return x
 
 
+@pytest.mark.parametrize("backend", ["auto", "one_block_chunks", "reference"])
 @pytest.mark.parametrize("platform", ["simulated", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_full_graph_replays_later_decode_steps_from_persistent_buffers(platform):
+def test_full_graph_replays_later_decode_steps_from_persistent_buffers(platform, backend, monkeypatch):
     """Capture one FULL decode graph, then replay it for later steps whose metadata changed in place.
 
     A real CUDA graph replays the kernels on the capture-time addresses: the op must read every
-    per-step value from the persistent buffers, and new blocks must show up through them.
+    per-step value from the persistent buffers, and new blocks must show up through them. With
+    one-block chunks, the captured online softmax runs over several chunks (the static bound).
     """
+    monkeypatch.setitem(attention._BACKENDS, "one_block_chunks", attention.AttentionBackend(
+        "one_block_chunks", attention.BoundedAttention(graph_chunk_keys=BLOCK), pb.AttentionGraphSupport.ALWAYS))
     device = "cuda" if platform == "cuda" else "cpu"
     model = PagedAttnModel().to(device)
-    cache, ref_cache = make_cache(layers=2, device=device), make_cache(layers=2, device=device)
+    cache = make_cache(layers=2, device=device, attention_backend=backend)
+    ref_cache = make_cache(layers=2, device=device, attention_backend="reference")
     fragment(cache), fragment(ref_cache)
     g = torch.Generator().manual_seed(1)
     prompts = {"a": 3, "b": 6}  # prefilled eagerly; then 4 decode steps of 2 tokens (b crosses a block edge)

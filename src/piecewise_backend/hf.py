@@ -168,6 +168,7 @@ class HFEngine:
         max_model_len: int = 128,
         block_size: int = 16,
         num_blocks: int | None = None,
+        attention_backend: str = "auto",
     ):
         self.model = model
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -183,14 +184,16 @@ class HFEngine:
         self.cache = kv.PagedKVCache(
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
-            dtype=param.dtype, device=param.device,
+            dtype=param.dtype, device=param.device, attention_backend=attention_backend,
         )
+        self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
         self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
         compiled = torch.compile(adapted, backend=self.backend)
         self.runner = GraphRunner(
             compiled, config, [StaticInput("input_ids"), *self.cache.static_inputs()],
             model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn,
             max_num_reqs=max_num_reqs, device=param.device,
+            attention_support=self.cache.attention_graph_support, attention_backend=self.attention_backend,
         )
         self.max_num_reqs = max_num_reqs
         self.max_step_tokens = self.runner.dispatcher.max_size

@@ -1,13 +1,14 @@
-"""Paged KV cache and a reference paged attention op, graph-safe on any device.
+"""Paged KV cache and the paged attention op, graph-safe on any device.
 
 * :class:`BlockAllocator` hands out fixed-size KV blocks; :class:`PagedKVCache` owns the per-layer
   K/V tensors and each request's block table, and turns a step's scheduled tokens into the
   per-token and per-request metadata tensors a :class:`~piecewise_backend.GraphRunner` keeps in
   persistent buffers (:meth:`PagedKVCache.static_inputs`, :meth:`PagedKVCache.step_inputs`).
 * ``pb_kv::paged_attention`` writes the step's K/V into the cache and attends each token to its
-  request's cached prefix. It is pure PyTorch with static shapes and no host sync, so it runs inside
-  a FULL graph (uniform decode) as well as eagerly at a break (mixed batches); it is registered as
-  a splitting op on import.
+  request's cached prefix with the cache's attention backends (:mod:`.attention`: ``bounded`` on
+  the CPU, ``varlen`` on CUDA where torch has it, ``reference`` on request). It runs inside a FULL
+  graph (uniform decode) as well as eagerly at a break (mixed batches); it is registered as a
+  splitting op on import.
 
 The op reads its metadata from the forward context (``attn_metadata``). Under a CUDA graph its
 kernels keep the addresses they read at capture, so that metadata must be views of the runner's
@@ -25,7 +26,11 @@ from typing import Any
 
 import torch
 
+from . import attention_cuda  # noqa: F401  (registers the varlen backend)
+from .attention import attend  # noqa: F401  (the reference, documented here before attention.py existed)
+from .attention import describe, get_attention_backend, run_attention, select_attention_backends
 from .context import _CONTEXT
+from .modes import AttentionGraphSupport
 from .ops import register_splitting_op
 from .runner import StaticInput
 
@@ -71,6 +76,7 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor  # (requests, max_blocks_per_req) long: blocks of each request, 0-padded
     key_caches: list[torch.Tensor]  # per layer, PagedKVCache.key_caches
     value_caches: list[torch.Tensor]
+    attention_backends: tuple[str, ...] = ("bounded",)  # names, in order: the op runs the first that can
 
 
 class PagedKVCache:
@@ -91,6 +97,7 @@ class PagedKVCache:
         max_model_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        attention_backend: str = "auto",
     ):
         for name, value in dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 block_size=block_size, max_model_len=max_model_len).items():
@@ -104,6 +111,18 @@ class PagedKVCache:
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.tables: dict[Hashable, list[int]] = {}
+        #: The attention backends the op runs for this cache, in order (see :mod:`.attention`).
+        self.attention_backends = select_attention_backends(attention_backend, device, block_size, dtype)
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend(s) in words, e.g. ``"varlen (then bounded)"``."""
+        return describe(self.attention_backends)
+
+    @property
+    def attention_graph_support(self) -> AttentionGraphSupport:
+        """What a FULL graph may hold: the least of this cache's backends (any layer may fall back)."""
+        return min(get_attention_backend(n).graph_support for n in self.attention_backends)
 
     @property
     def device(self) -> torch.device:
@@ -168,7 +187,8 @@ class PagedKVCache:
     def metadata(self, views: Mapping[str, torch.Tensor]) -> PagedAttentionMetadata:
         """The attention metadata over ``views`` (a runner's views, or :meth:`step_inputs` for eager use)."""
         return PagedAttentionMetadata(
-            views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self.key_caches, self.value_caches
+            views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self.key_caches,
+            self.value_caches, self.attention_backends,
         )
 
     def context_fn(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -183,51 +203,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
     slots = torch.where(slots >= 0, slots, (blocks - 1) * block_size)
     key_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(key_cache.dtype))
     value_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(value_cache.dtype))
-
-
-def attend(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    positions: torch.Tensor,
-    request_index: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of each query token over its request's cached keys, in float32.
-
-    Gathers every token's whole block table (static shape: ``max_blocks_per_req * block_size``
-    keys) and masks keys after the token's position (and outside ``sliding_window`` if > 0).
-    ``softcap`` > 0 caps each score to ``tanh(s / softcap) * softcap`` before masking; ``sinks``
-    (one logit per query head) joins each head's softmax denominator without a value.
-    """
-    tokens, q_heads, dim = q.shape
-    kv_heads = key_cache.shape[2]
-    blocks = block_tables.index_select(0, request_index[:tokens])  # (tokens, max_blocks)
-    keys = key_cache[blocks].flatten(1, 2).float()  # (tokens, keys, kv_heads, dim)
-    values = value_cache[blocks].flatten(1, 2).float()
-    key_pos = torch.arange(keys.shape[1], device=q.device)
-    pos = positions[:tokens, None]
-    visible = key_pos[None, :] <= pos
-    if sliding_window > 0:
-        visible = visible & (key_pos[None, :] > pos - sliding_window)
-    hidden = ~visible
-    # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
-    values = values.masked_fill(hidden[:, :, None, None], 0.0)
-    grouped = q.reshape(tokens, kv_heads, q_heads // kv_heads, dim).float()
-    scores = torch.einsum("tkgd,tlkd->tkgl", grouped, keys) * scale
-    if softcap > 0:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    if sinks is None:
-        probs = scores.softmax(-1)
-    else:  # the sink is one more logit per head whose value is zero: it only dilutes the others
-        sink = sinks.float().reshape(1, kv_heads, q_heads // kv_heads, 1).expand(tokens, -1, -1, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("tkgl,tlkd->tkgd", probs, values).reshape(tokens, q_heads, dim)
 
 
 def current_metadata() -> PagedAttentionMetadata:
@@ -279,8 +254,8 @@ def paged_attention(
             f"got {tuple(sinks.shape)}"
         )
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    result = attend(q, key_cache, value_cache, meta.positions, meta.request_index, meta.block_tables, scale,
-                    sliding_window, softcap, sinks)
+    backends = meta.attention_backends
+    result = run_attention(backends, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
     out.copy_(result)
 
 

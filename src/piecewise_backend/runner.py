@@ -64,6 +64,8 @@ class GraphRunner:
     those passed positionally and ``model_kwargs`` those passed as keywords (both None: all
     positionally, in order); ``context_fn`` turns the step's padded views into
     forward-context attributes such as attention metadata, during capture as on every step.
+    ``attention_backend`` names the attention the model runs (reported, e.g. in the capture log);
+    ``attention_support`` is what that attention lets a FULL graph hold.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class GraphRunner:
         uniform_decode_query_len: int = 1,
         drafter: bool = False,
         device: torch.device | str | None = None,
+        attention_backend: str | None = None,
     ):
         if config is None:
             config = CompilationConfig()
@@ -124,6 +127,7 @@ class GraphRunner:
         )
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
+        self.attention_backend = attention_backend
         self.context_fn = context_fn
         self.model = wrap_model(model, self.config, drafter=drafter)
         self.dispatcher = CudagraphDispatcher(self.config)
@@ -249,7 +253,10 @@ class GraphRunner:
         added = platform.memory() - before if platform else 0
         stats = platform.describe(added) if platform else "no graphs"
         self.report = CaptureReport(total, time.perf_counter() - start, stats, added, graphs_created() - segments_before)
-        logger.info("captured %d graphs in %.2f s (%s)", total, self.report.seconds, stats)
+        logger.info(
+            "captured %d graphs in %.2f s (%s); attention: %s", total, self.report.seconds, stats,
+            self.attention_backend or "the model's own",
+        )
         self.capture_closed = disable_after
         return self.report
 
