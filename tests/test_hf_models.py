@@ -210,3 +210,49 @@ def test_graph_break_model_splits_and_captures_each_graph():
             replayed = run(wrapper, pb.CUDAGraphMode.PIECEWISE, desc, static)
         assert_close(replayed, model(ids(3)))
         assert not torch.allclose(replayed, captured)
+
+
+# --- the HF engine on a fixed sample of architectures ---------------------------------------------------------
+# One of each kind the adapter must serve right: MoE (expert routing without host reads), MLA (V narrower
+# than K: padded to one cache head dim), multi-query (one KV head, read from the modules), attention sinks,
+# logit soft-capping (with sliding windows); examples/hf_generate.py --check's comparison.
+
+
+def _example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
+    spec = importlib.util.spec_from_file_location("hf_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_bigcode", "gpt_oss", "gemma2"])
+def test_engine_serves_the_architecture_like_generate(arch):
+    import copy
+
+    from piecewise_backend import hf
+
+    model = hf.tiny_random_model(arch, sliding_window=4) if arch == "gemma2" else hf.tiny_random_model(arch)
+    reference = copy.deepcopy(model)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8])
+    engine = hf.HFEngine(model, config, max_num_reqs=2, max_model_len=24, block_size=4)
+    engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 3, 9)]
+    budgets = [5, 7, 3]  # request 2 joins while 0 and 1 decode; the window of 4 is exceeded
+    steps: list[hf.StepInfo] = []
+    with pb.expect(captures=0):
+        outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    assert {s.mode for s in steps} >= {pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}, steps
+    assert _example().check(reference, prompts, outputs, budgets, eos=None) == []
+
+
+def test_engine_refuses_a_model_with_recurrent_state_up_front():
+    from piecewise_backend import hf
+
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
+    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM has layers of type \['linear_attention'\]"):
+        hf.HFEngine(hf.tiny_random_model("qwen3_next"), config, max_model_len=24)

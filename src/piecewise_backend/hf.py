@@ -1,12 +1,17 @@
 """Serve a stock Hugging Face decoder-only model on GraphRunner with a paged KV cache.
 
 Needs ``transformers`` (``pip install piecewise_backend[hf]``); importing ``piecewise_backend``
-alone never imports it. Works for any decoder-only model whose attention goes through
-transformers' ``AttentionInterface`` (Llama, Qwen2/3, Mistral, ...):
+alone never imports it. Works for decoder-only models whose attention goes through
+transformers' ``AttentionInterface`` (Llama, Qwen, Mistral, Mixtral, DeepSeek V2/V3, gpt-oss,
+Gemma 2/3, ...); :func:`adapt` refuses, naming the reason, every model it would serve wrongly
+(:mod:`piecewise_backend.hf_adapt`; docs/models.md lists every type's outcome):
 
 * :func:`register_attention` adds ``pb_paged`` to the interface: HF's q/k/v (after RoPE) go to
   ``pb_kv::paged_attention``, which reads the step's metadata from the forward context. HF builds
   no mask and no cache for an implementation it does not know masks for, and ``use_cache=False``.
+* :func:`adapt` reads the cache layout from the attention modules (a probe forward), pads
+  narrower head dims and repeats KV heads of layers with fewer, and switches MoE experts to a
+  sync-free implementation.
 * :class:`TokensFirst` is the runner's layout: all tokens of a step as one row
   (``input_ids[None]``), with ``position_ids`` per token, so RoPE sees each token's own position.
 * :class:`HFEngine` owns the cache and the runner and runs a continuous-batching greedy loop:
@@ -21,26 +26,17 @@ from typing import Any
 
 import torch
 
+import torch.nn.functional as F
+
 from . import kv
 from .backend import make_backend
+from .hf_adapt import graph_safe_experts, layout_refusal, probe, refusal
+from .hf_models import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 from .config import CompilationConfig
 from .modes import CUDAGraphMode
 from .runner import CaptureReport, GraphRunner, StaticInput
 
 ATTN_IMPLEMENTATION = "pb_paged"
-#: Sizes of :func:`tiny_random_model`; a config gets only the fields it knows.
-TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
-
-
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as e:  # the adapter is an optional extra
-        raise ImportError("piecewise_backend.hf needs transformers: pip install 'piecewise_backend[hf]'") from e
-    return transformers
 
 
 def paged_attention_forward(
@@ -55,16 +51,26 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """AttentionInterface entry: ``query`` (1, heads, tokens, dim) -> ((1, tokens, heads, dim), None)."""
+    """AttentionInterface entry: ``query`` (1, heads, tokens, dim) -> ((1, tokens, heads, v_dim), None).
+
+    q/k/v are zero-padded to the cache's head dim (``module.pb_head_dim``, set by :func:`adapt`) when
+    narrower, which leaves the scores unchanged (the scale is the unpadded one); the output is sliced back.
+    A layer with fewer KV heads than the cache repeats each ``module.pb_kv_repeat`` times: query head
+    ``h`` still meets KV head ``h // (heads // kv_heads)``.
+    """
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_IMPLEMENTATION} attention takes the tokens-first layout (batch of 1 row), got batch {query.shape[0]}")
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} attention supports neither logit softcapping nor attention sinks")
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    sinks = kwargs.get("s_aux")  # gpt-oss style: one logit per query head in each softmax denominator
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    dim = getattr(module, "pb_head_dim", query.shape[-1])
+    v_dim = value.shape[-1]
+    repeat = getattr(module, "pb_kv_repeat", 1)  # a layer with fewer KV heads than the cache: each one repeated
+    if repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    q, k, v = (F.pad(t[0], (0, dim - t.shape[-1])).transpose(0, 1).contiguous() for t in (query, key, value))
     out = torch.empty_like(q)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    torch.ops.pb_kv.paged_attention(q, k, v, out, module.layer_idx, scale, sliding_window or -1)
-    return out.unsqueeze(0), None
+    torch.ops.pb_kv.paged_attention(q, k, v, out, module.layer_idx, scale, sliding_window or -1, float(softcap or 0.0), sinks)
+    return out[..., :v_dim].unsqueeze(0), None
 
 
 def register_attention() -> str:
@@ -76,63 +82,63 @@ def register_attention() -> str:
 class TokensFirst(torch.nn.Module):
     """``(input_ids (tokens,), position_ids (tokens,)) -> logits (tokens, vocab)`` around a HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None):
         super().__init__()
         self.model = model
+        #: (layers, kv_heads, head_dim) of the cache the model needs (set by :func:`adapt`)
+        self.kv_shape = kv_shape
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
 
 
 def adapt(model: torch.nn.Module) -> TokensFirst:
-    """Switch ``model`` to paged attention and wrap it in the runner's layout (the model is modified)."""
+    """Switch ``model`` to paged attention and wrap it in the runner's layout (the model is modified).
+
+    Refuses (``ValueError`` naming the reason) any model the paged attention would serve wrongly:
+    see :mod:`piecewise_backend.hf_adapt`. Mixture-of-experts layers are switched to a sync-free
+    implementation; the cache layout is read from the attention modules by a probe forward.
+    """
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"adapt() takes a transformers PreTrainedModel, got {type(model).__name__}")
+    name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
-        raise ValueError(f"{type(model).__name__} is not a decoder-only causal LM; adapt() serves those only")
+        raise ValueError(f"{name} is not a decoder-only causal LM; adapt() serves those only")
     if not model._can_set_attn_implementation():
-        raise ValueError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            f"so {ATTN_IMPLEMENTATION} cannot replace it"
-        )
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"{type(model).__name__} soft-caps attention logits; {ATTN_IMPLEMENTATION} attention does not")
-    bidirectional = [name for name, m in model.named_modules() if hasattr(m, "layer_idx") and getattr(m, "is_causal", True) is False]
-    if bidirectional:
-        raise ValueError(f"{type(model).__name__} has non-causal attention ({bidirectional[0]}); paged attention is causal only")
+        raise ValueError(f"{name} does not route attention through transformers' AttentionInterface, so {ATTN_IMPLEMENTATION} cannot replace it")
+    reason = refusal(model)
+    if reason is None:
+        graph_safe_experts(model)
+        try:
+            result = probe(model.eval())
+        except Exception as e:  # e.g. a forward that needs more than token ids (embeddings, shared K/V states)
+            raise ValueError(f"{name} fails on a plain token-id forward ({type(e).__name__}: {e}); adapt() gives it nothing else") from e
+        reason = layout_refusal(name, result)
+    if reason is not None:
+        raise ValueError(reason)
+    for layout in result.layers.values():
+        layout.module.pb_head_dim = result.head_dim
+        layout.module.pb_kv_repeat = result.kv_shape()[1] // layout.kv_heads
     model.set_attn_implementation(register_attention())
-    return TokensFirst(model.eval())
+    return TokensFirst(model.eval(), result.kv_shape())
 
 
-def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = "cpu", **sizes: Any) -> torch.nn.Module:
-    """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
+def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the cache a model needs.
 
-    ``sizes`` override :data:`TINY`; only fields the model's config has are set (GPT-2 has no
-    ``num_key_value_heads``...). The model uses HF's SDPA attention (eager where a model has no
-    SDPA support) and is in eval mode.
+    Given a model (or a :class:`TokensFirst`), read from its attention modules by a probe forward
+    (multi-query, per-module head counts, MLA's differing K/V head dims: padded to the widest);
+    given a HF config, computed from the config's fields (which some models do not follow).
     """
-    transformers = _transformers()
-    if arch not in transformers.CONFIG_MAPPING:
-        raise ValueError(f"{arch!r} is not a transformers model type (the keys of transformers.CONFIG_MAPPING, e.g. 'llama')")
-    defaults = transformers.AutoConfig.for_model(arch)
-    if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
-    wanted = {**TINY, **sizes}
-    config = transformers.AutoConfig.for_model(arch, **{k: v for k, v in wanted.items() if hasattr(defaults, k)})
-    torch.manual_seed(seed)
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError:  # a model without SDPA support (Gemma2...): HF's eager attention
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    return model.to(device).eval()
-
-
-def kv_shape(config: Any) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a HF text config."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(model_or_config, TokensFirst) and model_or_config.kv_shape is not None:
+        return model_or_config.kv_shape
+    if isinstance(model_or_config, torch.nn.Module):
+        result = probe(model_or_config)
+        if not result.layers:
+            raise ValueError(f"{type(model_or_config).__name__} calls no attention through transformers' AttentionInterface")
+        return result.kv_shape()
+    config = model_or_config.get_text_config() if hasattr(model_or_config, "get_text_config") else model_or_config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -165,7 +171,15 @@ class HFEngine:
         attention_backend: str = "auto",
     ):
         self.model = model
-        layers, kv_heads, head_dim = kv_shape(model.config)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if isinstance(limit, int) and max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}: "
+                f"use max_model_len <= {limit}"
+            )
+        self.vocab_size: int = model.config.get_text_config().vocab_size
+        adapted = adapt(model)
+        layers, kv_heads, head_dim = kv_shape(adapted)
         param = next(model.parameters())
         self.cache = kv.PagedKVCache(
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
@@ -174,7 +188,7 @@ class HFEngine:
         )
         self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
         self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
-        compiled = torch.compile(adapt(model), backend=self.backend)
+        compiled = torch.compile(adapted, backend=self.backend)
         self.runner = GraphRunner(
             compiled, config, [StaticInput("input_ids"), *self.cache.static_inputs()],
             model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn,
@@ -209,6 +223,9 @@ class HFEngine:
                 raise ValueError(
                     f"prompt {i}: {len(p)} tokens + {budgets[i]} new must be in 1..max_model_len={self.cache.max_model_len}"
                 )
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:  # an embedding lookup out of range: IndexError here, a device-side assert inside a CUDA graph
+                raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (ids 0..{self.vocab_size - 1})")
         outputs: list[list[int]] = [[] for _ in prompts]
         waiting, running, step = list(range(len(prompts))), [], 0
         try:

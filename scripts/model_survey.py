@@ -1,0 +1,208 @@
+"""Run ``examples/hf_generate.py --arch TYPE --check`` for every transformers causal-LM type; write docs/models.md.
+
+Each type runs in its own process with a timeout. Outcomes: ``pass`` (exit 0: served, tokens checked),
+``refused`` (exit 2: refused up front by ``hf.adapt`` with the reason), ``not built`` (exit 2 from
+``tiny_random_model``: the type's config cannot make a tiny model), ``wrong`` (exit 1 with a token
+mismatch), ``crash`` (exit 1 otherwise), ``timeout``.
+
+Run: python scripts/model_survey.py [--types llama mixtral ...] [--timeout 60] [--out docs/models.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTCOMES = ("pass", "refused", "not built", "wrong", "crash", "timeout")
+_NOT_BUILT = ("has no causal LM class", "is not a transformers model type", "tiny_random_model")
+
+
+@dataclasses.dataclass
+class Result:
+    arch: str
+    outcome: str
+    reason: str
+    seconds: float
+
+
+def causal_lm_types() -> list[str]:
+    import transformers
+
+    return sorted({config.model_type for config in transformers.MODEL_FOR_CAUSAL_LM_MAPPING.keys()})
+
+
+def classify(arch: str, rc: int | None, out: str, seconds: float) -> Result:
+    """The outcome of one run from its exit status and output."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    if rc is None:
+        return Result(arch, "timeout", "", seconds)
+    if rc == 0:
+        check = next((line for line in lines if line.startswith("check:")), "served (no check line)").removeprefix("check: ")
+        forward = [line.split(":")[0].removeprefix("FORWARD ") for line in lines if line.startswith("FORWARD ")]
+        if forward:  # the engine equals the model's forward; HF's cached generate does not
+            check += f"; generate's cached path disagrees with the model's own forward for {', '.join(forward)}"
+        return Result(arch, "pass", check, seconds)
+    error = next((line.split("error: ", 1)[1] for line in lines if "hf_generate.py: error: " in line), None)
+    if rc == 2 and error is not None:
+        return Result(arch, "not built" if "cannot build" in error or any(s in error for s in _NOT_BUILT) else "refused", error, seconds)
+    mismatch = [line for line in lines if line.startswith("MISMATCH")]
+    if mismatch:
+        check = next((line for line in lines if line.startswith("check:")), "")
+        return Result(arch, "wrong", f"{check.removeprefix('check: ')}; first: {mismatch[0]}", seconds)
+    last = next((line for line in reversed(lines) if re.match(r"^[\w.]+(Error|Exception|Exit)\b|^\w+:", line)), lines[-1] if lines else "")
+    return Result(arch, "crash", last.strip(), seconds)
+
+
+def run_one(arch: str, timeout: float) -> Result:
+    """The example in a fresh process: ``python examples/hf_generate.py --arch ARCH --check``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "src"))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", arch, "--check"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return classify(arch, None, "", time.perf_counter() - start)
+    return classify(arch, proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start)
+
+
+def run_forked(arch: str, timeout: float) -> Result:
+    """The example's ``main`` in a child forked from this process, which imported torch and transformers
+    once (the import is most of a short run's time): the same isolation, exit status and output."""
+    import multiprocessing
+    import tempfile
+
+    with tempfile.TemporaryFile(mode="w+") as log:
+        child = multiprocessing.get_context("fork").Process(target=_child, args=(arch, log.fileno()))
+        start = time.perf_counter()
+        child.start()
+        child.join(timeout)
+        seconds = time.perf_counter() - start
+        if child.is_alive():
+            child.kill()
+            child.join()
+            return classify(arch, None, "", seconds)
+        log.seek(0)
+        return classify(arch, child.exitcode, log.read(), seconds)
+
+
+def _child(arch: str, fd: int) -> None:
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = sys.stdout
+    import importlib.util
+    import traceback
+
+    sys.argv = [str(ROOT / "examples" / "hf_generate.py"), "--arch", arch, "--check"]  # argparse's prog name
+    spec = importlib.util.spec_from_file_location("hf_generate", ROOT / "examples" / "hf_generate.py")
+    example = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(example)
+        code = example.main(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _cell(text: str, limit: int = 300) -> str:
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def table(results: list[Result], conditions: str) -> str:
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    lines = [
+        "# Model survey",
+        "",
+        "Every model type in transformers' causal-LM mapping, run through",
+        "`python examples/hf_generate.py --arch TYPE --check` (a tiny random-weight model, 5 requests of",
+        "different lengths, tokens compared with `model.generate`; a differing token passes only within the",
+        "example's `LOGIT_TOL` of the best logit of the model's own forward over the same tokens: a tie, or",
+        "generate's cached path leaving that forward, which the reason then names). Written by",
+        "`scripts/model_survey.py`; refused types exit 2 from `hf.adapt` with the reason shown.",
+        "",
+        f"Conditions: {conditions}",
+        "",
+        "Counts: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES) + f" ({len(results)} types).",
+        "",
+    ]
+    for outcome in OUTCOMES:
+        group = [r for r in results if r.outcome == outcome]
+        if not group:
+            continue
+        lines += [f"## {outcome} ({len(group)})", "", "| type | outcome | reason | seconds |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r.arch} | {r.outcome} | {_cell(r.reason)} | {r.seconds:.1f} |" for r in group]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse(text: str) -> list[Result]:
+    """The rows of a table written by :func:`table`."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and cells[1] in OUTCOMES:
+            rows.append(Result(cells[0], cells[1], cells[2].replace("\\|", "|"), float(cells[3])))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="*", help="model types to run (default: every causal-LM type)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per type")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "models.md")
+    parser.add_argument("--conditions", default="", help="extra words for the conditions line (machine load, ...)")
+    parser.add_argument("--merge", action="store_true", help="replace only these types' rows in --out, keep the others")
+    parser.add_argument("--subprocess", action="store_true", help="a fresh interpreter per type (slower: imports each time)")
+    args = parser.parse_args(argv)
+    types = args.types or causal_lm_types()
+    if not args.subprocess:  # imported once here, inherited by every forked child
+        os.environ.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        sys.path.insert(0, str(ROOT / "src"))
+        import torch
+        import transformers  # noqa: F401
+
+        import piecewise_backend.hf  # noqa: F401
+
+        torch.set_num_threads(1)
+    results = []
+    for i, arch in enumerate(types):
+        result = run_one(arch, args.timeout) if args.subprocess else run_forked(arch, args.timeout)
+        results.append(result)
+        print(f"[{i + 1}/{len(types)}] {arch}: {result.outcome} ({result.seconds:.1f} s) {result.reason[:160]}", flush=True)
+    import torch
+    import transformers
+
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    device = "CUDA" if torch.cuda.is_available() else "simulated platform on the CPU"
+    conditions = (f"{when}; torch {torch.__version__}, transformers {transformers.__version__}; {device}; "
+                  f"{args.timeout:.0f} s per type, one at a time"
+                  f"{' (fresh interpreter each)' if args.subprocess else ' (each in a child forked after importing torch and transformers)'}. "
+                  f"{args.conditions}").strip()
+    if args.merge:  # rows of the other types kept from the existing table, with its conditions
+        old_text = args.out.read_text()
+        kept = [r for r in parse(old_text) if r.arch not in set(types)]
+        previous = next(line.removeprefix("Conditions: ") for line in old_text.splitlines() if line.startswith("Conditions: "))
+        conditions = f"{previous} Re-run later for {', '.join(types)}: {conditions}"
+        results = sorted(kept + results, key=lambda r: r.arch)
+    args.out.write_text(table(results, conditions) + "\n")
+    print(", ".join(f"{sum(r.outcome == o for r in results)} {o}" for o in OUTCOMES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Seeded tiny random-weight Hugging Face causal LMs of any model type (nothing downloaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Sizes of :func:`tiny_random_model`; a config gets only the fields it has (and can set).
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    num_experts_per_tok=2,
+)
+#: Shrunk only where the model's default config sets them (None or 0 means the feature is off).
+TINY_IF_SET = dict(
+    # mixture of experts: few small experts (the defaults allocate up to GBs: llama4, qwen3_5_moe, ...)
+    num_local_experts=4, num_experts=4, n_routed_experts=4, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, intermediate_size_mlp=128, n_group=2, topk_group=1, first_k_dense_replace=1,
+    # multi-head latent attention (deepseek_v2/v3, minicpm3, ...): v's head dim differs from q/k's on purpose
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+    # chunked / sliding attention and per-layer inputs sized to the tiny model
+    attention_chunk_size=8, sliding_window=8, rotary_dim=8, num_kv_shared_layers=1, activation_sparsity_pattern=[0.0, 0.0], hidden_size_per_layer_input=16, vocab_size_per_layer_input=256,
+    # encoder-decoder style names (d_model, *_attention_heads) that the head count must divide
+    d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+    encoder_layers=2, decoder_layers=2,
+    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+)
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+_CONSTRAINED = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok")
+#: A tiny model above this many parameters means a size field was not shrunk: refused, not allocated.
+MAX_PARAMS = 50_000_000
+# MLA configs expand K/V to every query head (num_key_value_heads = num_attention_heads) and derive
+# head_dim from the rope part.
+_MLA = ("kv_lora_rank",)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:  # the adapter is an optional extra
+        raise ImportError("piecewise_backend.hf needs transformers: pip install 'piecewise_backend[hf]'") from e
+    return transformers
+
+
+def _settable(config: Any, name: str) -> bool:
+    """``config`` has ``name`` and it is not a read-only property (falcon's ``head_dim``)."""
+    try:
+        getattr(config, name)
+    except Exception:  # absent, or a per-layer attribute that refuses a global read (gemma4)
+        return False
+    prop = getattr(type(config), name, None)
+    return not (isinstance(prop, property) and prop.fset is None)
+
+
+def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, Any]:
+    """The fields of TINY/TINY_IF_SET/``sizes`` that ``defaults`` (one config) has and can set.
+
+    ``level`` 1 leaves out TINY_IF_SET, level 2 also the fields some configs constrain (head counts,
+    head_dim, experts per token) but sets expert counts, level 3 also leaves sub-configs as they are:
+    fewer fields, more configs valid, still tiny by the parameter check.
+    """
+    wanted = {**TINY, **sizes}
+    if level >= 2:
+        wanted = {k: v for k, v in wanted.items() if k in sizes or k not in _CONSTRAINED}
+    if any(_settable(defaults, k) for k in _MLA) and "num_attention_heads" in wanted:  # K/V expanded to every query head; head_dim derived
+        wanted["num_key_value_heads"] = sizes.get("num_key_value_heads", wanted["num_attention_heads"])
+        if "head_dim" not in sizes:  # MLA's head_dim is the rope part's (deepseek derives it, longcat reads it)
+            wanted["head_dim"] = sizes.get("qk_rope_head_dim", TINY_IF_SET["qk_rope_head_dim"])
+    optional = {} if level else {k: v for k, v in TINY_IF_SET.items() if k not in sizes and _settable(defaults, k)
+                                 and getattr(defaults, k)}
+    if level >= 2:  # expert counts some MoE configs leave None by default (dots1)
+        optional = {k: TINY_IF_SET[k] for k in _EXPERT_COUNTS if k not in sizes and _settable(defaults, k)}
+    return {k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)}
+
+
+def _shrunk(transformers: Any, defaults: Any, sizes: dict[str, Any], level: int) -> Any:
+    """``defaults`` rebuilt with tiny sizes, its sub-configs (text, vision, ...) too."""
+    config = transformers.AutoConfig.for_model(defaults.model_type, **_fields(defaults, sizes, level))
+    for key in (getattr(config, "sub_configs", {}) or {}) if level < 3 else ():
+        sub = getattr(config, key, None)
+        if isinstance(sub, transformers.PretrainedConfig):
+            setattr(config, key, type(sub)(**_fields(sub, sizes, level)))  # the sub-config's defaults, shrunk
+    return config
+
+
+def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -> Any:
+    """The first shrunk config (fewest changes last) that builds a model under MAX_PARAMS, on the meta device."""
+    errors = []
+    for level in range(4):
+        try:
+            config = _shrunk(transformers, defaults, sizes, level)
+            with torch.device("meta"):  # count first: a size field left unshrunk can mean GBs
+                params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        except Exception as e:  # the config's own validation: try fewer changes
+            errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            continue
+        if params <= MAX_PARAMS:
+            return config
+        errors.append(f"{params / 1e6:.0f}M parameters (> {MAX_PARAMS / 1e6:.0f}M: a size field TINY does not know)")
+    too_big = [e for e in errors if "parameters" in e]  # the one a user can fix with **sizes, if any
+    raise ValueError(f"tiny_random_model cannot build {arch!r} from a shrunk config ({(too_big or errors)[-1]}); pass fitting **sizes")
+
+
+def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = "cpu", **sizes: Any) -> torch.nn.Module:
+    """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
+
+    ``sizes`` override :data:`TINY`; only fields the model's config has (and can set) are set (GPT-2
+    has no ``num_key_value_heads``...). The model uses HF's SDPA attention (eager where a model has no
+    SDPA support) and is in eval mode.
+    """
+    transformers = _transformers()
+    if arch not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"{arch!r} is not a transformers model type (the keys of transformers.CONFIG_MAPPING, e.g. 'llama')")
+    try:
+        defaults = transformers.AutoConfig.for_model(arch)
+    except Exception as e:  # the type's own defaults fail its validation (gemma4_assistant)
+        raise ValueError(f"tiny_random_model cannot build {arch!r}: its default config is invalid ({type(e).__name__}: {e})") from e
+    if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
+    config = _build(transformers, arch, defaults, sizes)
+    torch.manual_seed(seed)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # a model without SDPA support (Gemma2...): HF's eager attention
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.to(device).eval()
