@@ -119,7 +119,7 @@ class _HostReads(TorchDispatchMode):
         self.tracker, self.found = tracker, found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if classify(func, args) is OpKind.HOST_SYNC:
+        if classify(func, args, kwargs or {}) is OpKind.HOST_SYNC:
             where = max(self.tracker.parents, key=len, default="the model")
             self.found.append(f"{func._schema.name} in {where}")
         return func(*args, **(kwargs or {}))
