@@ -85,6 +85,9 @@ def child(quick: bool, backend: str = "gloo") -> dict:
     return results if rank == 0 else {}
 
 
+RESULT = "bench_dbo result: "  # marks rank 0's JSON line in the launcher's output
+
+
 def run(quick: bool = False, deadline: float | None = None, backend: str = "gloo") -> list[Section]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -94,8 +97,10 @@ def run(quick: bool = False, deadline: float | None = None, backend: str = "gloo
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"ranks failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{") and ln != "{}")
-    data = {int(k): v for k, v in json.loads(line).items()}
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if RESULT in ln), None)
+    if line is None:
+        raise RuntimeError(f"rank 0 printed no result line: {proc.stdout.strip()[-2000:]}")
+    data = {int(k): v for k, v in json.loads(line.split(RESULT, 1)[1]).items()}
     rows, medians = [], {}
     for tokens, times in data.items():
         plain, ub = times["no micro-batching"], times["micro-batched"]
@@ -153,7 +158,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.child:
         out = child(a.quick, a.backend)
-        print(json.dumps(out), flush=True)
+        if out:  # rank 0 only: two ranks printing at once can share a line of the launcher's stdout
+            print(RESULT + json.dumps(out), flush=True)
     else:
         for s in run(a.quick, backend=a.backend):
             print(s.markdown())
