@@ -67,8 +67,7 @@ def test_adapt_refuses_what_it_cannot_serve():
         hf.adapt(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="non-causal attention"):
         hf.adapt(hf.tiny_random_model("bert"))
-    gemma2 = hf.tiny_random_model("gemma2")  # no SDPA support in HF: built with eager attention
-    assert gemma2.config._attn_implementation == "eager"
+    gemma2 = hf.tiny_random_model("gemma2")  # eager attention in transformers 5.24, SDPA in 5.17
     hf.adapt(gemma2)  # soft-capping is carried by the op now (served: test_hf_models.py)
     with pytest.raises(ValueError, match="'t5' has no causal LM class"):
         hf.tiny_random_model("t5")
@@ -387,10 +386,18 @@ def test_probe_leaves_torch_as_it_found_it():
     assert torch.compiler.is_compiling is is_compiling and not torch.compiler.is_compiling()
 
 
-def test_adapt_refuses_a_dynamic_mask_and_a_forward_that_needs_more_than_ids():
+def test_adapt_refuses_a_dynamic_mask():
     """doge builds its attention mask from the values (the op would drop it); the probe's own mask
-    comparison is no host read of the model's. gemma4's assistant needs embeddings from another model."""
+    comparison is no host read of the model's."""
     with pytest.raises(ValueError, match="DogeForCausalLM builds its own attention mask for layer 0, not the causal mask"):
         hf.adapt(hf.tiny_random_model("doge"))
+
+
+def test_adapt_refuses_a_model_whose_forward_needs_more_than_ids():
+    """gemma4's assistant needs embeddings from another model: a token-id forward fails, and adapt says so."""
+    try:
+        model = hf.tiny_random_model("gemma4_unified_assistant")
+    except ValueError as e:  # transformers 5.17's config of this type has no vocab_size to shrink
+        pytest.skip(f"this transformers cannot build the type: {e}")
     with pytest.raises(ValueError, match=r"fails on a plain token-id forward \(ValueError: inputs_embeds and shared_kv_states"):
-        hf.adapt(hf.tiny_random_model("gemma4_unified_assistant"))
+        hf.adapt(model)

@@ -183,6 +183,7 @@ def test_double_global_capture_refuses_cudamalloc_from_another_thread_thread_loc
             t = threading.Thread(target=lambda: errors.extend(_try(lambda: fake.malloc(1 << 20))))
             t.start(); t.join()  # noqa: E702
             ended = _try(graph.capture_end)
+            _end_routing_after_failure(fake)
         assert bool(errors) == refused and bool(ended) == refused, (mode, errors, ended)
 
 
@@ -203,7 +204,14 @@ def test_double_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_jo
                 done.record(side)
                 origin.wait_event(done)
             errors = _try(graph.capture_end)
+            _end_routing_after_failure(fake)
         assert bool(errors) != join, errors
+
+
+def _end_routing_after_failure(fake: Any) -> None:
+    # What the platform's recovery does: torch 2.11's failed capture_end leaves device routing on.
+    for pool, _ in list(fake.routing):
+        torch._C._cuda_endAllocateToPool(0, pool)
 
 
 def _try(fn: Any) -> list[str]:
@@ -294,6 +302,7 @@ def test_cuda_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_join
                 done.record(side)
                 origin.wait_event(done)
             errors = _try(graph.capture_end)
+            _end_routing_after_failure(fake)
         assert bool(errors) != join, errors
 
 
