@@ -50,7 +50,8 @@ SPAN = re.compile(r"`([^`]+)`")
 SECTION_MODULES = {
     "piecewise_backend.kv": "kv", "piecewise_backend.hf": "hf", "piecewise_backend.spec": "spec",
     "piecewise_backend.parallel": "parallel",
-    "piecewise_backend.attention_cuda": "attention_cuda", "piecewise_backend.attention": "attention",
+    "piecewise_backend.attention_cuda": "attention_cuda", "piecewise_backend.attention_kernels": "attention_kernels",
+    "piecewise_backend.attention": "attention",
 }
 
 

@@ -15,6 +15,8 @@ FULL graph may hold (:class:`~piecewise_backend.AttentionGraphSupport`) and wher
 * ``varlen`` (:mod:`.attention_cuda`) is FlashAttention's paged kernel on CUDA.
 
 A user's own backend is registered with :func:`register_attention_backend` and chosen by name.
+This module holds the registry, the choice and the ``bounded``/``reference`` functions; their math
+(:func:`attend`, :func:`attend_blocks`, re-exported here) is in :mod:`.attention_kernels`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from .attention_kernels import attend, attend_blocks
 from .context import _CONTEXT
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from .platforms.simulated import _RecordingMode
@@ -131,121 +134,6 @@ def capturing(device: torch.device | None = None) -> bool:
     if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return True
     return any(isinstance(m, _RecordingMode) for m in _get_current_dispatch_mode_stack())
-
-
-def _scores(grouped: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    scores = torch.einsum("tkgd,tlkd->tkgl", grouped, keys) * scale
-    return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
-
-
-def attend(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    positions: torch.Tensor,
-    request_index: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The reference: causal attention of each query token over its request's cached keys, in float32.
-
-    Gathers every token's whole block table (static shape: ``max_blocks_per_req * block_size``
-    keys) and masks keys after the token's position (and outside ``sliding_window`` if > 0).
-    ``softcap`` > 0 caps each score to ``tanh(s / softcap) * softcap`` before masking; ``sinks``
-    (one logit per query head) joins each head's softmax denominator without a value.
-    """
-    tokens, q_heads, dim = q.shape
-    kv_heads = key_cache.shape[2]
-    blocks = block_tables.index_select(0, request_index[:tokens])  # (tokens, max_blocks)
-    keys = key_cache[blocks].flatten(1, 2).float()  # (tokens, keys, kv_heads, dim)
-    values = value_cache[blocks].flatten(1, 2).float()
-    key_pos = torch.arange(keys.shape[1], device=q.device)
-    pos = positions[:tokens, None]
-    visible = key_pos[None, :] <= pos
-    if sliding_window > 0:
-        visible = visible & (key_pos[None, :] > pos - sliding_window)
-    hidden = ~visible
-    # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
-    values = values.masked_fill(hidden[:, :, None, None], 0.0)
-    grouped = q.reshape(tokens, kv_heads, q_heads // kv_heads, dim).float()
-    scores = _scores(grouped, keys, scale, softcap).masked_fill(hidden[:, None, None, :], float("-inf"))
-    return torch.einsum("tkgl,tlkd->tkgd", _probs(scores, sinks), values).reshape(tokens, q_heads, dim)
-
-
-def _probs(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Softmax of masked ``(tokens, kv_heads, group, keys)`` scores, with each head's sink in the denominator."""
-    if sinks is None:
-        return scores.softmax(-1)
-    # The sink is one more logit per head whose value is zero: it only dilutes the others.
-    sink = sinks.float().reshape(1, *scores.shape[1:3], 1).expand(scores.shape[0], -1, -1, 1)
-    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-
-
-def attend_blocks(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    positions: torch.Tensor,
-    request_index: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    *,
-    num_blocks: int,
-    chunk_blocks: int,
-) -> torch.Tensor:
-    """Attention over ``num_blocks`` blocks per token, ``chunk_blocks`` at a time, with an online softmax.
-
-    Token ``t`` reads blocks ``first[t] .. first[t] + num_blocks - 1`` of its request, where
-    ``first[t]`` is the first block its sliding window reaches (0 without a window); keys past
-    its position are masked, so any ``num_blocks`` covering the step's longest span is exact.
-    Static shapes and no host read: graph-safe. Memory: one chunk per token at a time.
-    """
-    tokens, q_heads, dim = q.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group, width = q_heads // kv_heads, block_tables.shape[1]
-    pos = positions[:tokens]
-    rows = request_index[:tokens, None]
-    first = (pos - sliding_window + 1).clamp(min=0) // block_size if sliding_window > 0 else torch.zeros_like(pos)
-    grouped = q.reshape(tokens, kv_heads, group, dim).float()
-    offsets = torch.arange(block_size, device=q.device)
-
-    def chunk(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masked scores and values of blocks ``start .. stop - 1`` of each token's walk."""
-        logical = first[:, None] + torch.arange(start, stop, device=q.device)
-        blocks = block_tables[rows, logical.clamp(max=width - 1)]  # past the table: masked below (key_pos > pos)
-        key_pos = (logical[:, :, None] * block_size + offsets).flatten(1)  # (tokens, chunk keys)
-        hidden = key_pos > pos[:, None]
-        if sliding_window > 0:
-            hidden = hidden | (key_pos <= pos[:, None] - sliding_window)
-        keys = key_cache[blocks].flatten(1, 2).float()
-        # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
-        values = value_cache[blocks].flatten(1, 2).float().masked_fill(hidden[:, :, None, None], 0.0)
-        return _scores(grouped, keys, scale, softcap).masked_fill(hidden[:, None, None, :], float("-inf")), values
-
-    if num_blocks <= chunk_blocks:  # one chunk: a plain softmax, fewer ops for a graph to replay
-        scores, values = chunk(0, num_blocks)
-        return torch.einsum("tkgl,tlkd->tkgd", _probs(scores, sinks), values).reshape(tokens, q_heads, dim)
-    peak = torch.full((tokens, kv_heads, group), float("-inf"), device=q.device)
-    total = torch.zeros(tokens, kv_heads, group, device=q.device)
-    acc = torch.zeros(tokens, kv_heads, group, dim, device=q.device)
-    for start in range(0, num_blocks, chunk_blocks):
-        scores, values = chunk(start, min(start + chunk_blocks, num_blocks))
-        new_peak = torch.maximum(peak, scores.amax(-1))
-        shift = new_peak.masked_fill(new_peak == float("-inf"), 0.0)  # no key seen yet: exp(-inf - 0) = 0
-        probs = torch.exp(scores - shift[..., None])
-        rescale = torch.exp(peak - shift)
-        total = total * rescale + probs.sum(-1)
-        acc = acc * rescale[..., None] + torch.einsum("tkgl,tlkd->tkgd", probs, values)
-        peak = new_peak
-    if sinks is not None:  # every token sees its own key, so the peak is finite here
-        total = total + torch.exp(sinks.float().reshape(1, kv_heads, group) - peak)
-    return (acc / total[..., None]).reshape(tokens, q_heads, dim)
 
 
 @dataclasses.dataclass(frozen=True)
