@@ -48,7 +48,8 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 SPAN = re.compile(r"`([^`]+)`")
 SECTION_MODULES = {
-    "piecewise_backend.kv": "kv", "piecewise_backend.hf": "hf", "piecewise_backend.spec": "spec",
+    "piecewise_backend.kv_op": "kv_op", "piecewise_backend.kv": "kv", "piecewise_backend.hf": "hf",
+    "piecewise_backend.spec": "spec",
     "piecewise_backend.parallel": "parallel",
     "piecewise_backend.attention_cuda": "attention_cuda", "piecewise_backend.attention_kernels": "attention_kernels",
     "piecewise_backend.attention": "attention",

@@ -1,24 +1,23 @@
-"""Paged KV cache and the paged attention op, graph-safe on any device.
+"""Paged KV cache: the blocks, each request's block table, and the step metadata a runner keeps.
 
 * :class:`BlockAllocator` hands out fixed-size KV blocks; :class:`PagedKVCache` owns the per-layer
   K/V tensors and each request's block table, and turns a step's scheduled tokens into the
   per-token and per-request metadata tensors a :class:`~piecewise_backend.GraphRunner` keeps in
   persistent buffers (:meth:`PagedKVCache.static_inputs`, :meth:`PagedKVCache.step_inputs`).
-* ``pb_kv::paged_attention`` writes the step's K/V into the cache and attends each token to its
+* ``pb_kv::paged_attention`` (:mod:`.kv_op`, re-exported here with its metadata, ``write_kv`` and
+  ``current_metadata``) writes the step's K/V into the cache and attends each token to its
   request's cached prefix with the cache's attention backends (:mod:`.attention`: ``bounded`` on
   the CPU, ``varlen`` on CUDA where torch has it, ``reference`` on request). It runs inside a FULL
-  graph (uniform decode) as well as eagerly at a break (mixed batches); it is registered as a
-  splitting op on import.
+  graph (uniform decode) as well as eagerly at a break (mixed batches); importing this module
+  registers it as a splitting op.
 
 The op reads its metadata from the forward context (``attn_metadata``). Under a CUDA graph its
 kernels keep the addresses they read at capture, so that metadata must be views of the runner's
 persistent buffers (what :meth:`PagedKVCache.context_fn` builds from the runner's views), updated
 in place every step: never tensors built per step.
 """
-
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
@@ -26,16 +25,12 @@ from typing import Any
 
 import torch
 
-from . import attention_cuda  # noqa: F401  (registers the varlen backend)
 from .attention import attend  # noqa: F401  (the reference, documented here before attention.py existed)
-from .attention import describe, get_attention_backend, run_attention, select_attention_backends
-from .context import _CONTEXT
+from .attention import describe, get_attention_backend, select_attention_backends
+from .kv_op import PAD_SLOT, PagedAttentionMetadata, current_metadata, paged_attention, write_kv  # noqa: F401
 from .modes import AttentionGraphSupport
-from .ops import register_splitting_op
 from .runner import StaticInput
 
-#: Slot of a padding token: its K/V go to the scratch block and are never read.
-PAD_SLOT = -1
 #: Names of the metadata inputs the cache adds to a runner (besides the model's own inputs).
 POSITIONS, SLOT_MAPPING, REQUEST_INDEX, BLOCK_TABLES = "position_ids", "slot_mapping", "request_index", "block_tables"
 
@@ -83,23 +78,6 @@ class BlockAllocator:
             seen.add(b)
         self._used.difference_update(blocks)
         self._free.extend(blocks)
-
-
-@dataclasses.dataclass
-class PagedAttentionMetadata:
-    """One step's attention inputs: views of the runner's persistent buffers, and the cache tensors.
-
-    Only tensors and lists of tensors (no cache object): a graph keeps what it read at capture,
-    and the runner refuses context objects whose state it cannot see.
-    """
-
-    positions: torch.Tensor  # (tokens,) long: position of each token in its request
-    slot_mapping: torch.Tensor  # (tokens,) long: cache slot to write each token's K/V to, PAD_SLOT for padding
-    request_index: torch.Tensor  # (tokens,) long: row of ``block_tables`` of each token's request
-    block_tables: torch.Tensor  # (requests, max_blocks_per_req) long: blocks of each request, 0-padded
-    key_caches: list[torch.Tensor]  # per layer, PagedKVCache.key_caches
-    value_caches: list[torch.Tensor]
-    attention_backends: tuple[str, ...] = ("bounded",)  # names, in order: the op runs the first that can
 
 
 class PagedKVCache:
@@ -256,69 +234,3 @@ class PagedKVCache:
     def context_fn(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """A GraphRunner ``context_fn``: the step's forward-context attributes."""
         return {"attn_metadata": self.metadata(views)}
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``k``/``v`` (tokens, kv_heads, head_dim) at their slots; PAD_SLOT rows go to the scratch block."""
-    blocks, block_size, heads, dim = key_cache.shape
-    slots = slot_mapping[: k.shape[0]]
-    slots = torch.where(slots >= 0, slots, (blocks - 1) * block_size)
-    key_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(key_cache.dtype))
-    value_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(value_cache.dtype))
-
-
-def current_metadata() -> PagedAttentionMetadata:
-    ctx = _CONTEXT.get()
-    meta = getattr(ctx, "attn_metadata", None)
-    if not isinstance(meta, PagedAttentionMetadata):
-        raise RuntimeError(
-            "pb_kv::paged_attention needs a PagedAttentionMetadata as `attn_metadata` in the forward context "
-            f"(got {type(meta).__name__}); run the model through a GraphRunner with "
-            "context_fn=cache.context_fn, or under pb.set_forward_context(attn_metadata=cache.metadata(...))"
-        )
-    return meta
-
-
-@torch.library.custom_op("pb_kv::paged_attention", mutates_args=("out",))
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    layer: int,
-    scale: float,
-    sliding_window: int,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> None:
-    """Write ``k``/``v`` of layer ``layer`` into the cache, then ``out = attention(q, cached prefix)``.
-
-    ``q``/``out``: (tokens, heads, head_dim); ``k``/``v``: (tokens, kv_heads, head_dim).
-    ``softcap`` > 0 soft-caps the scores (``tanh(s / softcap) * softcap``, gemma2-style); ``sinks``
-    (``(heads,)``, gpt-oss-style) is a per-head logit added to the softmax denominator only.
-    """
-    meta = current_metadata()
-    if not 0 <= layer < len(meta.key_caches):
-        raise ValueError(f"pb_kv::paged_attention: layer {layer} out of range; the cache has {len(meta.key_caches)} layers")
-    key_cache, value_cache = meta.key_caches[layer], meta.value_caches[layer]
-    if k.shape[1:] != key_cache.shape[2:] or q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"pb_kv::paged_attention: k has (kv_heads, head_dim) {tuple(k.shape[1:])}, the cache holds "
-            f"{tuple(key_cache.shape[2:])}; q has {q.shape[1]} heads (must be a multiple of kv_heads)"
-        )
-    if meta.slot_mapping.shape[0] < q.shape[0]:
-        raise ValueError(f"pb_kv::paged_attention: {q.shape[0]} tokens but metadata for {meta.slot_mapping.shape[0]}")
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"pb_kv::paged_attention: softcap must be a finite float >= 0 (0 = off), got {softcap}")
-    if sinks is not None and sinks.shape != (q.shape[1],):
-        raise ValueError(
-            f"pb_kv::paged_attention: sinks must hold one logit per query head, shape ({q.shape[1]},); "
-            f"got {tuple(sinks.shape)}"
-        )
-    write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    backends = meta.attention_backends
-    result = run_attention(backends, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks)
-    out.copy_(result)
-
-
-register_splitting_op(paged_attention)
