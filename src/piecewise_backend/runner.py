@@ -1,37 +1,29 @@
 """GraphRunner: the engine-facing object that pads, dispatches, captures and replays.
 
 It owns one persistent buffer per input (see :mod:`static_inputs`); every step copies the
-batch into those buffers, so graphs always read the addresses they captured.
+batch into those buffers, so graphs always read the addresses they captured. This module holds
+the runner and its step path; capturing (warm-ups, the capture loop, :class:`CaptureReport`,
+the progress bar) is in :mod:`.runner_capture`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-try:
-    from tqdm import tqdm
-except ImportError:  # a bare GPU box may lack it: capture works, without a progress bar
-    tqdm = None
-
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
-from .capture import bulk_capture
 from .config import CompilationConfig, effective_mode
 from .context import BatchDescriptor, set_forward_context
 from .dispatch import CudagraphDispatcher
 from .inputs import mark_persistent
-from .memory import estimate_capture_memory, graphs_created
 from .modes import AttentionGraphSupport, CUDAGraphMode
 from . import parallel as _parallel
 from . import ubatch_runner as _ubatch
 from .observability import logger
-from .platforms import get_platform, resolve_platform_name, warmed_step, warmup_scope
-from .shapes import mark_token_views
+from .runner_capture import CaptureReport, capture_all, capture_one, estimate_memory
 from .static_inputs import (
     StaticInput,
     check_context,
@@ -43,19 +35,6 @@ from .static_inputs import (
     input_names,
     step_counts,
 )
-
-
-@dataclasses.dataclass
-class CaptureReport:
-    graphs: int  # (mode, descriptor) entries captured; ``descriptors`` names it plainly
-    seconds: float
-    stats: str
-    memory_bytes: int = 0  # graph pool bytes this capture added
-    graph_segments: int = 0  # graphs the platform made: a breakable entry has one per segment
-
-    @property
-    def descriptors(self) -> int:
-        return self.graphs
 
 
 class GraphRunner:
@@ -248,77 +227,16 @@ class GraphRunner:
         With ``disable_after`` (default) later steps of this runner never capture: an
         unseen descriptor raises :class:`CaptureDisabledError` instead of capturing mid-serving.
         """
-        plan = self.dispatcher.capture_descriptors()
-        total = sum(len(descs) for _, descs in plan)
-        platform_name = resolve_platform_name(self.config.platform)
-        platform = get_platform(platform_name) if platform_name and total else None
-        before = platform.memory() if platform else 0
-        for name, buf in self.buffers.items():
-            buf.fill_(self.inputs[name].pad)
-        segments_before = graphs_created()
-        start = time.perf_counter()
-        with bulk_capture(), _progress(total, progress) as bar:
-            for mode, descs in plan:
-                for desc in descs:
-                    self._capture_one(mode, desc, platform)
-                    bar.update(1)
-                    bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
-        added = platform.memory() - before if platform else 0
-        stats = platform.describe(added) if platform else "no graphs"
-        self.report = CaptureReport(total, time.perf_counter() - start, stats, added, graphs_created() - segments_before)
-        logger.info(
-            "captured %d graphs in %.2f s (%s); attention: %s", total, self.report.seconds, stats,
-            self.attention_backend or "the model's own",
-        )
-        self.capture_closed = disable_after
-        return self.report
+        return capture_all(self, disable_after, progress)
 
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
         """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
-        views = self._views(desc.num_tokens)
-        with warmed_step(platform):  # the warm-ups count for this descriptor's capture only
-            for _ in range(self.config.num_warmups):
-                mark_token_views(views, self.inputs)  # one Dynamo graph for every size, 1 too
-                with warmup_scope(platform):  # on the capture stream (CUDA)
-                    out = self._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
-                _parallel.wait_collectives(out)  # the warm-up's outputs are dropped unused
-            with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
-                self._call(views, mode, desc, {}, capturing=True)
-        if self._ubatching and mode == CUDAGraphMode.FULL:  # the same step micro-batched: one more graph
-            _ubatch.capture_ubatched(self, desc, platform, warmed_step, warmup_scope, _parallel.capture_agreement)
+        capture_one(self, mode, desc, platform)
 
     def estimate_capture_memory(self) -> int:
         """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the
         largest descriptor of each mode is captured into a scratch pool, which is then released."""
-
-        platform_name = resolve_platform_name(self.config.platform)
-        platform = get_platform(platform_name) if platform_name else None
-
-        def capture_one(mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
-            self._capture_one(mode, desc, platform)
-
-        return estimate_capture_memory(self, capture_one)
-
-
-class _NoBar:
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
-
-def _progress(total: int, progress: bool | None) -> Any:
-    """A tqdm bar (``progress=None``: only on a terminal), or a silent stand-in."""
-    if tqdm is None or progress is False:
-        return _NoBar()
-    return tqdm(total=total, desc="capturing graphs", disable=None if progress is None else False)
+        return estimate_memory(self)
 
 
 def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:
