@@ -14,15 +14,13 @@ generator rules (:mod:`.sim_rules`). Work the recorder cannot see
 (fused Inductor kernels, anything that bypasses the dispatcher) is refused at capture
 time by the checks in :mod:`.sim_checks`.
 Tensors created during a capture come from one shared pool (:mod:`.sim_pool`); a finished
-graph holds them only weakly.
+graph holds them only weakly. What the recorder does with each op (record it, run it inside,
+refuse a host read) is decided in :mod:`.sim_classify` (``OpKind``, ``classify``, re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import functools
-import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -34,61 +32,11 @@ from torch.utils._pytree import tree_leaves
 
 from . import fresh_outputs, sim_collectives, sim_rules
 from .sim_checks import FIX_HIDDEN, check_caller, refuse, validate_segment
+from .sim_classify import OpKind, classify, is_composite
 from .sim_pool import PoolMode, SimPool
 
-_ALLOCATIONS = {
-    "aten::empty",
-    "aten::empty_like",
-    "aten::empty_strided",
-    "aten::empty_permuted",
-    "aten::new_empty",
-    "aten::new_empty_strided",
-}
-_NATIVE_NAMESPACES = {"aten"}
 _HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
-_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
-_PY_SITE = re.compile(r"registered at \S+\.py:\d+")
-
-
-class OpKind(enum.Enum):
-    HOST_SYNC = "host sync"  # the host reads device data: illegal while capturing
-    CUDA_KERNEL = "cuda kernel"  # the CPU kernel reads data on the host, CUDA's does not: run CUDA's algorithm
-    ALLOCATION = "allocation"  # empty*: memory with no values, nothing to replay
-    NATIVE = "native"  # an ATen op or a C++ kernel: recorded, replayed as it is (no Python runs)
-    OPAQUE = "opaque"  # an op implemented in Python: its implementation runs under the recorder
-
-
-def classify(func: Any, args: tuple, kwargs: dict) -> OpKind:
-    """What the recorder does with ``func``: the one place an op is classified."""
-    if sim_rules.is_host_sync(func, args, kwargs):
-        return OpKind.HOST_SYNC
-    if func in sim_rules.CUDA_KERNELS:
-        return OpKind.CUDA_KERNEL
-    if func._schema.name in _ALLOCATIONS:
-        return OpKind.ALLOCATION
-    name = func.name()
-    if _composite(name):
-        # Reaches the recorder whole only under inference_mode: its parts are what runs (and may sync).
-        return OpKind.OPAQUE
-    if func.namespace in _NATIVE_NAMESPACES:
-        return OpKind.NATIVE
-    return OpKind.OPAQUE if _python_kernel(name) else OpKind.NATIVE
-
-
-@functools.cache
-def _composite(name: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(name, _CIA)
-
-
-@functools.cache
-def _python_kernel(name: str) -> bool:
-    # The dispatcher records where each kernel was registered: "<file>.py:<line>" for a Python
-    # one (torch.library, custom_op), a C++ source for compiled kernels such as vLLM's or fbgemm's.
-    for line in torch._C._dispatch_dump_table(name).splitlines():
-        if line.startswith("CPU:"):
-            return _PY_SITE.search(line) is not None
-    return False
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -211,7 +159,7 @@ class _RecordingMode(TorchDispatchMode):
         # Run the op's implementation with this mode active again (dispatch popped it), so
         # the ATen ops it runs, and those of any op it calls, are recorded one by one.
         with self:
-            if _composite(func.name()):
+            if is_composite(func.name()):
                 out = func.decompose(*args, **kwargs)
             else:
                 out = func.redispatch(_kernel_keys(args, kwargs), *args, **kwargs)
