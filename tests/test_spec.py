@@ -96,12 +96,12 @@ def test_target_as_its_own_drafter_accepts_every_draft(self_draft):
         assert side.cache.tables == {} and side.cache.allocator.num_free == side.cache.allocator.num_blocks
 
 
+@pytest.mark.parametrize("self_draft", [(4, "FULL")], ids=["k4-FULL"], indirect=True)
 def test_requests_finish_mid_run_at_eos_or_budget(self_draft):
     """k=4, every draft accepted (5 tokens a round): an eos inside an accepted run and a budget
     reached mid-run cut the run there; other requests keep going."""
     engine, reference, _ = self_draft
-    if engine.k != 4:
-        pytest.skip("the k=4 engine: 5 tokens a round")
+    assert engine.k == 4
     budgets = [12, 12, 7, 9]
     free = [greedy(reference, p, n) for p, n in zip(PROMPTS, budgets)]
     # eos: a token some request first emits at its 2nd..4th token, inside its first run of 5
