@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
+from .platforms import sim_rules
 from .platforms.simulated import OpKind, classify
 
 PROBE_IMPLEMENTATION = "pb_probe"
@@ -118,11 +119,18 @@ class _HostReads(TorchDispatchMode):
         super().__init__()
         self.tracker, self.found = tracker, found
 
+    def _note(self, what: str) -> None:
+        self.found.append(f"{what} in {max(self.tracker.parents, key=len, default='the model')}")
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if classify(func, args, kwargs or {}) is OpKind.HOST_SYNC:
-            where = max(self.tracker.parents, key=len, default="the model")
-            self.found.append(f"{func._schema.name} in {where}")
+            self._note(func._schema.name)
         return func(*args, **(kwargs or {}))
+
+    def on_host_read(self, t: torch.Tensor, method: str, what: str) -> None:
+        """``.tolist()``, ``.numpy()``, printing: reads no op dispatches (sim_rules' guards report them,
+        inside custom ops too, where this mode is popped)."""
+        self._note(method)
 
 
 def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
@@ -138,19 +146,13 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
     model.set_attn_implementation(PROBE_IMPLEMENTATION)
     _RECORD.append(result)
-    tolist, is_compiling = torch.Tensor.__dict__.get("tolist"), torch.compiler.is_compiling
-    base_tolist = torch.Tensor.tolist
+    is_compiling = torch.compiler.is_compiling
     try:
         # HF takes other branches under torch.compile (eager-only input checks skipped, MoE fallbacks):
         # the probe follows the ones Dynamo will trace.
         torch.compiler.is_compiling = lambda: True
-        with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads):
-
-            def recording_tolist(t: torch.Tensor) -> Any:  # reads memory directly: no op to dispatch
-                result.host_reads.append(f"Tensor.tolist in {max(tracker.parents, key=len, default='the model')}")
-                return base_tolist(t)
-
-            torch.Tensor.tolist = recording_tolist  # type: ignore[method-assign]
+        with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads) as reads, \
+                sim_rules.watching_host_reads(reads):
             positions = torch.arange(tokens, device=param.device)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False)
             # One token repeated at one position: every row's q/k must be equal (attention gives zeros here),
@@ -159,10 +161,6 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
             model(input_ids=ids[:, :1].expand(1, tokens), position_ids=torch.zeros_like(positions), use_cache=False)
     finally:
         torch.compiler.is_compiling = is_compiling
-        if tolist is None:  # inherited from the C base class: remove the override, leave no trace
-            del torch.Tensor.tolist
-        else:
-            torch.Tensor.tolist = tolist  # type: ignore[method-assign]
         _RECORD.pop()
         model.set_attn_implementation(previous)
     result.compare_masks()

@@ -17,9 +17,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -112,28 +113,48 @@ def check_generator(func: Any, args: tuple, kwargs: dict) -> None:
 # ---------------------------------------------------------------- reads that bypass the dispatcher
 
 
-def _recorder() -> Any:
-    for mode in _get_current_dispatch_mode_stack():
-        if getattr(mode, "refuses_host_reads", False):
+_watching = threading.local()
+
+
+def _watcher() -> Any:
+    watcher = getattr(_watching, "watcher", None)
+    if watcher is not None:
+        return watcher
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if hasattr(mode, "on_host_read"):
             return mode
     return None
 
 
-def _guarded(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+@contextlib.contextmanager
+def watching_host_reads(watcher: Any) -> Iterator[None]:
+    """Report this thread's guarded reads to ``watcher.on_host_read`` for the duration, wherever
+    they happen: also inside an op a dispatch mode runs with itself popped (hf's adapter probe)."""
+    guard_host_reads()
+    previous, _watching.watcher = getattr(_watching, "watcher", None), watcher
+    try:
+        yield
+    finally:
+        _watching.watcher = previous
+        unguard_host_reads()
+
+
+def _guarded(method: str, what: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        mode = _recorder()
-        if mode is not None and mode.reads_device_data(self):
-            raise_host_sync(name)
+        mode = _watcher()
+        if mode is not None:
+            mode.on_host_read(self, method, what)  # the recorder raises; hf's adapter probe takes note
         return original(self, *args, **kwargs)
 
     return torch.compiler.disable(guarded)  # never traced: Dynamo keeps its own handling of these methods
 
 
+# (class, attribute, the read as code names it, the read as an error message says it)
 _GUARDED = (
-    (torch.Tensor, "tolist", "Tensor.tolist()"),
-    (torch.Tensor, "numpy", "Tensor.numpy() (or numpy.asarray(tensor))"),
-    (torch.Tensor, "__repr__", "printing a tensor (repr/str/format)"),
+    (torch.Tensor, "tolist", "Tensor.tolist", "Tensor.tolist()"),
+    (torch.Tensor, "numpy", "Tensor.numpy", "Tensor.numpy() (or numpy.asarray(tensor))"),
+    (torch.Tensor, "__repr__", "Tensor.__repr__", "printing a tensor (repr/str/format)"),
 )
 _MISSING = object()
 _lock = threading.Lock()
@@ -144,17 +165,19 @@ _saved: list[tuple[type, str, Any]] = []
 def guard_host_reads() -> None:
     """Guard the reads that bypass the dispatcher; balanced by :func:`unguard_host_reads`.
 
-    The guards are installed while any segment records (in any thread) and check the calling
-    thread's dispatch stack, so other threads and code outside segments read as usual.
+    The guards are installed while anyone watches (a segment records, in any thread; hf's adapter
+    probes a model) and tell the calling thread's watcher (:func:`watching_host_reads`), else the
+    innermost dispatch mode with an ``on_host_read(tensor, method, what)`` method; other threads
+    and code outside read as usual.
     """
     global _users
     with _lock:
         _users += 1
         if _users == 1:
-            for cls, attr, name in _GUARDED:
+            for cls, attr, method, what in _GUARDED:
                 original = cls.__dict__.get(attr, _MISSING)
                 _saved.append((cls, attr, original))
-                setattr(cls, attr, _guarded(name, getattr(cls, attr)))
+                setattr(cls, attr, _guarded(method, what, getattr(cls, attr)))
 
 
 def unguard_host_reads() -> None:

@@ -80,8 +80,6 @@ class SimulatedGraph:
 
 
 class _RecordingMode(TorchDispatchMode):
-    refuses_host_reads = True  # sim_rules guards Tensor.tolist() & co. on threads where this mode is active
-
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Let torch.compile trace and compile under an open segment, as it can under a CUDA capture.
@@ -97,9 +95,11 @@ class _RecordingMode(TorchDispatchMode):
         # A capture does not advance the default generator: CUDA's graph-safe generator moves on replays only.
         self.rng = torch.get_rng_state()
 
-    def reads_device_data(self, t: torch.Tensor) -> bool:
-        """Whether reading ``t`` on the host (``.tolist()``, printing) copies device memory."""
-        return not t.is_meta and not is_fake(t) and not self.platform.is_host_scalar(t)
+    def on_host_read(self, t: torch.Tensor, method: str, what: str) -> None:
+        """A read that bypasses the dispatcher (``.tolist()``, printing; sim_rules guards them):
+        refused like ``.item()`` where it copies device memory."""
+        if not t.is_meta and not is_fake(t) and not self.platform.is_host_scalar(t):
+            sim_rules.raise_host_sync(what)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if sim_collectives.unrecorded(types, args, kwargs):  # DTensor desugars first; fake/meta: no data
