@@ -125,7 +125,7 @@ def run(quick: bool = False, deadline: float | None = None, backend: str = "gloo
 
 def handover_cost(quick: bool) -> Section:
     """What the threads cost by themselves: a step of two empty halves, and each extra yield."""
-    from piecewise_backend.ubatch import UBatchThreads, dbo_yield
+    from piecewise_backend.ubatch.threads import UBatchThreads, dbo_yield
 
     threads = UBatchThreads("bench")
 

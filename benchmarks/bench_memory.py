@@ -29,7 +29,7 @@ import torch
 
 import piecewise_backend as pb
 from benchmarks.common import Section, log, quiet_logs, raise_recompile_limits, table
-from piecewise_backend.memory import captured_wrappers, fresh_pool
+from piecewise_backend.capture.memory import captured_wrappers, fresh_pool
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.toy_llama import make_model
 from piecewise_backend.weak import strong_references

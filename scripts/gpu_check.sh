@@ -7,11 +7,11 @@
 # so that a timeout still leaves a verdict on what matters most):
 #   gate    nvidia-smi, Python, torch and CUDA versions; "FAIL gate: no CUDA device" and exit 1 at once without CUDA
 #   smoke   scripts/gpu_smoke.py: the platform's riskiest paths against eager (60 s)
-#   rules   tests/test_cuda_double.py -m cuda: the CPU double's rules on this GPU and torch
-#   cuda    tests/test_cuda.py -m cuda
-#   memory  tests/test_memory.py -m cuda
-#   kvhf    tests/test_kv.py tests/test_attention.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py tests/test_ubatch_cuda.py -m cuda
-#   twins   tests/test_sim_rules.py tests/test_inputs.py -m cuda: the simulator's rules, on a real graph
+#   rules   tests/platforms/test_cuda_double.py -m cuda: the CPU double's rules on this GPU and torch
+#   cuda    tests/gpu/test_cuda.py -m cuda
+#   memory  tests/capture/test_memory.py -m cuda
+#   kvhf    tests/kv/test_kv.py tests/attention/test_attention.py tests/hf/test_hf.py tests/spec/test_spec.py tests/ubatch/test_ubatch.py tests/ubatch/test_ubatch_cuda.py -m cuda
+#   twins   tests/platforms/test_sim_rules.py tests/core/test_inputs.py -m cuda: the simulator's rules, on a real graph
 #   example examples/hf_generate.py --arch llama --check, then examples/spec_decode.py --check
 #   nccl    with 2+ GPUs only: tensor_parallel.py and moe_dbo.py --check, bench_dbo.py on NCCL
 #   attnbench  benchmarks/bench_attention.py --device cuda --quick: decode step and memory vs max_model_len (90 s)
@@ -106,11 +106,11 @@ pytest_step() {  # pytest_step NAME LIMIT_S FILES...: -m cuda, faulthandler dump
 }
 
 step smoke 60 "$PY" scripts/gpu_smoke.py
-pytest_step rules 60 tests/test_cuda_double.py
-pytest_step cuda 120 tests/test_cuda.py
-pytest_step memory 40 tests/test_memory.py
-pytest_step kvhf 90 tests/test_kv.py tests/test_attention.py tests/test_hf.py tests/test_spec.py tests/test_ubatch.py tests/test_ubatch_cuda.py
-pytest_step twins 40 tests/test_sim_rules.py tests/test_inputs.py
+pytest_step rules 60 tests/platforms/test_cuda_double.py
+pytest_step cuda 120 tests/gpu/test_cuda.py
+pytest_step memory 40 tests/capture/test_memory.py
+pytest_step kvhf 90 tests/kv/test_kv.py tests/attention/test_attention.py tests/hf/test_hf.py tests/spec/test_spec.py tests/ubatch/test_ubatch.py tests/ubatch/test_ubatch_cuda.py
+pytest_step twins 40 tests/platforms/test_sim_rules.py tests/core/test_inputs.py
 step example 45 "$PY" examples/hf_generate.py --arch llama --check
 step spec 45 "$PY" examples/spec_decode.py --arch llama --num-speculative-tokens 2 --check
 if "$PY" -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then

@@ -8,7 +8,6 @@ from typing import Any
 
 from .modes import CUDAGraphMode
 from .ops import canonicalize_op
-from .platforms import resolve_platform_name
 
 PLATFORMS = ("auto", "cuda", "simulated")
 DEFAULT_MAX_CAPTURE_SIZE = 512
@@ -137,8 +136,3 @@ class CompilationConfig:
         return dataclasses.replace(self, **changes)
 
 
-def effective_mode(config: CompilationConfig) -> CUDAGraphMode:
-    """The configured mode, or NONE when platform='auto' finds no GPU (CPU users want speed, not simulation)."""
-    if resolve_platform_name(config.platform) is None:
-        return CUDAGraphMode.NONE
-    return config.cudagraph_mode

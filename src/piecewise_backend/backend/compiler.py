@@ -1,0 +1,202 @@
+"""The ``piecewise_breakable`` torch.compile backend: split at splitting ops, compile the rest.
+
+``piecewise_breakable`` is the entry-point target (a plain function: registering it
+at import as well would make torch raise "duplicate name"); :func:`make_backend`
+builds a backend for a non-default :class:`CompilationConfig`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from ..capture.session import BreakPoint
+from ..capture.wrappers import CUDAGraphWrapper
+from ..config import CompilationConfig
+from ..modes import CUDAGraphMode
+from ..observability import counters, logger
+from ..ops import registered_splitting_ops
+from ..platforms.registry import effective_mode
+from .cache import PieceCache, compile_cached
+from .dump import dump_split
+from .keys import CompileState, piece_key
+from .split import Piece, SplitGraph, split_graph
+
+_graph_ids = iter(range(1 << 62))
+
+
+def _direct_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s generated ``forward``, bound: what a piece costs to call on every step and replay.
+
+    A lazily recompiled GraphModule's ``forward`` taken before its first call stays
+    ``_lazy_forward``, which goes through ``nn.Module.__call__`` and a Dynamo-disable
+    wrapper on *every* call (a few microseconds per piece, per step). Recompile now and
+    hand out the generated function itself.
+    """
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
+        _LazyGraphModule.force_recompile(gm)
+    except (ImportError, AttributeError):  # older/newer torch without lazy graph modules
+        pass
+    return gm.forward
+
+
+def _example_inputs(gm: fx.GraphModule) -> list[Any]:
+    return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _compile_inductor(gm: fx.GraphModule) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    fresh = fx.GraphModule(gm, graph)  # compile_fx rewrites the module it is given
+    return compile_fx(fresh, _example_inputs(gm))  # returns a bare value when the piece does
+
+
+class PiecewiseBackend:
+    """A torch.compile backend: ``backend(gm, example_inputs)`` -> stitched callable."""
+
+    def __init__(self, config: CompilationConfig | None = None):
+        self.config = config or CompilationConfig()
+        # in-process key -> (compiled code, the objects the key names by id, kept alive so no id is reused)
+        self._compiled: dict[str, tuple[Callable[..., Any], list[Any]]] = {}
+        self.splits: list[SplitGraph] = []  # every split made, for inspection and tests
+        self.piece_wrappers: list[CUDAGraphWrapper] = []  # use_breakable=False: one per compiled piece
+        self._cache = PieceCache(self.config.cache_dir) if self.config.cache_dir is not None else None
+        self._serializable = False  # True: every piece compiles to a savable artifact (the AOT path)
+        self._artifacts: dict[str, Any] = {}  # in-process key -> savable artifact, when there is one
+        self._state = CompileState()  # grad mode, autocast, configs...: described once per graph
+        # warnings already given, per backend (a set keyed by id(backend) outlived it: a new backend
+        # at the same address stayed silent)
+        self._logged: set[str] = set()
+        self._logged_lock = threading.Lock()
+        self.piece_artifacts: dict[int, Any] = {}  # id(piece.module) -> its artifact (what aot_compile saves)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+        # torch passes mode=/options= only when the user set them; they have no meaning here.
+        graph_index = next(_graph_ids)
+        self._state = CompileState()
+        counters["graphs"] += 1
+        configured = self.config.splitting_ops is not None
+        ops = self.config.splitting_ops if configured else registered_splitting_ops()
+        split = split_graph(gm, ops)
+        self._log_missing(ops, split, configured, graph_index)
+        split_gm = split.split_gm
+        for piece in split.pieces:
+            split_gm.__dict__[piece.name] = self._runner(piece)  # setattr refuses non-Modules
+        counters["pieces"] += len(split.pieces)
+        counters["splitting_pieces"] += split.num_splitting
+        self.splits.append(split)
+        dump_split(split, graph_index, self.config.debug_dump_dir)
+        return _direct_forward(split_gm)
+
+    def _runner(self, piece: Piece) -> Callable[..., Any]:
+        if piece.is_splitting:
+            return BreakPoint(_direct_forward(piece.module), piece.name)
+        counters["compiled_pieces"] += 1
+        if self.config.compile_pieces == "eager":
+            fn: Callable[..., Any] = _direct_forward(piece.module)
+        else:
+            fn = self._compile(piece)
+        if not self.config.use_breakable and effective_mode(self.config) != CUDAGraphMode.NONE:
+            wrapper = CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, config=self.config)
+            self.piece_wrappers.append(wrapper)
+            return wrapper
+        return fn
+
+    def _compile(self, piece: Piece) -> Callable[..., Any]:
+        """Compiled code for ``piece``: once per distinct piece in this backend (same graph, same
+        called objects, same compile-time state: :mod:`.keys`), then from ``cache_dir`` when set
+        (loaded by a later process), else Inductor."""
+        key, refs = piece_key(piece.module, stable=False, state=self._state)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            counters["compile_cache_hits"] += 1
+            if key in self._artifacts:
+                self.piece_artifacts[id(piece.module)] = self._artifacts[key]
+            return hit[0]
+        if self._cache is None and not self._serializable:
+            logger.debug("compiling %s with Inductor", piece.name)
+            fn = _compile_inductor(piece.module)
+            counters["compiles"] += 1
+        else:
+            fn, artifact, loaded = compile_cached(piece.module, self._cache, self._state)
+            self._artifacts[key] = self.piece_artifacts[id(piece.module)] = artifact
+            if not loaded:
+                logger.debug("compiled %s with Inductor (serializable)", piece.name)
+                counters["compiles"] += 1
+        self._compiled[key] = (fn, refs)
+        return fn
+
+    def _log_missing(self, ops: Sequence[Any], split: SplitGraph, configured: bool, graph_index: int) -> None:
+        if ops and not split.found_ops and effective_mode(self.config).has_piecewise_cudagraphs():
+            # PIECEWISE graphs of this graph would hold attention: wrong for mixed batches, and silent otherwise.
+            with self._logged_lock:
+                first = "no splitting op" not in self._logged
+                self._logged.add("no splitting op")
+            if first:
+                names = [op if isinstance(op, str) else getattr(op, "__name__", None) or repr(op) for op in ops]
+                logger.warning(
+                    "graph %d has no splitting op, so its PIECEWISE graphs capture it whole, attention included; "
+                    "register the model's attention op with pb.register_splitting_op (looked for: %s)",
+                    graph_index, ", ".join(names),
+                )
+            return
+        for op in ops:
+            if any(op is f or op == f for f in split.found_ops):
+                continue
+            with self._logged_lock:
+                if repr(op) in self._logged:
+                    continue
+                self._logged.add(repr(op))
+            log = logger.warning if configured else logger.debug
+            log("splitting op %r did not appear in graph %d; nothing was split there", op, graph_index)
+
+    def clear_graphs(self) -> None:
+        """Drop the graphs every per-piece wrapper (``use_breakable=False``) captured."""
+        for wrapper in self.piece_wrappers:
+            wrapper.clear_graphs()
+
+    def reset(self) -> None:
+        """Forget compiled pieces, recorded splits and per-piece wrappers (with their graphs)."""
+        self.clear_graphs()
+        self._compiled.clear()
+        self._artifacts.clear()
+        self.piece_artifacts.clear()
+        self.splits.clear()
+        self.piece_wrappers.clear()
+
+
+def make_backend(config: CompilationConfig | None = None) -> PiecewiseBackend:
+    """A backend for ``config``: ``torch.compile(model, backend=pb.make_backend(config))``."""
+    if config is not None and not isinstance(config, CompilationConfig):
+        raise TypeError(f"make_backend takes a CompilationConfig, got {type(config).__name__}")
+    return PiecewiseBackend(config)
+
+
+def piecewise_breakable(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """Entry point of ``torch.compile(model, backend="piecewise_breakable")`` with the default config."""
+    return _default_backend()(gm, example_inputs, **kwargs)
+
+
+_default: PiecewiseBackend | None = None
+
+
+def _default_backend() -> PiecewiseBackend:
+    global _default
+    if _default is None:
+        _default = PiecewiseBackend(CompilationConfig())
+    return _default
+
+
+def register() -> None:
+    """Register ``piecewise_breakable`` by hand (source checkouts without the entry point). Idempotent."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "piecewise_breakable" not in _BACKENDS:
+        register_backend(name="piecewise_breakable")(piecewise_breakable)

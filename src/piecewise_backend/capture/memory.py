@@ -1,0 +1,232 @@
+"""Graph memory: entries that pin nothing, stale-output poisoning, clearing, the capture estimate.
+
+Every graph of a process shares one pool and graphs never replay concurrently, so memory a
+capture allocated may be reused by the next capture once nothing owns it. After a capture an
+entry therefore keeps the tensors that capture created (its output, break arguments and
+fresh break results, inputs that an earlier graph produced) only as weak views; what existed
+before the capture (inputs, parameters, KV caches) stays strongly held. Captured largest
+first, the whole ladder then costs about what its largest size costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
+
+from ..weak import is_weak, keep_strong, weak_ref_tensor
+
+if TYPE_CHECKING:
+    from ..platforms.base import Platform
+
+# Wrappers holding entries; debug poisoning and the estimate walk them (weak: no leak).
+_wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
+_graphs_created = [0]  # graph segments of every entry captured so far (CaptureReport reads it)
+
+
+def captured_wrappers() -> list[Any]:
+    """Every live wrapper that has captured (per-piece wrappers inside a backend included)."""
+    return list(_wrappers)
+
+
+def graphs_created() -> int:
+    """Graph segments (one CUDA graph each) created by captures in this process."""
+    return _graphs_created[0]
+
+
+def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
+    """A test "was this tensor allocated in ``platform``'s graph pool?" (a capture-time tensor).
+
+    Optional platform hooks used here: ``owns(t)`` (the simulated platform), ``pool`` (a
+    :class:`~.platforms.simulated.pool.SimPool`), ``pools`` (CUDA ``MemPool`` objects),
+    ``release_cached()`` and ``fresh_pool()``. A CUDA platform without ``owns`` is asked through one
+    ``torch.cuda.memory_snapshot()`` per capture: a tensor in one of the pools the platform
+    holds is pool memory (the graphs' tensors, and a break's results, which the platform
+    routes to the pool while breaks run); a tensor outside them (allocated before the
+    capture, or by another thread) stays strongly held, never weakened into memory nobody owns.
+    """
+    owns = getattr(platform, "owns", None)
+    if owns is not None:
+        return owns
+    if getattr(platform, "name", None) == "cuda":
+        return _cuda_pool_owner(platform)
+    return lambda t: False
+
+
+def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
+    # Address ranges of the pools' segments; one snapshot per capture, not per tensor.
+    ids = {tuple(p.id) for p in platform.pools}
+    ranges = [
+        (s["address"], s["address"] + s["total_size"])
+        for s in torch.cuda.memory_snapshot()
+        if tuple(s.get("segment_pool_id", ())) in ids
+    ]
+
+    def owns(t: torch.Tensor) -> bool:
+        # by address alone: host and device addresses never overlap (one unified address space)
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(lo <= ptr < hi for lo, hi in ranges)
+
+    return owns
+
+
+def _weakener(platform: Platform) -> Callable[[Any], Any]:
+    owns = owner_test(platform)
+    pool = getattr(platform, "pool", None)
+    make_weak = getattr(pool, "weak", weak_ref_tensor)
+
+    def weaken(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not is_weak(x) and owns(x):
+            return make_weak(x)
+        return x
+
+    return weaken
+
+
+def release_capture_memory(wrapper: Any, entry: Any) -> None:
+    """After ``entry`` was captured: hold its capture-time tensors weakly (see module docstring).
+
+    One weak view per tensor object, so identities the replay checks (a break returning its
+    input) still hold between the entry's references.
+    """
+    from .session import EagerSegment
+
+    _wrappers.add(wrapper)
+    _graphs_created[0] += entry.num_graphs
+    if keep_strong():
+        return
+    weaken_one = _weakener(wrapper.platform)
+    made: dict[int, tuple[Any, Any]] = {}
+
+    def weaken(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in made:
+            made[id(x)] = (x, weaken_one(x))
+        return made[id(x)][1]
+
+    leaves = [weaken(t) for t in entry.output_leaves]
+    entry.output_leaves = leaves
+    entry.output = tree_unflatten(leaves, entry.output_spec)
+    for seg in entry.segments:
+        if isinstance(seg, EagerSegment):
+            seg.args, seg.kwargs = tree_map(weaken, seg.args), tree_map(weaken, seg.kwargs)
+            seg.fresh = [(i, weaken(t)) for i, t in seg.fresh]
+            seg.returned = [(i, weaken(t)) for i, t in seg.returned]
+    for spec_tensor in entry.spec.tensors:  # an input an earlier graph produced (per-piece chains)
+        spec_tensor.captured = weaken(spec_tensor.captured)
+
+
+# ------------------------------------------------------------------ debug: poison stale outputs
+
+
+def _ranges(tree: Any) -> list[tuple[int, int]]:
+    return [
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fill ``t`` with a value no computation returns by chance: NaN, or -1 (max for unsigned)."""
+    if t.is_floating_point() or t.is_complex():
+        value: Any = float("nan")
+    elif t.dtype == torch.bool:
+        value = True
+    elif t.dtype == torch.uint8:
+        value = 255
+    else:
+        value = -1
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        t.fill_(value)
+
+
+def poison_stale_outputs(wrapper: Any, mode_index: int, desc: Any, entry: Any) -> None:
+    """``debug_checks``: before ``entry`` (captured for ``desc`` in runtime mode ``mode_index``)
+    replays, poison the outputs of every entry captured for another (mode, descriptor), except
+    memory ``entry`` reads as input.
+
+    A real GPU overwrites an old output only where a later graph's memory overlaps it, which
+    depends on the pool's layout; poisoning makes any read of a stale output fail loudly.
+    Entries of the same (mode, descriptor) belong to one forward: per-piece wrappers chain
+    their outputs into each other's inputs.
+    """
+    platform = wrapper._platform
+    keep = _ranges([*entry.inputs, *entry.static_inputs])
+    for other_wrapper in list(_wrappers):
+        if other_wrapper._platform is not platform:
+            continue
+        for index, entries in enumerate(other_wrapper._by_mode):
+            for other_desc, other in list(entries.items()):
+                if other is entry or (index == mode_index and other_desc == desc):
+                    continue
+                for t in other.output_leaves:
+                    if is_weak(t) and t.numel():
+                        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+                        if not any(a < hi and lo < b for a, b in keep):
+                            poison(t)
+
+
+# ------------------------------------------------------------------ clearing and the estimate
+
+
+def release_cached(platform: Platform | None) -> int:
+    """Give free pool memory back (after entries were dropped); returns the bytes released."""
+    if platform is None:
+        return 0
+    own = getattr(platform, "release_cached", None)  # a platform that knows its pools best
+    if own is not None:
+        return own()
+    pool = getattr(platform, "pool", None)
+    if hasattr(pool, "release_cached"):
+        return pool.release_cached()
+    return 0
+
+
+@contextlib.contextmanager
+def fresh_pool(platform: Any) -> Iterator[Any]:
+    """Route the platform's captures to a new pool for the duration; yields that pool."""
+    pool = getattr(platform, "pool", None)
+    if hasattr(pool, "release_cached"):  # the simulated pool
+        platform.pool = scratch = type(pool)()
+        try:
+            yield scratch
+        finally:
+            platform.pool = pool  # dropped, the scratch pool keeps only memory still viewed
+    elif hasattr(platform, "fresh_pool"):  # CUDA
+        with platform.fresh_pool() as scratch:
+            yield scratch
+    else:
+        raise TypeError(
+            f"platform {getattr(platform, 'name', platform)!r} has no graph pool to replace: fresh_pool needs the "
+            "simulated platform (a SimPool) or the CUDA platform (MemPools)"
+        )
+
+
+@contextlib.contextmanager
+def scratch_pool(platform: Platform) -> Iterator[None]:
+    """Capture into a fresh pool for the duration, then release it with the entries made in it.
+    Entries captured before are set aside meanwhile, so every descriptor captures anew."""
+    saved = {w: w._by_mode for w in list(_wrappers)}
+    for w in saved:
+        w._by_mode = tuple({} for _ in w._by_mode)
+    try:
+        with fresh_pool(platform):
+            try:
+                yield
+            finally:  # drop the scratch entries while their pool is current
+                for w in list(_wrappers):
+                    w._by_mode = saved.get(w) or tuple({} for _ in w._by_mode)
+    finally:
+        for w, by_mode in saved.items():
+            w._by_mode = by_mode
+    release_cached(platform)
+
+

@@ -1,0 +1,272 @@
+"""Capture sessions and break points.
+
+A wrapper that captures opens a *session* on the current thread. A breakable session
+records a list of segments: graph, eager break, graph, ... A *break point* (a splitting
+piece from the backend, or a function decorated with :func:`eager_break`) ends the open
+graph segment, runs eagerly, records itself for replay, and opens the next segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..observability import counters
+from ..platforms.base import Graph, Platform, Recorder, fresh_outputs, set_gc_managed
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.session: CaptureSession | None = None
+        self.in_break = 0
+
+
+_state = _State()
+_capture_lock = threading.Lock()  # one capture at a time per process (see run_session)
+
+
+def capture_active() -> bool:
+    """True while this thread is inside some wrapper's capture."""
+    return _state.session is not None
+
+
+class EagerSegment:
+    """A break recorded during capture: re-run on replay, fresh results copied into place.
+
+    Breaks run twice on the capturing step (once during the capture, on memory the
+    unexecuted graph before them never wrote, then in the replay that follows), and on
+    every replay with the arguments they got at capture: a break must be an idempotent
+    write (as a KV-cache write is) whose Python arguments do not change between steps.
+    """
+
+    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled", "_plain")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, force_grad: bool | None = None):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.single = isinstance(out, torch.Tensor)
+        leaves = [out] if self.single else tree_leaves(out)
+        # A result in fresh memory must land where the later graph segments read it.
+        self.fresh = fresh_outputs(args, kwargs, leaves)
+        # A result that *is* one of the inputs is read in place by later segments: it must stay that input.
+        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
+        # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: a break whose
+        # grad mode at capture was set by the model (see CaptureSession.run_break) gets it back on replay.
+        self.grad_enabled = force_grad
+        self._plain = not self.fresh and not self.returned  # nothing to check or copy after the call
+
+    def replay(self) -> None:
+        if self.grad_enabled is not None:
+            torch._C._set_grad_enabled(self.grad_enabled)
+        out = self.fn(*self.args, **self.kwargs)
+        if self._plain:
+            return
+        if self.single:
+            if self.returned:
+                if out is not self.returned[0][1]:
+                    self._lost(0)
+            else:
+                self.fresh[0][1].copy_(out)
+            return
+        leaves = tree_leaves(out)
+        for i, t in self.returned:
+            if leaves[i] is not t:
+                self._lost(i)
+        for i, captured in self.fresh:
+            captured.copy_(leaves[i])
+
+    def _lost(self, i: int) -> None:
+        raise RuntimeError(
+            f"break {getattr(self.fn, '__name__', self.fn)!r} returned its input tensor (output {i}) at "
+            "capture and another tensor now; later graph segments read the captured one, so the result "
+            "would be lost: a break must return the same input object on every call, or always a fresh tensor"
+        )
+
+
+class CaptureSession:
+    """One capture in progress on one thread."""
+
+    def __init__(self, platform: Platform, breakable: bool):
+        self.platform, self.breakable = platform, breakable
+        self.segments: list[Graph | EagerSegment] = []
+        self._recorder: Recorder | None = None
+        self.start_grad = torch.is_grad_enabled()
+        self.grad_touched = False  # a break changes grad mode on replay: later breaks may enter in another mode
+
+    def begin(self) -> None:
+        self._recorder = self.platform.begin()
+
+    def end(self) -> None:
+        recorder = self._recorder
+        if recorder is not None:
+            graph = recorder.end()  # on failure the recorder stays set, and abort() closes it
+            self._recorder = None
+            self.segments.append(graph)
+
+    def abort(self) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.abort()
+
+    def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.end()
+        before = torch.is_grad_enabled()
+        _state.in_break += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _state.in_break -= 1
+        force = before if before != self.start_grad or self.grad_touched else None
+        # a forced break changes the mode on replay too: later breaks and the entry's end must set theirs
+        self.grad_touched |= force is not None or torch.is_grad_enabled() != before
+        self.segments.append(EagerSegment(fn, args, kwargs, out, force))
+        counters["breaks"] += 1
+        self.begin()
+        return out
+
+
+def run_session(session: CaptureSession, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run ``fn`` under ``session``; on any error nothing stays open or recorded.
+
+    One capture runs at a time per process (CUDA's capture mode is global: another
+    thread's allocation or sync invalidates a capture): a second thread's capture
+    waits here until the first one ends.
+    """
+    if _state.session is not None:
+        raise RuntimeError("a capture is already active on this thread; captures do not nest")
+    with _capture_lock:
+        _state.session = session
+        try:
+            with session.platform.capture_scope():
+                session.begin()
+                try:
+                    out = fn(*args, **kwargs)
+                    session.end()
+                except BaseException:
+                    session.abort()
+                    raise
+        finally:
+            _state.session = None
+    return out
+
+
+def call_break(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run ``fn`` as a break point: a break inside a breakable capture, plain call elsewhere."""
+    session = _state.session
+    if session is None or not session.breakable or _state.in_break:
+        return fn(*args, **kwargs)
+    return session.run_break(fn, args, kwargs)
+
+
+class BreakPoint:
+    """A splitting piece turned into a break point (see :func:`call_break`)."""
+
+    def __init__(self, fn: Callable[..., Any], name: str = ""):
+        self.fn, self.name = fn, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _state.session is None:  # hot path: serving replays never get here, eager runs do
+            return self.fn(*args, **kwargs)
+        return call_break(self.fn, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"BreakPoint({self.name or self.fn!r})"
+
+
+def eager_break(fn: F) -> F:
+    """Make ``fn`` a break point: breakable captures run it eagerly between graph segments.
+
+    The compile-free path: decorate a model's attention function, wrap the model in a
+    ``BreakableCUDAGraphWrapper``, and no torch.compile is needed.
+
+    Rules for ``fn`` (see :class:`EagerSegment`): it runs twice on the capturing step, the
+    first time on garbage, and replays with the Python arguments of its capture, so it
+    must be an idempotent write (``out.copy_(...)``, a KV-cache write at given slots), not
+    an accumulation; if it returns one of its inputs, it must return that same one each call.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.session is None:
+            return fn(*args, **kwargs)
+        return call_break(fn, args, kwargs)
+
+    wrapper.__pb_break_point__ = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+# Capture switch, the one owner of "may a wrapper capture now": after startup capture a
+# serving engine turns capture off so an unseen descriptor fails loudly instead of
+# capturing (slowly) mid-serving. A single step can refuse capture too, through the
+# forward-context attribute ``allow_capture=False`` (what a closed GraphRunner sets).
+_capture_enabled = True
+
+
+class CaptureDisabledError(RuntimeError):
+    pass
+
+
+def set_capture_enabled(enabled: bool) -> None:
+    """Process-wide: when off, a wrapper without an entry for the step raises :class:`CaptureDisabledError`."""
+    global _capture_enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_capture_enabled takes a bool, got {enabled!r}")
+    _capture_enabled = enabled
+
+
+def capture_enabled() -> bool:
+    return _capture_enabled
+
+
+def capture_allowed(ctx: Any) -> bool:
+    """True when a wrapper may capture for the step of forward context ``ctx``."""
+    return _capture_enabled and getattr(ctx, "allow_capture", True)
+
+
+# gc during capture: collecting per capture dominated capture time (vLLM), so a bulk
+# capture collects once and freezes; platforms ask gc_managed() before collecting.
+_bulk_depth = 0
+_bulk_lock = threading.Lock()
+
+
+def gc_managed() -> bool:
+    """True inside :func:`bulk_capture`: a platform must not collect garbage per capture."""
+    return _bulk_depth > 0
+
+
+set_gc_managed(gc_managed)  # platforms ask it before collecting (they do not import this module)
+
+
+@contextlib.contextmanager
+def bulk_capture() -> Iterator[None]:
+    """Context manager around many captures: collect garbage once, then keep gc frozen.
+
+    ``with pb.capture.bulk_capture(): ...`` (``GraphRunner.capture`` uses it). Nested uses
+    are no-ops. On exit gc is unfrozen only if the application had frozen nothing itself
+    (``gc.get_freeze_count() == 0`` on entry): an application's own ``gc.freeze()`` stays,
+    together with what the capture froze.
+    """
+    global _bulk_depth
+    with _bulk_lock:
+        _bulk_depth += 1
+        outermost = _bulk_depth == 1
+        app_frozen = gc.get_freeze_count() > 0
+        if outermost:
+            gc.collect()
+            gc.freeze()
+    try:
+        yield
+    finally:
+        with _bulk_lock:
+            _bulk_depth -= 1
+            if outermost and not app_frozen:
+                gc.unfreeze()

@@ -1,0 +1,259 @@
+"""What :func:`piecewise_backend.hf.adapt` checks before serving a HF model, and the probe forward.
+
+A model is served only if the paged attention computes what its own attention computes and its
+forward can be replayed by a CUDA graph. :func:`refusal` names the first reason it cannot be
+(from the config and the modules); :func:`probe` runs one tiny eager forward with a recording
+attention to read every attention layer's head layout from the modules themselves and to find
+device-to-host reads (``nonzero``, ``.item()``, boolean-mask indexing) that no graph can replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
+
+from ..platforms.simulated import rules as sim_rules
+from ..platforms.simulated.platform import OpKind, classify
+
+PROBE_IMPLEMENTATION = "pb_probe"
+#: ``layer_types`` / ``layers_block_type`` entries the paged attention serves (others are refused).
+SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
+# Layer classes that keep a recurrent or convolution state from one token to the next.
+_STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
+
+
+@dataclasses.dataclass
+class LayerLayout:
+    """What one attention layer passed to the attention interface in the probe."""
+
+    module: torch.nn.Module
+    q_heads: int
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    calls: int = 1
+    causal: bool = True  # neither the module nor the call says is_causal=False
+    extra: tuple[str, ...] = ()  # keyword arguments the paged attention would ignore
+    mask: str | None = None  # how an attention mask the model built differs from the causal one
+
+
+@dataclasses.dataclass
+class ProbeResult:
+    layers: dict[int, LayerLayout]
+    host_reads: list[str]  # "aten.nonzero in model.layers.0.mlp.experts", first seen first
+    masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)
+    qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    ignores_positions: bool = False  # q/k differ along the row for one token at one position_id
+
+    def compare_masks(self) -> None:
+        """Set each layer's ``mask`` to how the mask the model built differs from the causal one (None: it does not)."""
+        for layer, (mask, tokens, window) in self.masks.items():
+            self.layers[layer].mask = _mask_difference(mask, tokens, window)
+        self.masks.clear()
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of one cache that holds every layer (head dims padded to the widest)."""
+        return max(self.layers) + 1, max(l.kv_heads for l in self.layers.values()), self.head_dim
+
+    @property
+    def head_dim(self) -> int:
+        return max(max(l.k_dim, l.v_dim) for l in self.layers.values())
+
+
+_RECORD: list[ProbeResult] = []
+#: Attention-interface keyword arguments the paged attention honours or that do not change its result.
+UNDERSTOOD_KWARGS = frozenset({
+    "attention_mask", "dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal", "position_ids",
+    "cache_position", "output_attentions", "use_cache", "past_key_values", "cache", "layer_idx", "position_embeddings",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "return_dict", "token_type_ids",
+})
+
+
+def _mask_difference(mask: Any, tokens: int, window: int | None) -> str | None:
+    """None if ``mask`` (a mask the model built itself, or None) is the causal (sliding) one; else what differs."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    visible = visible.reshape(-1, *visible.shape[-2:])[..., -tokens:, -tokens:]
+    pos = torch.arange(tokens, device=mask.device)
+    causal = pos[None, :] <= pos[:, None]
+    if window:
+        causal &= pos[None, :] > pos[:, None] - window
+    if bool((visible == causal).all()):  # a CPU bool read of the probe's own tensors, outside any capture
+        return None
+    return "not the causal mask (bidirectional or custom masking)"
+
+
+def probe_attention_forward(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """AttentionInterface entry of the probe: records the layer's layout, returns zeros of the output's shape."""
+    result = _RECORD[-1]
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx: the paged cache cannot tell its layers apart")
+    result.qk.setdefault(layer, (query.detach().clone(), key.detach().clone()))
+    if layer in result.layers:
+        result.layers[layer].calls += 1
+    else:
+        extra = tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in UNDERSTOOD_KWARGS))
+        mask = args[0] if args else kwargs.get("attention_mask")
+        causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
+        result.layers[layer] = LayerLayout(
+            module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], causal=causal, extra=extra
+        )
+        if isinstance(mask, torch.Tensor):  # compared after the forward: reading it here would count as a host read
+            result.masks[layer] = (mask.detach().clone(), query.shape[2], kwargs.get("sliding_window"))
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+class _HostReads(TorchDispatchMode):
+    """Notes each op that makes the host wait for device data, with the module it ran in."""
+
+    def __init__(self, tracker: ModuleTracker, found: list[str]):
+        super().__init__()
+        self.tracker, self.found = tracker, found
+
+    def _note(self, what: str) -> None:
+        self.found.append(f"{what} in {max(self.tracker.parents, key=len, default='the model')}")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if classify(func, args, kwargs or {}) is OpKind.HOST_SYNC:
+            self._note(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+    def on_host_read(self, t: torch.Tensor, method: str, what: str) -> None:
+        """``.tolist()``, ``.numpy()``, printing: reads no op dispatches (rules.py's guards report them,
+        inside custom ops too, where this mode is popped)."""
+        self._note(method)
+
+
+def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
+    """Eager forwards of ``tokens`` tokens (one request; then one token repeated at one position) with
+    the recording attention; restores the model's attention."""
+    transformers = __import__("transformers")
+    transformers.AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention_forward)
+    previous = model.config._attn_implementation
+    result = ProbeResult({}, [])
+    same = ProbeResult({}, result.host_reads)
+    param = next(model.parameters())
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
+    model.set_attn_implementation(PROBE_IMPLEMENTATION)
+    _RECORD.append(result)
+    is_compiling = torch.compiler.is_compiling
+    try:
+        # HF takes other branches under torch.compile (eager-only input checks skipped, MoE fallbacks):
+        # the probe follows the ones Dynamo will trace.
+        torch.compiler.is_compiling = lambda: True
+        with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads) as reads, \
+                sim_rules.watching_host_reads(reads):
+            positions = torch.arange(tokens, device=param.device)[None]
+            model(input_ids=ids, position_ids=positions, use_cache=False)
+            # One token repeated at one position: every row's q/k must be equal (attention gives zeros here),
+            # unless the model takes positions from the row index instead of position_ids.
+            _RECORD[-1] = same
+            model(input_ids=ids[:, :1].expand(1, tokens), position_ids=torch.zeros_like(positions), use_cache=False)
+    finally:
+        torch.compiler.is_compiling = is_compiling
+        _RECORD.pop()
+        model.set_attn_implementation(previous)
+    result.compare_masks()
+    # Close, not equal: a kernel may round one row differently from another.
+    result.ignores_positions = any(
+        not all(torch.allclose(t.float(), t[:, :, :1].expand_as(t).float(), rtol=1e-4, atol=1e-5) for t in qk)
+        for qk in same.qk.values()
+    )
+    result.qk.clear()
+    return result
+
+
+def refusal(model: torch.nn.Module) -> str | None:
+    """Why the paged attention would serve ``model`` wrongly (from its config and modules), or None."""
+    name = type(model).__name__
+    text = model.config.get_text_config()
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk:
+        return f"{name} uses chunked attention (attention_chunk_size={chunk}); the paged attention has no chunk mask"
+    for field in ("layer_types", "layers_block_type"):
+        kinds = getattr(text, field, None)
+        other = sorted({str(k) for k in kinds or ()} - SERVED_LAYER_TYPES)
+        if other:
+            return (
+                f"{name} has layers of type {other} ({field}); the paged attention serves "
+                f"{sorted(SERVED_LAYER_TYPES)} layers only (no recurrent, convolution, chunked or indexed attention state)"
+            )
+    for path, m in model.named_modules():
+        kind = type(m).__name__
+        # A layer's own module (it has a layer_idx: it would keep a per-layer cache); an audio or vision
+        # encoder's convolutions run once over the input and keep nothing between tokens.
+        if hasattr(m, "layer_idx") and (_STATEFUL.search(kind) or any(isinstance(c, torch.nn.Conv1d) for c in m.children())):
+            return f"{name} keeps recurrent or convolution state between tokens ({kind} at {path}); the paged cache holds K/V only"
+    return None
+
+
+def graph_safe_experts(model: torch.nn.Module) -> str | None:
+    """Switch mixture-of-experts layers to an implementation without host syncs; returns it (None: no experts).
+
+    HF's default ``grouped_mm`` falls back (off CUDA, or without bf16) to a loop over ``offsets.tolist()``
+    and ``eager`` loops over ``nonzero()``: a graph would replay the routing seen at capture.
+    ``batched_mm`` gathers each token's experts with static shapes; native ``grouped_mm`` (CUDA, bf16,
+    sm80+) is kept, as it is sync-free and does not gather weights per token.
+    """
+    if not model._can_set_experts_implementation():
+        return None
+    param = next(model.parameters())
+    native = (
+        param.device.type == "cuda" and param.dtype == torch.bfloat16
+        and hasattr(torch.nn.functional, "grouped_mm") and torch.cuda.get_device_capability(param.device) >= (8, 0)
+    )
+    chosen = "grouped_mm" if native else "batched_mm"
+    model.set_experts_implementation(chosen)
+    return chosen
+
+
+def layout_refusal(name: str, result: ProbeResult) -> str | None:
+    """Why the probe's findings rule the model out, or None."""
+    if result.host_reads:
+        return (
+            f"{name} reads device data on the host in its forward ({result.host_reads[0]}): "
+            "a data-dependent shape or a sync, which a CUDA graph would replay with the values seen at capture"
+        )
+    if not result.layers:
+        return f"{name} calls no attention through transformers' AttentionInterface"
+    if result.ignores_positions:
+        return (
+            f"{name} ignores position_ids (its positions come from the sequence length), so the second request "
+            "of a step and every decode token would get wrong positions"
+        )
+    # Only the attention a token-id forward runs: an audio or vision encoder's bidirectional attention
+    # (or a decoder's cross-attention, absent without encoder states) is not served by the cache.
+    bidirectional = next((i for i, l in result.layers.items() if not l.causal), None)
+    if bidirectional is not None:
+        kind = type(result.layers[bidirectional].module).__name__
+        return f"{name} has non-causal attention (layer {bidirectional}, {kind}); paged attention is causal only"
+    twice = [i for i, l in result.layers.items() if l.calls > 1]
+    if twice:
+        return f"{name} runs attention layer {twice[0]} more than once per forward; the paged cache holds one K/V per layer"
+    extra = next(((i, l.extra) for i, l in result.layers.items() if l.extra), None)
+    if extra is not None:
+        return f"{name} passes {list(extra[1])} to attention (layer {extra[0]}); the paged attention does not apply them"
+    masked = next(((i, l.mask) for i, l in result.layers.items() if l.mask), None)
+    if masked is not None:
+        return f"{name} builds its own attention mask for layer {masked[0]}, {masked[1]}; the paged attention is causal only"
+    bad = [i for i, l in result.layers.items() if l.q_heads % l.kv_heads]
+    if bad:
+        return f"{name}: layer {bad[0]} has {result.layers[bad[0]].q_heads} query heads, not a multiple of its KV heads"
+    # One cache of the most KV heads: a layer with fewer repeats each KV head, which keeps GQA's pairing
+    # only if the counts divide (and the layer's query heads are a multiple of the cache's count).
+    cache_kv = result.kv_shape()[1]
+    odd = [i for i, l in result.layers.items() if cache_kv % l.kv_heads or l.q_heads % cache_kv]
+    if odd:
+        counts = sorted({(l.q_heads, l.kv_heads) for l in result.layers.values()})
+        return f"{name} has layers with (query, KV) head counts {counts} that one paged cache of {cache_kv} KV heads cannot hold"
+    return None

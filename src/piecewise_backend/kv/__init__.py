@@ -1,0 +1,11 @@
+"""The paged KV cache: block allocation, per-step inputs, and the ``pb_kv::paged_attention`` splitting op."""
+
+from ..attention.kernels import attend  # the reference kernel, documented under kv too
+from .cache import BLOCK_TABLES, POSITIONS, REQUEST_INDEX, SLOT_MAPPING, BlockAllocator, PagedKVCache
+from .op import PAD_SLOT, PagedAttentionMetadata, current_metadata, paged_attention, write_kv
+
+__all__ = [
+    "attend",
+    "BLOCK_TABLES", "POSITIONS", "REQUEST_INDEX", "SLOT_MAPPING", "BlockAllocator", "PagedKVCache",
+    "PAD_SLOT", "PagedAttentionMetadata", "current_metadata", "paged_attention", "write_kv",
+]

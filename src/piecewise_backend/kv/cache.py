@@ -1,0 +1,239 @@
+"""Paged KV cache: the blocks, each request's block table, and the step metadata a runner keeps.
+
+* :class:`BlockAllocator` hands out fixed-size KV blocks; :class:`PagedKVCache` owns the per-layer
+  K/V tensors and each request's block table, and turns a step's scheduled tokens into the
+  per-token and per-request metadata tensors a :class:`~piecewise_backend.GraphRunner` keeps in
+  persistent buffers (:meth:`PagedKVCache.static_inputs`, :meth:`PagedKVCache.step_inputs`).
+* ``pb_kv::paged_attention`` (:mod:`.kv_op`, re-exported here with its metadata, ``write_kv`` and
+  ``current_metadata``) writes the step's K/V into the cache and attends each token to its
+  request's cached prefix with the cache's attention backends (:mod:`.attention`: ``bounded`` on
+  the CPU, ``varlen`` on CUDA where torch has it, ``reference`` on request). It runs inside a FULL
+  graph (uniform decode) as well as eagerly at a break (mixed batches); importing this module
+  registers it as a splitting op.
+
+The op reads its metadata from the forward context (``attn_metadata``). Under a CUDA graph its
+kernels keep the addresses they read at capture, so that metadata must be views of the runner's
+persistent buffers (what :meth:`PagedKVCache.context_fn` builds from the runner's views), updated
+in place every step: never tensors built per step.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..attention.backends import (
+    describe,
+    get_attention_backend,
+    select_attention_backends,
+)
+from ..modes import AttentionGraphSupport
+from ..runner.graph_runner import StaticInput
+from .op import PAD_SLOT, PagedAttentionMetadata, current_metadata, paged_attention, write_kv  # noqa: F401
+
+#: Names of the metadata inputs the cache adds to a runner (besides the model's own inputs).
+POSITIONS, SLOT_MAPPING, REQUEST_INDEX, BLOCK_TABLES = "position_ids", "slot_mapping", "request_index", "block_tables"
+
+
+class BlockAllocator:
+    """A free list of ``num_blocks`` KV blocks (host side, O(1) per block).
+
+    Exact: every id is either free or handed out, never both; :meth:`free` refuses an id that
+    is not handed out (a double free, or an id this allocator never had), since taking it back
+    would let one block serve two requests.
+    """
+
+    def __init__(self, num_blocks: int):
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"BlockAllocator.num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"BlockAllocator.allocate takes a block count >= 0, got {n!r}")
+        if n > len(self._free):
+            raise RuntimeError(f"out of KV blocks: {n} needed, {len(self._free)} of {self.num_blocks} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Take ``blocks`` back; all or nothing: ValueError, freeing none, if one is not handed out."""
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for b in blocks:
+            is_id = isinstance(b, int) and not isinstance(b, bool)  # 1.0 and True hash like 1: check the type too
+            if b in seen or not is_id or b not in self._used:
+                why = "given twice in this call" if b in seen else (
+                    "already free (double free)" if is_id and 0 <= b < self.num_blocks
+                    else f"not a block id of this allocator (0..{self.num_blocks - 1})"
+                )
+                raise ValueError(f"BlockAllocator.free: block {b!r} is {why}; only ids allocate() handed out can be freed")
+            seen.add(b)
+        self._used.difference_update(blocks)
+        self._free.extend(blocks)
+
+
+class PagedKVCache:
+    """Per-layer K/V tensors of shape ``(num_blocks + 1, block_size, num_kv_heads, head_dim)``.
+
+    Block ``num_blocks`` (the last) is scratch: padding tokens write there, and no block table
+    points to it. Requests are any hashable ids; each owns a block table grown on demand.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "auto",
+    ):
+        for name, value in dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                block_size=block_size, max_model_len=max_model_len).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVCache.{name} must be a positive int, got {value!r}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        self.max_blocks_per_req = math.ceil(max_model_len / block_size)
+        self.max_model_len = max_model_len
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.tables: dict[Hashable, list[int]] = {}
+        #: The attention backends the op runs for this cache, in order (see :mod:`.attention`).
+        self.attention_backends = select_attention_backends(attention_backend, device, block_size, dtype)
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend(s) in words, e.g. ``"varlen (then bounded)"``."""
+        return describe(self.attention_backends)
+
+    @property
+    def attention_graph_support(self) -> AttentionGraphSupport:
+        """What a FULL graph may hold: the least of this cache's backends (any layer may fall back)."""
+        return min(get_attention_backend(n).graph_support for n in self.attention_backends)
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_caches[0].device
+
+    def reserve(self, request: Hashable, num_tokens: int) -> None:
+        """Grow ``request``'s block table to hold ``num_tokens`` tokens (allocating on first use).
+
+        All or nothing: when blocks run out nothing is allocated and the table is left as it was.
+        """
+        self._reserve_all([(request, num_tokens)])
+
+    def _missing(self, request: Hashable, num_tokens: int) -> int:
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"request {request!r}: num_tokens must be an int >= 0, got {num_tokens!r}")
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {request!r} needs {num_tokens} tokens, more than max_model_len={self.max_model_len}")
+        return max(0, math.ceil(num_tokens / self.block_size) - len(self.tables.get(request, ())))
+
+    def _reserve_all(self, needs: Sequence[tuple[Hashable, int]]) -> None:
+        """Reserve every ``(request, num_tokens)`` or, raising, none (checked before allocating)."""
+        missing = [self._missing(r, n) for r, n in needs]
+        if sum(missing) > self.allocator.num_free:
+            per = ", ".join(f"{r!r}: {m}" for (r, _), m in zip(needs, missing) if m)
+            raise RuntimeError(
+                f"out of KV blocks: {sum(missing)} needed ({per}), {self.allocator.num_free} of "
+                f"{self.allocator.num_blocks} free; nothing was reserved"
+            )
+        for (request, _), m in zip(needs, missing):
+            self.tables.setdefault(request, []).extend(self.allocator.allocate(m))
+
+    def free(self, request: Hashable) -> None:
+        """Return ``request``'s blocks; KeyError naming the live requests when it has none."""
+        if request not in self.tables:
+            raise KeyError(f"request {request!r} holds no KV blocks; live requests: {list(self.tables)}")
+        self.allocator.free(self.tables.pop(request))
+
+    def truncate(self, request: Hashable, num_tokens: int) -> None:
+        """Keep ``request``'s first ``num_tokens`` tokens: free the blocks past them (rollback).
+
+        The slots past ``num_tokens`` in the last kept block keep stale K/V; they are never read
+        before being written again, because a step writes every token's K/V before attending and a
+        token attends only to positions up to its own. ``num_tokens=0`` keeps an empty table.
+        """
+        if request not in self.tables:
+            raise KeyError(f"request {request!r} holds no KV blocks; live requests: {list(self.tables)}")
+        table = self.tables[request]
+        held = len(table) * self.block_size
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= held:
+            raise ValueError(
+                f"truncate: request {request!r} holds blocks for {held} tokens; num_tokens must be an int in "
+                f"0..{held}, got {num_tokens!r}"
+            )
+        keep = math.ceil(num_tokens / self.block_size)
+        self.allocator.free(table[keep:])
+        del table[keep:]
+
+    def slot(self, request: Hashable, position: int) -> int:
+        """Flat cache slot (block * block_size + offset) of ``request``'s token at ``position``."""
+        table = self.tables[request]
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def static_inputs(self) -> list[StaticInput]:
+        """The metadata inputs for a GraphRunner, with pads that never touch a real request.
+
+        Padding tokens write K/V to the scratch slot and read (and discard) request row 0.
+        """
+        return [
+            StaticInput(POSITIONS, pad=0),
+            StaticInput(SLOT_MAPPING, pad=PAD_SLOT),
+            StaticInput(REQUEST_INDEX, pad=0),
+            StaticInput(BLOCK_TABLES, shape=(self.max_blocks_per_req,), pad=0, per="request"),
+        ]
+
+    def step_inputs(self, chunks: Sequence[tuple[Hashable, int, int]]) -> dict[str, torch.Tensor]:
+        """Metadata of one step from ``(request, first position, number of tokens)`` per scheduled request.
+
+        Tokens are laid out request after request, in ``chunks`` order; blocks are reserved as needed,
+        for every chunk or (when blocks run out, or a chunk is invalid) for none.
+        """
+        requests = [c[0] for c in chunks]
+        if not requests or len(set(requests)) != len(requests):
+            raise ValueError(f"a step needs one chunk per scheduled request, at least one; got requests {requests}")
+        for request, start, count in chunks:
+            if start < 0 or count < 1:
+                raise ValueError(f"request {request!r}: need start >= 0 and count >= 1, got start={start}, count={count}")
+        self._reserve_all([(request, start + count) for request, start, count in chunks])  # all or nothing
+        positions: list[int] = []
+        slots: list[int] = []
+        request_index: list[int] = []
+        rows: list[list[int]] = []
+        for row, (request, start, count) in enumerate(chunks):
+            positions += range(start, start + count)
+            slots += (self.slot(request, p) for p in range(start, start + count))
+            request_index += [row] * count
+            table = self.tables[request]
+            rows.append(table + [0] * (self.max_blocks_per_req - len(table)))
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return {POSITIONS: t(positions), SLOT_MAPPING: t(slots), REQUEST_INDEX: t(request_index), BLOCK_TABLES: t(rows)}
+
+    def metadata(self, views: Mapping[str, torch.Tensor]) -> PagedAttentionMetadata:
+        """The attention metadata over ``views`` (a runner's views, or :meth:`step_inputs` for eager use)."""
+        return PagedAttentionMetadata(
+            views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self.key_caches,
+            self.value_caches, self.attention_backends,
+        )
+
+    def context_fn(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """A GraphRunner ``context_fn``: the step's forward-context attributes."""
+        return {"attn_metadata": self.metadata(views)}

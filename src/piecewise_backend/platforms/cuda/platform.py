@@ -1,0 +1,212 @@
+"""CUDA platform: torch.cuda.CUDAGraph segments in one shared pool per generation, on a side stream.
+
+It follows what torch's allocators really do on 2.11 and 2.13 (each rule is checked on the CPU
+against tests/support/pbtest/cuda_double/fake.py, whose rule table tests/support/pbtest/cuda_double/rules.py cites the sources):
+
+* Graphs are grouped in *generations* (pools.py): one ``torch.cuda.MemPool`` and one capture
+  stream each. A graph is destroyed only with its whole generation, since ``reset()`` frees the
+  cuBLAS workspace of its capture stream (torch >= 2.12) and would drop the host allocator's
+  use of the pool to 0 (the next capture into it would fail an INTERNAL ASSERT).
+* A capture CUDA invalidated fails in ``capture_end``; on 2.11 the allocators still route to the
+  pool. The platform ends what it can, keeps the pool uses that leak on builds without PR 190348
+  bounded (given back when the generation ends, counted in :meth:`CudaPlatform.retired_pools`),
+  and moves later captures to a new generation (recovery.py). If it cannot, it refuses every
+  later capture with an error that says so.
+* Warm-ups run on the capture stream (cuBLAS workspaces are per stream), and a lazy capture
+  warms up first (Inductor/Triton autotuning syncs, which a capture forbids).
+* One capture at a time per process (streams.py): captures, warm-ups on the capture stream and
+  ``memory()`` (a device sync) wait for an open capture of another thread.
+* Between the segments of a capture (while its eager breaks run) the capturing thread allocates
+  from the pool too (``torch.cuda.use_mem_pool``), so a break's fresh result is pool memory that
+  entries hold weakly. The routing ends before the next segment's ``capture_begin``.
+* ``release_cached()`` (called by ``clear_graphs()``) ends the generations none of whose graphs
+  is used any more and lets the allocator free their pools; the next capture gets a fresh one.
+* ``memory()`` is the bytes held by the platform's pools, retired ones still held included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ...context import _CONTEXT, set_forward_context
+from ...modes import CUDAGraphMode
+from ..base import gc_managed
+from .graphs import _EMPTY_WARNING, CudaGraphSegment, CudaRecorder, EmptyGraph  # noqa: F401 (re-exported)
+from .pools import Generations
+from .recovery import CaptureInvalidatedError  # noqa: F401 (re-exported: pb.CaptureInvalidatedError)
+from .streams import capture_open, captures_open, exclusive, on_stream
+
+_platforms: dict[int, CudaPlatform] = {}
+_platforms_lock = threading.Lock()
+
+
+def platform_for(device: int) -> CudaPlatform:
+    """The CUDA platform of ``device`` (one per device per process)."""
+    with _platforms_lock:
+        if device not in _platforms:
+            _platforms[device] = CudaPlatform(device)
+        return _platforms[device]
+
+
+class CudaPlatform:
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        self.generations = Generations(device)
+        self.broken: str | None = None
+        self._local = threading.local()
+
+    @property
+    def pool_id(self) -> tuple[int, int]:
+        """The id of the pool the next capture allocates from."""
+        return self.generations.current.id
+
+    @property
+    def stream(self) -> Any:
+        """The stream the next capture runs on (the current generation's)."""
+        return self.generations.current.stream
+
+    @property
+    def pools(self) -> list[Any]:
+        """The ``MemPool`` of every generation alive (the current one last)."""
+        return [g.mempool for g in self.generations.all()]
+
+    def _route_breaks(self) -> None:
+        if getattr(self._local, "routing", None) is None:
+            routing = torch.cuda.use_mem_pool(self.generations.current.mempool, device=self.device)
+            routing.__enter__()  # a use of the pool and a current-thread routing to it, until _stop_routing
+            self._local.routing = routing
+
+    def _stop_routing(self) -> None:
+        routing, self._local.routing = getattr(self._local, "routing", None), None
+        if routing is not None:
+            routing.__exit__(None, None, None)
+
+    def _usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+
+    @contextlib.contextmanager
+    def capture_scope(self) -> Iterator[None]:
+        self._usable()
+        with exclusive("capturing"):
+            if not gc_managed():
+                gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
+            with torch.cuda.device(self.device):
+                # outside any capture (ending a generation drops its MemPool); the current one stays: this
+                # capture's warm-up made its stream's workspace (a gc between them may have freed its graphs)
+                self.generations.collect(current=False)
+                torch.cuda.synchronize()
+                with capture_open():
+                    try:
+                        with on_stream(self.stream):
+                            try:
+                                yield
+                            finally:
+                                self._stop_routing()
+                    finally:
+                        self._local.warmed = None
+
+    @contextlib.contextmanager
+    def warmup_scope(self) -> Iterator[None]:
+        """Run eager warm-up work on the capture stream, so per-stream state (the cuBLAS
+        workspace, lazily initialized handles) exists before the capture, outside the pool."""
+        self._usable()
+        with exclusive("warming up"), torch.cuda.device(self.device):
+            if not captures_open():
+                self.generations.collect()  # the stream warmed up is the one the capture will use
+            stream = self.stream
+            with on_stream(stream):
+                yield
+        self._local.warmed = stream  # consumed by the next capture on this thread, or by warmed_step's end
+
+    @contextlib.contextmanager
+    def warmed_step(self) -> Iterator[None]:
+        """Around a caller's warm-ups and the capture they prepare (the runner's step for one
+        descriptor): the warm-up mark ends with it, also when the step replayed instead of
+        capturing, so it never lets a later capture of another shape skip its warm-up."""
+        try:
+            yield
+        finally:
+            self._local.warmed = None
+
+    def warm_up(self, fn: Callable[..., Any], args: tuple, kwargs: dict, times: int) -> None:
+        """Before a lazy capture: run ``fn`` ``times`` times eagerly (runtime mode NONE) on the
+        capture stream, unless this thread warmed up on that stream since its last capture (a new
+        generation's stream has no cuBLAS workspace yet: made inside the capture, it would sit in the
+        pool for good on torch 2.11, whose reset() never frees it).
+
+        Side effect: the step runs ``times`` extra times with the same inputs; state it
+        updates in place (a counter, an accumulating cache) moves that many steps further.
+        """
+        if getattr(self._local, "warmed", None) is self.stream:
+            return
+        ctx = _CONTEXT.get()
+        desc = ctx.batch_descriptor if ctx is not None else None
+        attrs = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "batch_descriptor"} if ctx else {}
+        with self.warmed_step():  # the capture follows at once; if it cannot start, no mark is left
+            for _ in range(times):
+                with self.warmup_scope(), set_forward_context(CUDAGraphMode.NONE, desc, **attrs):
+                    fn(*args, **kwargs)
+
+    def begin(self) -> CudaRecorder:
+        self._stop_routing()  # capture_begin into a pool a thread still routes to fails
+        return CudaRecorder(self)
+
+    def memory(self) -> int:
+        """Bytes of the platform's graph pools, after a synchronize (warm-up activations, the
+        default pool's cache and other runners' pools are not counted)."""
+        with exclusive("measuring memory"), torch.cuda.device(self.device):
+            if captures_open():
+                raise RuntimeError("CudaPlatform.memory() synchronizes the device, which invalidates an open capture; call it outside captures")
+            torch.cuda.synchronize()
+            return self.generations.memory(torch.cuda.memory_snapshot())
+
+    def retired_pools(self) -> list[tuple[tuple[int, int], int, str]]:
+        """(pool id, bytes still held, why) of each pool the platform no longer captures into
+        whose memory is not all back (a tensor still views it). ``memory()`` counts them."""
+        with exclusive("measuring memory"), torch.cuda.device(self.device):
+            return self.generations.retired_pools(torch.cuda.memory_snapshot())
+
+    def leaks(self) -> dict[str, int]:
+        """Failed captures in this process, and the host-allocator pool uses they leaked (torch
+        without PR 190348 gives them back nowhere; each is bookkeeping, no memory)."""
+        g = self.generations
+        return {"failed_captures": g.failed_captures, "leaked_host_uses": g.leaked_host_uses}
+
+    def release_cached(self) -> int:
+        """Give back the graph memory no graph uses (see the module docstring); returns the
+        bytes the allocator released."""
+        if captures_open():
+            return 0  # inside a capture the pool is in use
+        if not gc_managed():
+            gc.collect()  # a graph in a reference cycle holds its generation until it is collected
+        with exclusive("releasing graph memory"), torch.cuda.device(self.device):
+            before = torch.cuda.memory_reserved(self.device)
+            self.generations.collect()
+            torch.cuda.empty_cache()
+            return before - torch.cuda.memory_reserved(self.device)
+
+    @contextlib.contextmanager
+    def fresh_pool(self) -> Iterator[tuple[int, int]]:
+        """Capture into a new generation for the duration (the estimate's scratch pool); yields its
+        pool id (not the MemPool: a caller holding it would keep it alive). Afterwards the
+        generation held before is current again; the scratch one lives on only in graphs still
+        captured into it."""
+        with exclusive("switching pools"), torch.cuda.device(self.device):
+            self.generations.push_scratch()
+        try:
+            yield self.pool_id
+        finally:
+            with exclusive("switching pools"), torch.cuda.device(self.device):
+                self.generations.pop_scratch()
+
+    def describe(self, amount: int) -> str:
+        return f"{amount / 2**20:.1f} MiB in the CUDA graph pool of cuda:{self.device}"

@@ -1,0 +1,95 @@
+"""CUDA platform: one capture at a time per process, capture streams, running work on them.
+
+CUDA's default capture mode is global: while a capture is open, another thread's sync or
+cudaMalloc invalidates it, and work launched on the stream being captured lands in the graph.
+A capture, a warm-up on a capture stream and ``memory()``'s device sync each hold
+:func:`exclusive`, so another thread waits instead of joining or invalidating an open capture.
+One capture at a time is this library's policy: CUDA itself allows concurrent captures on
+different streams (each other's unsafe calls then invalidate both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+_device_lock = threading.RLock()
+_WAIT_S = 600.0
+_open = threading.local()  # .captures: captures open on this thread
+
+
+@contextlib.contextmanager
+def exclusive(what: str) -> Iterator[None]:
+    if not _device_lock.acquire(timeout=_WAIT_S):
+        raise RuntimeError(
+            f"waited {_WAIT_S:.0f} s for another thread's CUDA graph capture before {what}: this library runs one "
+            "capture at a time per process; capture from one thread, or make sure the other capture can finish"
+        )
+    try:
+        yield
+    finally:
+        _device_lock.release()
+
+
+def captures_open() -> int:
+    """Captures open on this thread (0 or 1)."""
+    return getattr(_open, "captures", 0)
+
+
+@contextlib.contextmanager
+def capture_open() -> Iterator[None]:
+    _open.captures = captures_open() + 1
+    try:
+        yield
+    finally:
+        _open.captures -= 1
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """Run on ``stream``, after the current stream's work and before what follows it."""
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        current.wait_stream(stream)
+
+
+def new_capture_stream(device: int, taken: Iterable[int]) -> Any:
+    """A stream for a new generation of graphs, other than the raw streams in ``taken``.
+
+    ``torch.cuda.Stream()`` hands out streams from a small per-device pool, round robin: two
+    generations on one raw stream would share cuBLAS workspaces, and the end of one would free
+    the other's (see pools.py). Drawing again walks the pool until a free one comes up.
+    """
+    taken = set(taken)
+    for _ in range(256):
+        stream = torch.cuda.Stream(device=device)
+        if stream.cuda_stream not in taken:
+            return stream
+    raise RuntimeError(
+        f"every pooled CUDA stream of cuda:{device} already carries a live generation of graphs ({len(taken)}); "
+        "clear_graphs() on wrappers no longer used, or restart the process"
+    )
+
+
+def new_comm_stream(device: int, compute: Any) -> Any:
+    """A stream for micro-batch communication on ``device``, never the raw stream of ``compute``.
+
+    Drawn at high priority: c10 keeps one stream pool per priority, so it cannot be a capture
+    stream of a generation (priority 0, :func:`new_capture_stream`) on a GPU with more than one
+    priority level, and communication kernels get scheduled ahead of the compute they overlap.
+    """
+    for _ in range(256):
+        stream = torch.cuda.Stream(device=device, priority=-1)
+        if stream.cuda_stream != compute.cuda_stream:
+            return stream
+    raise RuntimeError(
+        f"no CUDA stream of cuda:{device} other than the compute stream {compute} is free for communication"
+    )

@@ -1,0 +1,298 @@
+"""Simulated platform: CUDA graph semantics on the CPU, for tests and CI.
+
+A segment records the ATen ops run while it is open (a TorchDispatchMode) and replays
+them into the same tensors. An op implemented in Python (a ``torch.library`` custom op
+such as an attention kernel, or a composite decomposition) is not recorded as a whole: its
+implementation runs with the recorder active, so the ATen ops inside it are recorded,
+recursively, and a replay runs no Python at all, as a CUDA graph replays kernels, not the
+code that launched them. Ops with C++ kernels are recorded whole, like ATen ops. Like a
+real capture, recording does not count as running: when a segment ends,
+in-place writes to tensors that existed before it are undone and tensors it allocated are
+filled with garbage (NaN bits), so only a replay produces values. Host reads raise as CUDA
+does while a stream is capturing, inside custom ops too, and random ops follow CUDA's
+generator rules (:mod:`.rules`). Work the recorder cannot see
+(fused Inductor kernels, anything that bypasses the dispatcher) is refused at capture
+time by the checks in :mod:`.checks`.
+Tensors created during a capture come from one shared pool (:mod:`.pool`); a finished
+graph holds them only weakly. What the recorder does with each op (record it, run it inside,
+refuse a host read) is decided in :mod:`.classify` (``OpKind``, ``classify``, re-exported here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
+
+from ..base import fresh_outputs
+from . import checks
+from . import collectives as sim_collectives
+from . import rules as sim_rules
+from .checks import FIX_HIDDEN, refuse, validate_segment
+from .classify import OpKind, classify, is_composite
+from .pool import PoolMode, SimPool
+
+_HOST_FROM_DATA = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _kernel_keys(args: tuple, kwargs: dict) -> torch._C.DispatchKeySet:
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            keys = keys | torch._C._dispatch_keys(t)
+    return keys & _BELOW_PYTHON
+
+
+class _Op:
+    __slots__ = ("func", "args", "kwargs", "fresh")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, fresh: list[tuple[int, torch.Tensor]]):
+        self.func, self.args, self.kwargs, self.fresh = func, args, kwargs, fresh
+
+
+class SimulatedGraph:
+    """The ATen ops of one segment, replayed in order on the capture-time tensors."""
+
+    def __init__(self, ops: list[_Op]):
+        self.ops = ops
+
+    def replay(self) -> None:
+        # The ops were recorded below autograd; replay them there too, as a CUDA graph replay
+        # never touches autograd (in grad mode, autograd's view checks reject the replayed writes).
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            for op in self.ops:
+                out = op.func(*op.args, **op.kwargs)
+                if op.fresh:
+                    outs = out if isinstance(out, (tuple, list)) else (out,)
+                    for i, captured in op.fresh:
+                        captured.copy_(outs[i])
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+class _RecordingMode(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let torch.compile trace and compile under an open segment, as it can under a CUDA capture.
+        return True
+
+    def __init__(self, platform: SimulatedPlatform) -> None:
+        super().__init__()
+        self.platform = platform
+        self.record_inside_ops, self.check = platform.record_inside_ops, platform.validate
+        self.ops: list[_Op] = []
+        self.allocated: dict[int, torch.Tensor] = {}  # storage key -> a tensor on it
+        self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        # A capture does not advance the default generator: CUDA's graph-safe generator moves on replays only.
+        self.rng = torch.get_rng_state()
+
+    def on_host_read(self, t: torch.Tensor, method: str, what: str) -> None:
+        """A read that bypasses the dispatcher (``.tolist()``, printing; rules.py guards them):
+        refused like ``.item()`` where it copies device memory."""
+        if not t.is_meta and not is_fake(t) and not self.platform.is_host_scalar(t):
+            sim_rules.raise_host_sync(what)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if sim_collectives.unrecorded(types, args, kwargs):  # DTensor desugars first; fake/meta: no data
+            return sim_collectives.dispatch_unrecorded(func, types, args, kwargs or {})
+        kwargs = kwargs or {}
+        kind = classify(func, args, kwargs)
+        if kind is OpKind.HOST_SYNC:
+            if not self.platform.is_host_scalar(args[0]):
+                sim_rules.raise_host_sync(str(func))
+            return func(*args, **kwargs)
+        if self.check:
+            checks.check_caller(func)  # looked up here: a test may patch it
+        if kind is OpKind.CUDA_KERNEL:
+            with self:
+                return sim_rules.CUDA_KERNELS[func](*args, **kwargs)
+        sim_rules.check_generator(func, args, kwargs)
+        if func.namespace in sim_collectives.NAMESPACES:  # recorded, not run: replays communicate
+            out, collective = sim_collectives.record(func, args, kwargs, len(self.ops), self.register_fresh)
+            if collective is not None:
+                self.ops.append(_Op(collective.replay, (), {}, []))
+            return out
+        if func in _HOST_FROM_DATA:
+            self.platform.mark_host(args[0])
+        self._snapshot_writes(func, args, kwargs)
+        if kind is OpKind.OPAQUE and self.record_inside_ops:
+            return self._run_inside(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if kind is OpKind.ALLOCATION:
+            out = self.register_fresh(out)
+            out.untyped_storage().fill_(0xFF)  # fresh memory holds garbage, for eager and replay alike
+            return out
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        fresh = fresh_outputs(args, kwargs, outs)
+        if fresh:
+            fresh = [(i, self.register_fresh(t)) for i, t in fresh]
+            for i, t in fresh:
+                outs[i] = t
+            out = outs[0] if single else type(out)(outs)
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        # Decide by real storage, not the schema: under inference_mode composite ops such as
+        # contiguous/reshape reach the mode whole, and their "alias" result may be a copy.
+        if writes or fresh:
+            self.ops.append(_Op(func, args, kwargs, fresh))
+        return out
+
+    def register_fresh(self, t: torch.Tensor) -> torch.Tensor:
+        """The one place a tensor allocated during the segment is registered.
+
+        Returns the tensor the program gets from now on (and a replay writes into); a
+        memory pool may hand back its own tensor holding the same values.
+        """
+        self.allocated.setdefault(_storage_key(t), t)
+        return t
+
+    def _run_inside(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # Run the op's implementation with this mode active again (dispatch popped it), so
+        # the ATen ops it runs, and those of any op it calls, are recorded one by one.
+        with self:
+            if is_composite(func.name()):
+                out = func.decompose(*args, **kwargs)
+            else:
+                out = func.redispatch(_kernel_keys(args, kwargs), *args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        for _, t in fresh_outputs(args, kwargs, outs):
+            if _storage_key(t) not in self.allocated:
+                refuse(
+                    f"{func} returned a tensor that no recorded ATen op produced (its kernel allocates or "
+                    "writes behind the dispatcher, or it returns a tensor made outside the op)",
+                    FIX_HIDDEN + ", and return only tensors the op computes",
+                )
+        return out
+
+    def _snapshot_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+                for t in tree_leaves(value):
+                    if isinstance(t, torch.Tensor):
+                        self._snapshot(t)
+
+    def _snapshot(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key not in self.allocated and key not in self.snapshots:
+            storage = t.untyped_storage()
+            self.snapshots[key] = (storage, storage.clone())
+
+    def restore(self) -> None:
+        """Tensors that existed before the segment, and the default generator, as they were."""
+        for storage, saved in self.snapshots.values():
+            storage.copy_(saved)
+        torch.set_rng_state(self.rng)
+
+    def undo(self) -> None:
+        """Back to what a capture leaves: older tensors as they were, new ones garbage."""
+        self.restore()
+        for t in self.allocated.values():
+            t.untyped_storage().fill_(0xFF)  # NaN for floats, -1 for ints: memory holds garbage
+
+
+def is_recording() -> bool:
+    """True while the simulated platform records a segment on this thread (an op then runs inside
+    a simulated capture, where reading device values on the host is illegal)."""
+    return any(isinstance(m, _RecordingMode) for m in _get_current_dispatch_mode_stack())
+
+
+class _SimRecorder:
+    def __init__(self, platform: SimulatedPlatform) -> None:
+        self.platform = platform
+        self.mode = _RecordingMode(platform)
+        self.mode.__enter__()
+        sim_rules.guard_host_reads()
+        self.open = True
+
+    def end(self) -> SimulatedGraph:
+        self._close()
+        graph = SimulatedGraph(self.mode.ops)
+        if self.platform.validate:
+            # The check's replay neither allocates from the pool nor communicates.
+            with self.platform.pool_paused(), sim_collectives.validating():
+                validate_segment(self.mode, graph)  # raises, leaving the capture undone, if unfaithful
+        self.mode.undo()  # a capture does not execute
+        self.platform.pool.weaken_ops(graph.ops)  # the graph pins no pool memory
+        self.platform.recorded_ops += len(graph)
+        return graph
+
+    def abort(self) -> None:
+        self._close()
+        self.mode.restore()
+
+    def _close(self) -> None:
+        if self.open:
+            self.open = False
+            sim_rules.unguard_host_reads()
+            self.mode.__exit__(None, None, None)
+
+
+class SimulatedPlatform:
+    name = "simulated"
+
+    def __init__(self) -> None:
+        self.recorded_ops = 0
+        self.pool = SimPool()  # every graph shares it, as on CUDA
+        self._pool_mode: PoolMode | None = None  # set while a capture scope is open
+        # Knobs for benchmarks and debugging only: the defaults are what makes the simulator faithful.
+        self.record_inside_ops = True  # False: record a custom op whole and re-run its Python on replay
+        self.validate = True  # False: skip the checks that refuse unrecordable work (checks.py)
+        self._host: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> tensor (weak: never keep it alive)
+
+    @contextlib.contextmanager
+    def capture_scope(self) -> Iterator[None]:
+        self._pool_mode = PoolMode(self.pool)
+        try:
+            with self._pool_mode:  # segments and the breaks between them allocate in the pool
+                yield
+        finally:
+            self._pool_mode = None
+
+    @contextlib.contextmanager
+    def pool_paused(self) -> Iterator[None]:
+        mode = self._pool_mode
+        if mode is None:
+            yield
+            return
+        paused, mode.paused = mode.paused, True
+        try:
+            yield
+        finally:
+            mode.paused = paused
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self.pool.owns(t)
+
+    def begin(self) -> _SimRecorder:
+        return _SimRecorder(self)
+
+    def memory(self) -> int:
+        return self.pool.reserved()
+
+    def describe(self, amount: int) -> str:
+        return f"{amount / 2**20:.2f} MiB of simulated graph pool ({self.recorded_ops} ATen ops recorded in all)"
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """``t`` was made from Python data (``torch.tensor(x)``): on a GPU machine it lives on the host."""
+        if t.dim() == 0:
+            key = id(t)
+            self._host[key] = weakref.ref(t, lambda _: self._host.pop(key, None))
+
+    def is_host_scalar(self, t: Any) -> bool:
+        # Dynamo (dynamic=True) lifts float attributes such as RMSNorm.eps to 0-d CPU tensors and
+        # reads them with .item() inside the graph: a host read under a real capture, not a sync.
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t

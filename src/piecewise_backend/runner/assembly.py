@@ -1,0 +1,153 @@
+"""Assembly: resolve the mode an attention backend allows, stack the wrappers, prove coverage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend.compiler import PiecewiseBackend
+from ..capture.wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, _GraphWrapper
+from ..config import CompilationConfig
+from ..context import BatchDescriptor
+from ..modes import AttentionGraphSupport, CUDAGraphMode
+from ..observability import logger
+from ..platforms.registry import effective_mode
+from ..ubatch.wrapper import UBatchWrapper
+from .dispatcher import CudagraphDispatcher
+
+_NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+
+def resolve_cudagraph_mode(
+    mode: CUDAGraphMode | str,
+    support: AttentionGraphSupport | int,
+    *,
+    attention_split: bool = True,
+    uniform_decode_query_len: int = 1,
+) -> CUDAGraphMode:
+    """The strongest mode ``mode`` can keep given what the attention backend supports.
+
+    ``UNIFORM_SINGLE_TOKEN_DECODE`` covers decode batches of one token per request only:
+    with ``uniform_decode_query_len > 1`` (speculative decode) it supports no full graph.
+    """
+    mode = CUDAGraphMode.parse(mode)
+    support = AttentionGraphSupport(support)
+    if not isinstance(uniform_decode_query_len, int) or isinstance(uniform_decode_query_len, bool) or (
+        uniform_decode_query_len < 1
+    ):
+        raise ValueError(f"uniform_decode_query_len must be a positive int, got {uniform_decode_query_len!r}")
+    if support == AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and uniform_decode_query_len > 1:
+        if mode.max_cudagraph_mode() != _FULL:
+            return mode
+        # no full graph at all: the decode side falls back to what the mixed side does without FULL
+        resolved = _PIECEWISE if attention_split and mode != CUDAGraphMode.FULL_DECODE_ONLY else _NONE
+        logger.info(
+            "cudagraph_mode %s -> %s (attention support %s, uniform_decode_query_len=%d)",
+            mode.name, resolved.name, support.name, uniform_decode_query_len,
+        )
+        return resolved
+    if mode.mixed_mode() == _FULL and support < AttentionGraphSupport.ALWAYS:
+        if support == AttentionGraphSupport.NEVER:
+            raise ValueError(
+                f"cudagraph_mode {mode.name} captures attention in full graphs, but the attention backend "
+                "supports that NEVER; use PIECEWISE (with attention as a splitting op) or NONE"
+            )
+        resolved = CUDAGraphMode.FULL_AND_PIECEWISE if attention_split else CUDAGraphMode.FULL_DECODE_ONLY
+    elif mode.decode_mode() == _FULL and support == AttentionGraphSupport.NEVER:
+        resolved = _PIECEWISE if attention_split else _NONE
+    else:
+        return mode
+    logger.info("cudagraph_mode %s -> %s (attention support %s)", mode.name, resolved.name, support.name)
+    return resolved
+
+
+def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) -> Any:
+    """Stack the wrappers ``config`` asks for around ``model``.
+
+    Two independent conditions: any mode but NONE installs the breakable PIECEWISE
+    wrapper (so a later FULL -> FULL_AND_PIECEWISE upgrade still has a capturer); a mode
+    with full graphs also installs the FULL wrapper around it, except for a drafter,
+    which only ever dispatches PIECEWISE or NONE. With ``use_ubatching`` (not for a
+    drafter) a :class:`UBatchWrapper` replaces both: FULL when the mode has full graphs,
+    else NONE (micro-batched steps then run eagerly in their two threads).
+    """
+    if not isinstance(config, CompilationConfig):
+        raise TypeError(f"wrap_model takes a CompilationConfig, got {type(config).__name__}")
+    mode = config.cudagraph_mode  # structural: GraphRunner applies effective_mode() first
+    if config.use_ubatching and not drafter:
+        return UBatchWrapper(model, config, _FULL if mode.has_full_cudagraphs() else _NONE)
+    if mode == _NONE:
+        return model
+    wrapped = model
+    if config.use_breakable:
+        wrapped = BreakableCUDAGraphWrapper(wrapped, _PIECEWISE, config=config)
+    if mode.has_full_cudagraphs() and not drafter:
+        wrapped = CUDAGraphWrapper(wrapped, _FULL, config=config)
+    return wrapped
+
+
+def _wrappers(model: Any) -> list[_GraphWrapper]:
+    stack = []
+    while isinstance(model, _GraphWrapper):
+        stack.append(model)
+        model = model.runnable
+    return stack
+
+
+def find_backend(model: Any) -> PiecewiseBackend | None:
+    """Best effort: the PiecewiseBackend a ``torch.compile``d model (below any wrappers) was compiled with."""
+    model = model.unwrap() if isinstance(model, _GraphWrapper) else model
+    obj: Any = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):  # torch nests its own wrappers around the user's backend
+        if obj is None or isinstance(obj, PiecewiseBackend):
+            return obj
+        obj = (
+            getattr(obj, "_torchdynamo_orig_backend", None)
+            or getattr(obj, "_inner_convert", None)
+            or getattr(obj, "compiler_fn", None)  # torch._TorchCompileWrapper holds the user's backend here
+        )
+    return None
+
+
+def _per_piece_backend(model: Any) -> bool:
+    """Is the innermost model compiled by a backend with per-piece PIECEWISE wrappers?"""
+    backend = find_backend(model)
+    return backend is not None and not backend.config.use_breakable and effective_mode(backend.config) != _NONE
+
+
+def clear_graphs(model: Any) -> None:
+    """Drop every graph ``model`` captured: its wrapper stack's and its backend's per-piece wrappers'.
+
+    The model-level counterpart of ``wrapper.clear_graphs()``; per-piece wrappers
+    (``use_breakable=False``) live inside the compiled model, where only this reaches them.
+    """
+    for wrapper in _wrappers(model):
+        wrapper.clear_graphs()
+    backend = find_backend(model)
+    if backend is not None:
+        backend.clear_graphs()
+
+
+def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> None:
+    """Raise ValueError if some (mode, descriptor) the dispatcher can emit reaches no capturer."""
+    stack = _wrappers(model)
+    per_piece = _per_piece_backend(model)
+    for mode in (_PIECEWISE, _FULL):
+        if not dispatcher.keys[mode]:
+            continue
+        if any(w._matches(mode) for w in stack) or (mode == _PIECEWISE and per_piece):
+            continue
+        desc: BatchDescriptor = max(dispatcher.keys[mode], key=lambda d: d.num_tokens)
+        installed = ", ".join(
+            f"{type(w).__name__}({'any' if w.runtime_mode is None else w.runtime_mode.name})" for w in stack
+        )
+        if mode == _PIECEWISE and any(isinstance(w, UBatchWrapper) for w in stack):
+            raise ValueError(
+                f"no capturer for mode PIECEWISE (e.g. {desc}): with use_ubatching the model has "
+                f"[{installed}] and no breakable wrapper; use a mode without PIECEWISE graphs (FULL_DECODE_ONLY, "
+                "FULL, NONE) or use_breakable=False (per-piece graphs inside the compiled model)"
+            )
+        raise ValueError(
+            f"no capturer for mode {mode.name} (e.g. {desc}): the dispatcher ({dispatcher.mode.name}) can emit it "
+            f"but the model has [{installed or 'no wrappers'}]; build the model with "
+            f"pb.wrap_model(model, config) for the same cudagraph_mode"
+        )

@@ -1,0 +1,266 @@
+"""GraphRunner: the engine-facing object that pads, dispatches, captures and replays.
+
+It owns one persistent buffer per input (see :mod:`.static_inputs`); every step copies the
+batch into those buffers, so graphs always read the addresses they captured. This module holds
+the runner and its step path; capturing (warm-ups, the capture loop, :class:`CaptureReport`,
+the progress bar) is in :mod:`.orchestration`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..config import CompilationConfig
+from ..context import BatchDescriptor, set_forward_context
+from ..inputs import mark_persistent
+from ..modes import AttentionGraphSupport, CUDAGraphMode
+from ..observability import logger
+from ..platforms.registry import effective_mode
+from . import agreement as _parallel
+from . import ubatch_step as _ubatch
+from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
+from .dispatcher import CudagraphDispatcher
+from .orchestration import CaptureReport, capture_all, capture_one, estimate_memory
+from .static_inputs import (
+    StaticInput,
+    check_context,
+    check_full_context,
+    check_tensor,
+    eager_tensor,
+    fill,
+    fits,
+    input_names,
+    step_counts,
+)
+
+
+class GraphRunner:
+    """Run ``model`` step by step under the CUDA graphs ``config`` asks for.
+
+    ``inputs`` describe the model's tensors (per token or per request); ``model_args`` name
+    those passed positionally and ``model_kwargs`` those passed as keywords (both None: all
+    positionally, in order); ``context_fn`` turns the step's padded views into
+    forward-context attributes such as attention metadata, during capture as on every step.
+    ``attention_backend`` names the attention the model runs (reported, e.g. in the capture log);
+    ``attention_support`` is what that attention lets a FULL graph hold.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: CompilationConfig | None,
+        inputs: Sequence[StaticInput],
+        *,
+        model_args: Sequence[str] | None = None,
+        model_kwargs: Sequence[str] | None = None,
+        context_fn: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+        max_num_reqs: int | None = None,
+        attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
+        attention_split: bool = True,
+        uniform_decode_query_len: int = 1,
+        drafter: bool = False,
+        device: torch.device | str | None = None,
+        attention_backend: str | None = None,
+    ):
+        if config is None:
+            config = CompilationConfig()
+        elif not isinstance(config, CompilationConfig):
+            raise TypeError(f"GraphRunner config must be a CompilationConfig or None, got {type(config).__name__}")
+        inputs = list(inputs)
+        bad = [i for i in inputs if not isinstance(i, StaticInput)]
+        if bad:
+            raise TypeError(f"GraphRunner inputs must be StaticInputs, got {bad[0]!r}")
+        names = [i.name for i in inputs]
+        if not any(i.per == "token" for i in inputs):
+            raise ValueError(
+                f"GraphRunner needs at least one per='token' StaticInput (the token count comes from it), got {names}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"GraphRunner input names must be unique, got {names}")
+        self.inputs = {i.name: i for i in inputs}
+        positional = model_kwargs is None and model_args is None
+        self.model_args = input_names("model_args", model_args, names, names if positional else [])
+        self.model_kwargs = input_names("model_kwargs", model_kwargs, names, [])
+        both = sorted(set(self.model_args) & set(self.model_kwargs))
+        if both:
+            raise ValueError(f"inputs {both} are in both model_args and model_kwargs; pass each one way")
+        if context_fn is not None and not callable(context_fn):
+            raise TypeError(f"context_fn must be callable(views) -> dict, got {type(context_fn).__name__}")
+        per_request = [i.name for i in inputs if i.per == "request"]
+        if max_num_reqs is not None and (
+            not isinstance(max_num_reqs, int) or isinstance(max_num_reqs, bool) or max_num_reqs < 1
+        ):
+            raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
+        if per_request and max_num_reqs is None:
+            raise ValueError(
+                f"per='request' inputs {per_request} need GraphRunner(max_num_reqs=...) (their row count)"
+            )
+        self.max_num_reqs = max_num_reqs
+        self._per_request = frozenset(per_request)
+        self._request_rows = {name: max_num_reqs for name in per_request}  # other inputs: the step's token rows
+        mode = resolve_cudagraph_mode(
+            effective_mode(config), attention_support, attention_split=attention_split,
+            uniform_decode_query_len=uniform_decode_query_len,
+        )
+        self._ubatching = config.use_ubatching and not drafter
+        if self._ubatching and config.use_breakable:
+            mode = without_piecewise(mode)
+        self.config = config.replace(cudagraph_mode=mode)
+        self.drafter = drafter
+        self.attention_backend = attention_backend
+        self.context_fn = context_fn
+        self.model = wrap_model(model, self.config, drafter=drafter)
+        self.dispatcher = CudagraphDispatcher(self.config)
+        self.dispatcher.initialize_keys(_drafter_mode(mode) if drafter else mode, uniform_decode_query_len)
+        validate_capture_coverage(self.model, self.dispatcher)
+        self.device = torch.device(device) if device is not None else _model_device(model)
+        self.buffers = {
+            i.name: torch.full((self._rows(i), *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
+        }
+        mark_persistent(*self.buffers.values())  # graphs read them in place: no staging copy per replay
+        self._buffer_storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
+        self._replays = mode != CUDAGraphMode.NONE  # a step may replay a graph
+        self.last_mode = CUDAGraphMode.NONE
+        self.last_ubatched = False  # the last step was micro-batched (use_ubatching)
+        self.steps = 0  # steps run by a micro-batching runner (named in its errors)
+        self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
+        self.report: CaptureReport | None = None
+
+    @property
+    def mode(self) -> CUDAGraphMode:
+        return self.config.cudagraph_mode
+
+    def _rows(self, spec: StaticInput) -> int:
+        return self.max_num_reqs if spec.per == "request" else self.dispatcher.max_size  # type: ignore[return-value]
+
+    def _views(self, padded: int) -> dict[str, torch.Tensor]:
+        return {name: buf if name in self._per_request else buf[:padded] for name, buf in self.buffers.items()}
+
+    def _call(
+        self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
+        capturing: bool = False,
+    ) -> Any:
+        attrs = dict(self.context_fn(dict(views)), **extra) if self.context_fn else dict(extra)
+        if capturing:
+            attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
+        elif self.capture_closed:
+            attrs.setdefault("allow_capture", False)
+        with set_forward_context(mode, desc, **attrs):
+            return self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+
+    def run(
+        self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
+        query_lens: Sequence[int] | None = None, **batch: torch.Tensor,
+    ) -> Any:
+        """Run one step; returns outputs sliced to the real token count.
+
+        ``query_lens`` (tokens per request, in order) lets a micro-batching runner split a
+        mixed step at a request boundary; uniform decode steps and steps of one token per
+        request split without it.
+
+        Replayed outputs live in graph memory: valid until the next step. ``context`` adds
+        forward-context attributes for this step only, on top of ``context_fn``'s; graphs
+        never saw it at capture, so only eager code reads it (breaks of PIECEWISE steps,
+        NONE steps): on a FULL step its tensors must be views of this runner's buffers.
+        """
+        if batch.keys() != self.inputs.keys():
+            missing, extra = sorted(set(self.inputs) - set(batch)), sorted(set(batch) - set(self.inputs))
+            raise ValueError(
+                f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(self.inputs)}"
+            )
+        fit = True  # every non-leading dim fits the buffers (else: an eager step)
+        for name, t in batch.items():
+            spec = self.inputs[name]
+            check_tensor(spec, t)
+            if fit and t.shape[1:] != spec.shape:
+                fit = fits(spec, t)
+        n, reqs = step_counts(batch, self.inputs)
+        if reqs is not None:
+            if reqs > self.max_num_reqs:  # type: ignore[operator]
+                raise ValueError(
+                    f"GraphRunner.run: per-request inputs have {reqs} rows, above max_num_reqs={self.max_num_reqs}"
+                )
+            if num_reqs is None:
+                num_reqs = reqs
+            elif num_reqs != reqs:
+                raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
+        context = {} if context is None else check_context(context, replays=self._replays)
+        if self._ubatching:
+            lens = _ubatch.check_query_lens(query_lens, n, reqs)
+            return _ubatch.run_step(self, batch, n, num_reqs, uniform_decode, context, fit, lens)
+        mode, desc = self.dispatcher.dispatch(
+            n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter
+        )
+        if mode != CUDAGraphMode.NONE and not fit:
+            logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
+            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
+        if mode == CUDAGraphMode.FULL and context:
+            check_full_context(context, self._buffer_storages)
+        self.last_mode = mode
+        if self.config.debug_checks:
+            _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
+        if mode == CUDAGraphMode.NONE:
+            rows = self._request_rows
+            views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
+            return self._call(views, mode, desc, context)
+        padded = desc.num_tokens
+        rows = self._request_rows
+        for name, t in batch.items():
+            fill(self.buffers[name], t, rows.get(name, padded), self.inputs[name].pad)
+        out = self._call(self._views(padded), mode, desc, context)
+        if isinstance(out, torch.Tensor):  # the common case, without tree_map's flatten and unflatten
+            return _unpad(out, n, padded)
+        return tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out)
+
+    def clear_graphs(self) -> None:
+        """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
+        clear_graphs(self.model)
+
+    def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
+        """Warm up and capture every descriptor the dispatcher can emit, largest first.
+
+        Every buffer is reset to its ``pad`` first, so warm-ups and captures never run on a
+        previous step's data, and ``context_fn`` gets the same padded views as on a step.
+        With ``disable_after`` (default) later steps of this runner never capture: an
+        unseen descriptor raises :class:`CaptureDisabledError` instead of capturing mid-serving.
+        """
+        return capture_all(self, disable_after, progress)
+
+    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
+        """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
+        capture_one(self, mode, desc, platform)
+
+    def estimate_capture_memory(self) -> int:
+        """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the
+        largest descriptor of each mode is captured into a scratch pool, which is then released."""
+        return estimate_memory(self)
+
+
+def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:
+    """A step output without its padding rows (one of ``padded`` rows per token)."""
+    return out[:n] if out.dim() and out.shape[0] == padded else out
+
+
+def without_piecewise(mode: CUDAGraphMode) -> CUDAGraphMode:
+    """Micro-batching replaces the breakable wrapper: PIECEWISE graphs have no capturer then."""
+    if mode.has_piecewise_cudagraphs():
+        resolved = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full_cudagraphs() else CUDAGraphMode.NONE
+        logger.info("use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper)", mode.name, resolved.name)
+        return resolved
+    return mode
+
+
+def _drafter_mode(mode: CUDAGraphMode) -> CUDAGraphMode:
+    # A drafter has only the breakable wrapper, even when the target runs plain FULL.
+    return CUDAGraphMode.NONE if mode == CUDAGraphMode.NONE else CUDAGraphMode.PIECEWISE
+
+
+def _model_device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,91 @@
+"""The documented benchmark entry point runs (a smoke test: no timing is asserted here)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_benchmarks_print_their_tables(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    shutil.copy(ROOT / "docs" / "benchmarks.md", doc)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "wrappers,replay", "--out", str(doc)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "Wrapper passthrough cost" in out and "CUDAGraphWrapper(FULL) under PIECEWISE" in out
+    assert "breakable / per-piece" in out
+    written = doc.read_text()  # --out rewrites the results section with the environment recorded
+    assert torch.__version__ in written and "Wrapper passthrough cost" in written
+    assert written.count("<!-- BEGIN cpu-results -->") == 1
+
+
+def test_dbo_benchmark_reports_both_variants_and_the_ratio():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "dbo"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Micro-batching (dual-batch overlap): step time on gloo" in proc.stdout
+    assert "Micro-batching: thread hand-over cost (CPU)" in proc.stdout
+    row = re.search(r"^\| 64 +\| [\d.]+ .*\| [\d.]+ .*\| ([\d.]+)x", proc.stdout, re.M)
+    assert row and 0.2 < float(row.group(1)) < 5, proc.stdout  # a ratio was measured, whatever it is
+
+
+def test_attention_benchmark_tables_and_memory_tracker():
+    """bench_attention's op table (two sizes) and the live-bytes tracker its CPU memory column uses."""
+    import time
+
+    from benchmarks import bench_attention
+
+    outside = torch.zeros(10000)
+    with bench_attention.LiveBytes() as live:
+        a = torch.empty(1000)  # 4000 bytes, alive
+        b = torch.empty(250)
+        del b  # freed before the next allocation: the peak counts it once
+        c = a.view(10, 100)  # a view: no new storage
+        d = torch.empty(500)
+        outside[:10].add_(1)  # a view of a tensor made outside: not working memory
+    assert live.peak == 4000 + 2000 and live.live >= 4000
+    del a, c, d
+    with torch.inference_mode():
+        section = bench_attention.op_table(True, "cpu", time.monotonic() + 5, lens=(256, 1024), reps=3)
+    assert "| bounded (captured) | 1024" in section.body and "peak MiB" in section.body
+    memory = section.data["memory"]
+    assert memory["reference", 1024] > 3 * memory["reference", 256]  # the reference grows with max_model_len
+    assert memory["bounded (eager)", 1024] == memory["bounded (eager)", 256]
+
+
+def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
+    """run.py --only hf_throughput on the CPU: every engine's row (or why transformers' own is absent), HFEngine's
+    decode steps replayed FULL, its tokens equal per-prompt generate's, and the warning that CPU numbers mean little."""
+    from benchmarks.bench_hf_throughput import decode_window
+
+    # the window starts when every request has its first token: 2 tokens at t=1 are prefill, the rest is decode
+    assert decode_window([(0.5, 2), (1.0, 2), (1.5, 2), (3.0, 2)], 1.0) == (4, 2.0)
+    assert decode_window([(1.0, 4)], 1.0) == (0, 0.0)
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "hf_throughput"], cwd=ROOT, capture_output=True,
+        text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    hf_row = re.search(r"^\| HFEngine FULL_AND_PIECEWISE .*\| (\d+) +\| ([\d,]+) +\| ([\d.]+)x.*\| (.*) \|$", out, re.M)
+    assert hf_row, out
+    assert hf_row.group(1) == "32" and float(hf_row.group(2).replace(",", "")) > 0  # 4 prompts x 8 new tokens
+    assert "all 4 prompts; FULL replays 7/7 decode steps" in hf_row.group(4)
+    assert re.search(r"^\| model\.generate \(eager, batch left padded\) +\| 32 .*\| 1\.000x", out, re.M), out
+    cb_row = re.search(r"^\| transformers generate_batch .*\| 32 ", out, re.M)
+    assert cb_row or "transformers continuous batching" in out, out  # a row, or the line saying why there is none
+    assert "the CUDA graphs are simulated" in out

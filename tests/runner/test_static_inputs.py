@@ -1,0 +1,67 @@
+"""StaticInput validation and the step-input helpers of runner/static_inputs.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import piecewise_backend as pb
+from piecewise_backend.runner.static_inputs import check_plain, eager_tensor, fill
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(name=5), ValueError, r"name must be a str that is a Python identifier, got 5 \(int\)"),
+        (dict(name="x", shape=4), ValueError, r"shape .* a tuple of positive ints such as \(\) or \(4,\); got 4"),
+        (dict(name="x", shape=(2, True)), ValueError, r"got \(2, True\)"),
+        (dict(name="x", dtype="float32"), TypeError, r"must be a torch.dtype such as torch.float32, got 'float32'"),
+        (dict(name="x", dtype=torch.float32, pad=float("nan")), ValueError, r"pad nan must be finite"),
+        (
+            dict(name="x", pad=2**70),
+            ValueError,
+            r"pad 1180591620717411303424 does not fit torch.int64: use an integer in \[-9223372036854775808, ",
+        ),
+        (dict(name="x", pad=1.5), ValueError, r"pad 1.5 does not fit torch.int64"),
+        (dict(name="x", pad="0"), TypeError, r"pad '0' must be a Python int or float"),
+        (dict(name="x", dtype=torch.float16, pad=1e6), ValueError, r"within \+-65504"),
+        (dict(name="x", per="sequence"), ValueError, r"per must be 'token' or 'request', got 'sequence'"),
+    ],
+)
+def test_static_input_errors_name_the_bad_value(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        pb.StaticInput(**kwargs)
+
+
+def test_static_input_accepts_lists_and_integral_float_pads():
+    spec = pb.StaticInput("x", shape=[2, 3], pad=-1.0)
+    assert spec.shape == (2, 3) and hash(spec)
+    assert pb.StaticInput("m", dtype=torch.bool, pad=True).pad is True
+
+
+def test_fill_pads_rows_and_columns_without_data():
+    buf = torch.arange(12.0).reshape(4, 3)
+    fill(buf, torch.ones(2, 2), rows=3, pad=-1.0)
+    assert buf.tolist() == [[1, 1, -1], [1, 1, -1], [-1, -1, -1], [9, 10, 11]]  # rows past `rows` untouched
+
+
+def test_eager_tensor_matches_what_a_graph_step_sees():
+    spec = pb.StaticInput("t", shape=(3,), dtype=torch.float32, pad=5.0, per="request")
+    out = eager_tensor(spec, torch.ones(1, 2, dtype=torch.float64), rows=2, device=torch.device("cpu"))
+    assert out.dtype == torch.float32 and out.tolist() == [[1, 1, 5], [5, 5, 5]]
+    wide = eager_tensor(spec, torch.ones(2, 4), rows=2, device=torch.device("cpu"))
+    assert wide.shape == (2, 4)  # a wider tensor keeps its width (the step runs eagerly)
+
+
+@dataclasses.dataclass
+class _Meta:
+    lens: torch.Tensor
+    extra: list
+
+
+def test_check_plain_walks_containers_and_dataclasses():
+    check_plain({"a": (1, "x", None, torch.ones(1)), "m": _Meta(torch.ones(1), [pb.CUDAGraphMode.FULL])}, "context")
+    with pytest.raises(TypeError, match=r"context 'm.extra\[0\]' is a object"):
+        check_plain({"m": _Meta(torch.ones(1), [object()])}, "context")

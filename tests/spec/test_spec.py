@@ -1,0 +1,274 @@
+"""Speculative decoding (spec/engine.py) on the simulated platform, with CUDA twins of the graph-facing tests."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import piecewise_backend as pb
+from piecewise_backend import kv
+
+pytest.importorskip("transformers")
+from piecewise_backend import hf, spec  # noqa: E402
+from pbtest.helpers import CUDA  # noqa: E402
+
+M = pb.CUDAGraphMode
+LAYERS = 2
+PROMPTS = ((5, 7, 9, 200), (11, 3, 8, 21, 40, 60, 2, 9, 77, 4, 5), (12,), (30, 31, 32))
+
+
+def make_engine(k: int, mode: str = "FULL", draft_layers: int = LAYERS, platform: str = "simulated", **kw):
+    """A target of LAYERS layers and its drafter (the target itself at draft_layers == LAYERS)."""
+    device = "cuda" if platform == "cuda" else "cpu"
+    extra = dict(CUDA) if platform == "cuda" else dict(platform="simulated", compile_pieces="eager")
+    config = pb.CompilationConfig(cudagraph_mode=mode, capture_sizes=[2, 4, 8, 16], **extra, **kw.pop("config", {}))
+    target = hf.tiny_random_model("llama", num_hidden_layers=LAYERS, device=device)
+    reference = copy.deepcopy(target)
+    drafter = target if draft_layers == LAYERS else spec.truncated_drafter(target, draft_layers)
+    engine = spec.SpecEngine(target, drafter, config, num_speculative_tokens=k, max_num_reqs=3, max_model_len=48,
+                             block_size=4, **kw)
+    return engine, reference
+
+
+def greedy(reference: torch.nn.Module, prompt, n: int, eos: int | None = None) -> list[int]:
+    device = next(reference.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    with torch.no_grad():
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 eos_token_id=eos, pad_token_id=eos)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def check_modes(engine: spec.SpecEngine, rounds: list[spec.RoundInfo], mode: str) -> None:
+    """Verify steps replay FULL graphs keyed by k + 1 tokens per request; mixed steps run as the mode
+    says; the drafter never runs FULL."""
+    q = engine.k + 1
+    for info in rounds:
+        assert set(info.drafter_modes) <= {M.PIECEWISE, M.NONE} and len(info.drafter_modes) == engine.k, info
+        if info.target_tokens > 16:
+            assert info.target_mode == M.NONE, info
+        elif info.verify_only:
+            assert info.target_mode == M.FULL, info
+            if mode == "FULL_AND_PIECEWISE":  # the uniform key: exact request count of k + 1 tokens each
+                assert info.target_key.uniform and info.target_key.num_reqs * q == info.target_key.num_tokens, info
+        else:
+            assert info.target_mode == (M.FULL if mode == "FULL" else M.PIECEWISE), info
+    assert any(i.verify_only and i.target_mode == M.FULL for i in rounds), rounds
+    assert any(M.PIECEWISE in i.drafter_modes for i in rounds), rounds
+
+
+def captured(k: int, mode: str, draft_layers: int = LAYERS, **kw):
+    torch._dynamo.reset()  # each engine compiles two models: stay under Dynamo's recompile limit
+    engine, reference = make_engine(k, mode, draft_layers, **kw)
+    estimate = engine.estimate_capture_memory()
+    engine.capture()
+    return engine, reference, estimate
+
+
+# Engines are shared by the tests of this module: each costs two Dynamo traces.
+@pytest.fixture(scope="module", params=[(1, "FULL_AND_PIECEWISE"), (4, "FULL")], ids=["k1-F&P", "k4-FULL"])
+def self_draft(request):
+    return captured(*request.param)
+
+
+@pytest.fixture(scope="module")
+def partial():
+    """k=2, a 1-layer drafter of the 2-layer target, target FULL, stale outputs poisoned (debug_checks)."""
+    return captured(2, "FULL", draft_layers=1, config=dict(debug_checks=True))
+
+
+def test_target_as_its_own_drafter_accepts_every_draft(self_draft):
+    engine, reference, _ = self_draft
+    k, mode = engine.k, engine.target.runner.mode.name
+    budgets = [7, 3, 10, 5]
+    rounds: list[spec.RoundInfo] = []
+    with pb.expect(captures=0):  # both runners captured every key up front
+        outputs = engine.generate(PROMPTS, budgets, on_round=rounds.append)
+    assert outputs == [greedy(reference, p, n) for p, n in zip(PROMPTS, budgets)]
+    s = engine.stats
+    assert s.accepted == s.proposed > 0 and s.acceptance_rate == 1.0
+    assert all(a == k for i in rounds for a in i.accepted)
+    assert s.tokens_per_target_step > 1 and s.emitted == sum(budgets)
+    check_modes(engine, rounds, mode)
+    for side in (engine.target, engine.drafter):
+        assert side.cache.tables == {} and side.cache.allocator.num_free == side.cache.allocator.num_blocks
+
+
+@pytest.mark.parametrize("self_draft", [(4, "FULL")], ids=["k4-FULL"], indirect=True)
+def test_requests_finish_mid_run_at_eos_or_budget(self_draft):
+    """k=4, every draft accepted (5 tokens a round): an eos inside an accepted run and a budget
+    reached mid-run cut the run there; other requests keep going."""
+    engine, reference, _ = self_draft
+    assert engine.k == 4
+    budgets = [12, 12, 7, 9]
+    free = [greedy(reference, p, n) for p, n in zip(PROMPTS, budgets)]
+    # eos: a token some request first emits at its 2nd..4th token, inside its first run of 5
+    eos = next(out[i] for out in free for i in range(1, 4) if out[i] not in out[:i])
+    expected = [greedy(reference, p, n, eos) for p, n in zip(PROMPTS, budgets)]
+    at_eos = {r for r, out in enumerate(expected) if out[-1] == eos and len(out) % 5}
+    at_budget = {r for r, out in enumerate(expected) if out[-1] != eos and len(out) % 5}
+    assert at_eos and at_budget, expected  # both kinds of mid-run stop happen
+    rounds: list[spec.RoundInfo] = []
+    outputs = engine.generate(PROMPTS, budgets, eos_token_id=eos, on_round=rounds.append)
+    assert outputs == expected
+    cut = {info.requests[i] for info in rounds for i, e in enumerate(info.emitted) if e < info.accepted[i] + 1}
+    assert cut == at_eos | at_budget and all(a == 4 for i in rounds for a in i.accepted), rounds
+    finished = {r: next(i.round for i in reversed(rounds) if r in i.requests) for r in range(4)}
+    assert len(set(finished.values())) > 1, finished  # they finished at different rounds
+
+
+def test_a_failed_round_frees_both_caches(self_draft):
+    engine, reference, _ = self_draft
+
+    def stop(info: spec.RoundInfo) -> None:
+        assert engine.cached_tokens()  # requests are running, with valid K/V in both caches
+        if info.round == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, 12, on_round=stop)
+    assert engine.cached_tokens() == {}
+    for side in (engine.target, engine.drafter):
+        assert side.cache.tables == {} and side.cache.allocator.num_free == side.cache.allocator.num_blocks
+    assert engine.generate(PROMPTS[:1], 3) == [greedy(reference, PROMPTS[0], 3)]  # still serves
+
+
+def test_partial_acceptance_rolls_back_both_caches_and_matches_generate(partial):
+    """A 1-layer drafter of the 2-layer target: drafts get rejected, both caches roll back every
+    round, and no valid K/V slot of any request ever changes afterwards."""
+    engine, reference, _ = partial
+    assert_rollback_exact(engine, reference, [9, 6, 12, 8])
+
+
+def assert_rollback_exact(engine: spec.SpecEngine, reference: torch.nn.Module, budgets: list[int]) -> None:
+    k = engine.k
+    seen: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (side, request, position) -> K, V
+
+    def snapshot(info: spec.RoundInfo) -> None:
+        for r, lens in engine.cached_tokens().items():
+            for name, side, valid in (("target", engine.target, lens[0]), ("drafter", engine.drafter, lens[1])):
+                cache = side.cache
+                assert len(cache.tables[r]) == -(-valid // cache.block_size)  # no block held past the valid tokens
+                for p in range(valid):
+                    slot = cache.slot(r, p)
+                    now = tuple(torch.stack([c.flatten(0, 1)[slot] for c in caches])
+                                for caches in (cache.key_caches, cache.value_caches))
+                    old = seen.setdefault((name, r, p), now)
+                    assert all(torch.equal(a, b) for a, b in zip(old, now)), (name, r, p, info.round)
+
+    rounds: list[spec.RoundInfo] = []
+    outputs = engine.generate(PROMPTS, budgets, on_round=lambda i: (rounds.append(i), snapshot(i)))
+    assert outputs == [greedy(reference, p, n) for p, n in zip(PROMPTS, budgets)]
+    accepted = [a for i in rounds for a in i.accepted]
+    assert min(accepted) < k, accepted  # some drafts rejected: rollback ran
+    assert 0 < engine.stats.acceptance_rate < 1
+    assert len(seen) > 0
+    check_modes(engine, rounds, engine.target.runner.mode.name)
+
+
+def test_drafter_and_target_share_the_pool_without_reading_stale_outputs(partial):
+    """With debug_checks, every replay poisons (NaN) the outputs of every other graph in the pool:
+    the engine reads each step's logits before the other model replays, so tokens stay exact."""
+    engine, reference, _ = partial
+    assert engine.target.runner.config.debug_checks and engine.drafter.runner.config.debug_checks
+    outputs = engine.generate(PROMPTS, [6, 4, 8, 5])
+    assert outputs == [greedy(reference, p, n) for p, n in zip(PROMPTS, [6, 4, 8, 5])]
+    # the control: a target output held across a drafter replay is poisoned, so a stale read would show
+    t, d = engine.target, engine.drafter
+    with torch.inference_mode():
+        ids = torch.tensor([5, 6, 7, 8, 9, 10])
+        logits = t.runner.run(uniform_decode=True, num_reqs=2, input_ids=ids, **t.cache.step_inputs([("a", 0, 3), ("b", 0, 3)]))
+        assert t.runner.last_mode == M.FULL and not logits.isnan().any()
+        d.runner.run(input_ids=ids[:4], **d.cache.step_inputs([("a", 0, 2), ("b", 0, 2)]))
+        assert d.runner.last_mode == M.PIECEWISE
+        assert logits.isnan().all()
+        for side in (t, d):
+            for r in ("a", "b"):
+                side.cache.free(r)
+
+
+def test_capture_covers_both_runners(partial):
+    engine, _, estimate = partial
+    report = engine.capture_report
+    t, d = engine.target_report, engine.drafter_report
+    assert report.graphs == t.graphs + d.graphs and d.graphs > 0 and t.graphs > 0
+    # pool bytes added depend on what earlier graphs left free in the process-wide pool; the estimate,
+    # measured in a scratch pool, bounds them
+    assert report.memory_bytes == t.memory_bytes + d.memory_bytes and 0 < report.memory_bytes + estimate
+    assert report.memory_bytes <= estimate
+    assert "target:" in report.stats and "drafter:" in report.stats
+    # the drafter holds only the breakable wrapper, and its dispatcher plans PIECEWISE keys only
+    assert type(engine.drafter.runner.model) is pb.BreakableCUDAGraphWrapper
+    assert {mode for mode, _ in engine.drafter.runner.dispatcher.capture_descriptors()} == {M.PIECEWISE}
+    assert type(engine.target.runner.model) is pb.CUDAGraphWrapper
+
+
+def test_late_upgrade_full_to_full_and_piecewise_serves_every_key():
+    """A target asked for FULL whose attention supports only uniform batches resolves to
+    FULL_AND_PIECEWISE after the FULL wrapper stack was planned: the breakable wrapper is there for
+    the mixed steps, and every dispatched key replays a graph captured up front."""
+    k = 4
+    compiled = torch.compile(hf.adapt(hf.tiny_random_model("llama")), backend=pb.make_backend(pb.CompilationConfig(compile_pieces="eager")))
+    full = pb.CompilationConfig(cudagraph_mode="FULL", platform="simulated", compile_pieces="eager", capture_sizes=[5, 10])
+    wrapped = pb.wrap_model(compiled, full)  # installed for FULL
+    dispatcher = pb.CudagraphDispatcher(full)
+    dispatcher.initialize_keys(M.FULL_AND_PIECEWISE, uniform_decode_query_len=k + 1)  # resolved later
+    pb.validate_capture_coverage(wrapped, dispatcher)
+    engine, reference, _ = captured(k, "FULL", draft_layers=1, target_attention_support=pb.AttentionGraphSupport.UNIFORM_BATCH)
+    assert engine.target.runner.mode == M.FULL_AND_PIECEWISE
+    # every verify size r * (k + 1) has an exact FULL key
+    full = engine.target.runner.dispatcher.keys[M.FULL]
+    assert {pb.BatchDescriptor((k + 1) * r, num_reqs=r, uniform=True) for r in (1, 2, 3)} <= full
+    with pb.expect(captures=0):
+        assert_rollback_exact(engine, reference, [5, 4, 6, 3])
+
+
+def test_engine_rejects_bad_arguments():
+    target = hf.tiny_random_model("llama", num_hidden_layers=2)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    with pytest.raises(ValueError, match="num_speculative_tokens must be a positive int, got 0"):
+        spec.SpecEngine(target, target, config, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match=r"drafter's vocabulary \(128 tokens\) must be the target's \(256\)"):
+        spec.SpecEngine(target, hf.tiny_random_model("llama", vocab_size=128), config, num_speculative_tokens=1)
+    with pytest.raises(ValueError, match="max_model_len=512 exceeds LlamaForCausalLM's max_position_embeddings=256"):
+        spec.SpecEngine(target, target, config, num_speculative_tokens=1, max_model_len=512)
+    with pytest.raises(ValueError, match=r"num_layers must be an int in 1..2 \(the target's layer count\), got 3"):
+        spec.truncated_drafter(target, 3)
+    engine = spec.SpecEngine(target, target, config, num_speculative_tokens=3, max_model_len=16, block_size=4)
+    with pytest.raises(ValueError, match=r"prompt 0: 10 tokens \+ 5 new \+ 2 \(speculative tokens - 1\) must be in 1..max_model_len=16"):
+        engine.generate([[1] * 10], 5)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
+        engine.generate([[1], [2]], [3])
+
+
+def test_truncated_drafter_shares_the_targets_first_layers():
+    target = hf.tiny_random_model("qwen2", num_hidden_layers=3)
+    draft = spec.truncated_drafter(target, 1)
+    assert draft.config.num_hidden_layers == 1 and target.config.num_hidden_layers == 3
+    t, d = target.state_dict(), draft.state_dict()
+    assert set(d) < set(t) and all(torch.equal(d[n], t[n]) for n in d)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k, mode", [(2, "FULL"), (4, "FULL_AND_PIECEWISE")])
+def test_self_draft_on_cuda(k, mode):
+    """The twin of the 100 % acceptance test on real CUDA graphs (Inductor pieces)."""
+    engine, reference = make_engine(k, mode, platform="cuda")
+    engine.capture()
+    rounds: list[spec.RoundInfo] = []
+    outputs = engine.generate(PROMPTS, [7, 3, 10, 5], on_round=rounds.append)
+    assert outputs == [greedy(reference, p, n) for p, n in zip(PROMPTS, [7, 3, 10, 5])]
+    assert engine.stats.acceptance_rate == 1.0
+    check_modes(engine, rounds, mode)
+
+
+@pytest.mark.cuda
+def test_partial_acceptance_with_debug_checks_on_cuda():
+    """The twin of the rollback and pool-sharing tests: one CUDA pool, stale outputs poisoned."""
+    engine, reference = make_engine(2, "FULL_AND_PIECEWISE", draft_layers=1, platform="cuda", config=dict(debug_checks=True))
+    engine.capture()
+    outputs = engine.generate(PROMPTS, [9, 6, 12, 8])
+    assert outputs == [greedy(reference, p, n) for p, n in zip(PROMPTS, [9, 6, 12, 8])]
+    assert 0 < engine.stats.acceptance_rate < 1

@@ -1,0 +1,301 @@
+"""Tiny models, ops and configs shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+import piecewise_backend as pb
+from piecewise_backend.toy_llama import ToyConfig, ToyLlama, make_model  # noqa: F401
+
+SIM = pb.CompilationConfig(platform="simulated", compile_pieces="eager")
+CUDA = dict(platform="cuda", compile_pieces="inductor")
+
+
+@torch.library.custom_op("pb_test::double_into", mutates_args=("out",))
+def double_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * 2)
+
+
+@torch.library.custom_op("pb_test::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def compile_model(model: torch.nn.Module, config: pb.CompilationConfig = SIM) -> tuple[torch.nn.Module, pb.PiecewiseBackend]:
+    backend = pb.make_backend(config)
+    return torch.compile(model, backend=backend), backend
+
+
+def token_ids(n: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    torch._dynamo.mark_dynamic(ids, 0)
+    return ids
+
+
+def run(wrapper, mode: pb.CUDAGraphMode, desc: pb.BatchDescriptor | None, *args, **attrs):
+    """Call ``wrapper(*args)`` under a forward context."""
+    with pb.set_forward_context(mode, desc, **attrs):
+        return wrapper(*args)
+
+
+# --- capture-layer helpers (wrappers, capture, simulated and CUDA tests) ---
+
+BREAK_CALLS: dict[str, int] = {"fresh": 0, "into": 0}
+
+
+@pb.eager_break
+def fresh_break(x: torch.Tensor) -> torch.Tensor:
+    """A break point returning a new tensor that later segments read."""
+    BREAK_CALLS["fresh"] += 1
+    return x * 3 + 1
+
+
+@pb.eager_break
+def into_break(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A break point writing into a caller-provided buffer."""
+    BREAK_CALLS["into"] += 1
+    out.copy_(x * 3 + 1)
+    return out
+
+
+class CountingMLP(torch.nn.Module):
+    """Counts Python-level forward calls (replays must not run them)."""
+
+    def __init__(self, dim: int = 8, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1, self.l2 = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.l2(torch.relu(self.l1(x))) * 2
+
+
+class TwoBreakModel(torch.nn.Module):
+    """linear -> break -> linear -> break -> linear: segments G E G E G under a breakable capture."""
+
+    def __init__(self, dim: int = 8, fresh: bool = True, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1, self.l2, self.l3 = (torch.nn.Linear(dim, dim) for _ in range(3))
+        self.fresh = fresh
+        self.calls = 0
+
+    def brk(self, h: torch.Tensor) -> torch.Tensor:
+        if self.fresh:
+            return fresh_break(h)
+        out = torch.empty_like(h)
+        into_break(h, out)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.brk(self.l1(x))
+        h = self.brk(torch.relu(self.l2(h)))
+        return self.l3(h)
+
+
+def segment_kinds(entry: pb.GraphEntry) -> str:
+    """'G E G ...': graph segments and eager (break) segments of a captured entry."""
+    from piecewise_backend.capture import EagerSegment
+
+    return " ".join("E" if isinstance(s, EagerSegment) else "G" for s in entry.segments)
+
+
+def dynamo_graphs(fn, *args, reset: bool = True) -> list[torch.fx.GraphModule]:
+    """The Dynamo-level FX graphs of ``fn(*args)``, captured by a pass-through backend under no_grad.
+
+    ``reset`` clears Dynamo's caches first, so the capture really traces (a cached entry for the
+    same code object would skip the backend) and repeated captures do not hit recompile_limit.
+    """
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    if reset:
+        torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=capture)(*args)
+    return graphs
+
+
+class saved_splitting_ops:
+    """Context manager: restore the splitting-op registry (contents and order) on exit."""
+
+    def __enter__(self):
+        self.saved = pb.registered_splitting_ops()
+        return self
+
+    def __exit__(self, *exc):
+        for op in pb.registered_splitting_ops():
+            pb.unregister_splitting_op(op)
+        for op in self.saved:
+            pb.register_splitting_op(op)
+        assert pb.registered_splitting_ops() == self.saved
+        return False
+
+
+# --- assembly/runtime-layer helpers (dispatch, assembly, runner, property tests) ---
+
+
+class torch_threads:
+    """Context manager: run with ``n`` intra-op threads, restore the previous count on exit.
+
+    The toy models are tiny: on a small shared machine OpenMP's thread hand-off costs far
+    more than it saves (a 32-wide linear took milliseconds with 2 threads under load).
+    """
+
+    def __init__(self, n: int = 1):
+        self.n = n
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved)
+        return False
+
+
+class StepCounter(torch.nn.Module):
+    """Increments a step buffer in place inside the captured region: 1 after the first call, 2 after the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step.add_(1)
+        return x * 2 + self.step
+
+
+class FlakyBreakModel(torch.nn.Module):
+    """linear -> break -> linear, where the break raises while ``self.fail`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.fail = True
+
+        @pb.eager_break
+        def flaky(h: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise ValueError("break failed")
+            return h.sigmoid()
+
+        self.flaky = flaky
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.flaky(self.l1(x)))
+
+
+# --- simulator fidelity helpers (test_fidelity.py and its CUDA twins in test_cuda.py) ---
+
+OP_CALLS: dict[str, int] = {"scale": 0}
+
+
+@torch.library.custom_op("pb_test::scale_from_context", mutates_args=("out",))
+def scale_from_context(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Attention-like: reads per-step metadata (``scale``, a tensor) from the forward context."""
+    OP_CALLS["scale"] += 1
+    out.copy_(x * pb.get_forward_context().scale)
+
+
+@torch.library.custom_op("pb_test::sync_inside", mutates_args=())
+def sync_inside(x: torch.Tensor) -> torch.Tensor:
+    """A host sync hidden inside a custom op."""
+    return x * int(x.sum().item())
+
+
+@sync_inside.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class ContextScale(torch.nn.Module):
+    """The issue-9 repro: ``x`` scaled by the context's ``scale`` tensor inside a custom op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        torch.ops.pb_test.scale_from_context(x, out)
+        return out
+
+
+@pb.eager_break
+def scale_break(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    torch.ops.pb_test.scale_from_context(x, out)
+    return out
+
+
+class ContextScaleBreak(torch.nn.Module):
+    """Like :class:`ContextScale`, with the scaling op as a break point."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scale_break(x + 1) * 2
+
+
+@torch.library.custom_op("pb_test::raw_double", mutates_args=("out",))
+def raw_double(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Stands for a C++ kernel writing through raw pointers: the write never reaches the dispatcher."""
+    with torch._C._DisableTorchDispatch():
+        out.copy_(x * 2)
+
+
+def tiny_mlp(device: str = "cpu") -> torch.nn.Module:
+    """Linear -> ReLU -> Linear (8 wide): Inductor fuses the ReLU into a C++ kernel on the CPU."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)).to(device).eval()
+# --- compile cache and AOT restart helpers (test_compile_cache, test_aot, test_shapes) ---
+
+TINY_LLAMA = dict(hidden_size=16, num_heads=2, intermediate_size=32, vocab_size=64)
+
+
+def tiny_llama(num_layers: int = 3) -> torch.nn.Module:
+    """The smallest ToyLlama: pieces first / middle / last, so Inductor compiles 3 whatever the depth."""
+    return make_model(num_layers, "inplace", **TINY_LLAMA)
+
+
+def piece_fn(x: torch.Tensor) -> torch.Tensor:
+    """One compiled piece (compile with splitting_ops=[]): the cheapest Inductor compile."""
+    return (x * 2 + 1).relu()
+
+
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """The (last) FX graph Dynamo hands a backend for ``fn(*args)``, without compiling it."""
+    graphs: list[torch.fx.GraphModule] = []
+    torch._dynamo.reset()
+    torch.compile(fn, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward, fullgraph=True)(*args)
+    return graphs[-1]
+
+
+# --- grad mode inside a break (test_entry, and its CUDA twin in gpu/test_cuda) ---
+
+
+@pb.eager_break
+def attention_without_grad(h: torch.Tensor) -> torch.Tensor:
+    torch._C._set_grad_enabled(False)  # what Dynamo's split puts into the splitting piece of a no_grad region
+    return h * 2
+
+
+class NoGradAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = attention_without_grad(self.l1(x))
+        torch._C._set_grad_enabled(True)  # ... and the next compiled piece re-enables it: a replay skips this
+        return self.l2(h)
