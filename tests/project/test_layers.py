@@ -17,7 +17,7 @@ PACKAGE = "piecewise_backend"
 # Bottom up; a module may import only from its own layer or below.
 LAYERS = ("core", "platforms", "capture", "backend", "ubatch", "runner", "engine")
 CORE = {"modes", "context", "config", "ops", "observability", "weak", "shapes", "inputs", "testing", "version"}
-ENGINE_PACKAGES = {"attention", "kv", "hf", "spec", "models"}
+ENGINE_PACKAGES = {"attention", "kv", "state", "hf", "spec", "models"}
 # The package's faces and documented re-export paths sit on top: they may name anything.
 TOP = {"", "__main__", "inspect_cli", "toy_llama", "moe", "parallel"}
 

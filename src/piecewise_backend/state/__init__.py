@@ -1,0 +1,13 @@
+"""The per-request state cache of state-space and linear-attention layers, and their splitting ops."""
+
+from .cache import SlotAllocator, StateCache, StateSpec
+from .conv import causal_conv1d, conv_sequence, conv_step
+from .delta import delta_sequence, delta_step, gated_delta_rule
+from .metadata import STATE_INDEX, StateMetadata, current_state_metadata
+
+__all__ = [
+    "SlotAllocator", "StateCache", "StateSpec",
+    "causal_conv1d", "conv_sequence", "conv_step",
+    "delta_sequence", "delta_step", "gated_delta_rule",
+    "STATE_INDEX", "StateMetadata", "current_state_metadata",
+]

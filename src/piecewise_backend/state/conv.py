@@ -1,0 +1,99 @@
+"""The causal depthwise convolution of short-conv and gated-delta-net layers: ``pb_state::causal_conv1d``.
+
+Each output channel ``c`` at token ``t`` is ``sum_j weight[c, j] * x[t - (K-1) + j, c]`` (+ bias),
+over the request's own earlier inputs only: the first ``K - 1`` come from the slot's conv state
+(zeros for a new request), which keeps the request's last ``K - 1`` inputs for the next step.
+
+* :func:`conv_sequence` runs one request's tokens (a prefill or a prefill chunk);
+* :func:`conv_step` runs one token of each of many requests (a decode batch), graph-safe.
+
+The op runs :func:`conv_step` over every token when it runs inside a graph (a FULL uniform-decode
+step: one token per request), and per request otherwise (eager steps and PIECEWISE breaks). It
+reads the slot's current copy and writes the other one (:mod:`.metadata`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.backends import capturing
+from ..ops import register_splitting_op
+from .metadata import current_state_metadata, runs, state_tensor, write_rows
+
+#: Activations the op applies after the convolution ("" = none).
+ACTIVATIONS = {"": None, "silu": F.silu, "swish": F.silu}
+
+
+def _activate(y: torch.Tensor, activation: str) -> torch.Tensor:
+    fn = ACTIVATIONS[activation]
+    return y if fn is None else fn(y)
+
+
+def conv_sequence(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request: ``x`` (tokens, channels) after ``state`` (channels, K - 1) -> (output like ``x``, new state)."""
+    channels, width = weight.shape
+    window = torch.cat([state.to(weight.dtype), x.transpose(0, 1).to(weight.dtype)], dim=-1)  # (C, K-1+n)
+    y = F.conv1d(window[None], weight[:, None, :], bias, groups=channels)[0]  # (C, n)
+    return _activate(y, activation).transpose(0, 1).to(x.dtype), window[:, window.shape[1] - (width - 1):]
+
+
+def conv_step(
+    x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str = "",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request: ``x`` (requests, channels), ``states`` (requests, channels, K - 1)."""
+    channels = weight.shape[0]
+    window = torch.cat([states.to(weight.dtype), x[:, :, None].to(weight.dtype)], dim=-1)  # (R, C, K)
+    y = F.conv1d(window, weight[:, None, :], bias, groups=channels)[:, :, 0]
+    return _activate(y, activation).to(x.dtype), window[:, :, 1:]
+
+
+@torch.library.custom_op("pb_state::causal_conv1d", mutates_args=("out",))
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, state: int, activation: str = "",
+) -> None:
+    """``out = conv(x)`` per request over the slot's conv state ``state``, which it advances.
+
+    ``x``/``out``: (tokens, channels) in the step's layout (request after request); ``weight``:
+    (channels, K); ``state`` indexes the forward context's ``state_metadata.states``.
+    """
+    op = "pb_state::causal_conv1d"
+    meta = current_state_metadata(op)
+    states = state_tensor(meta, state, op)
+    tokens, channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != channels or states.shape[1:] != (channels, weight.shape[1] - 1):
+        raise ValueError(
+            f"{op}: x has {channels} channels and weight is {tuple(weight.shape)} (channels, K); the state holds "
+            f"{tuple(states.shape[1:])}, it must be (channels, K - 1)"
+        )
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    if meta.state_index.shape[0] < tokens:
+        raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
+    read = meta.state_index[:tokens]
+    if capturing(x.device):  # one token per request (FULL decode): gather, step, scatter; no host read
+        y, new = conv_step(x, states.index_select(0, read), weight, bias, activation)
+        states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
+        out.copy_(y)
+        return
+    out.zero_()  # padding tokens: zeros
+    half = states.shape[0] // 2
+    singles = []
+    for row, start, count in runs(read, scratch=half - 1):
+        if count == 1:
+            singles.append((row, start))
+            continue
+        y, new = conv_sequence(x[start:start + count], states[row], weight, bias, activation)
+        states[(row + half) % states.shape[0]].copy_(new)
+        out[start:start + count] = y
+    if singles:  # the decoding requests of a mixed step, together
+        rows = torch.tensor([r for r, _ in singles], device=x.device)
+        at = torch.tensor([s for _, s in singles], device=x.device)
+        y, new = conv_step(x.index_select(0, at), states.index_select(0, rows), weight, bias, activation)
+        states.index_copy_(0, write_rows(rows, states.shape[0]), new.to(states.dtype))
+        out.index_copy_(0, at, y)
+
+
+register_splitting_op(causal_conv1d)

@@ -1,0 +1,144 @@
+"""The gated delta rule of gated-delta-net layers (Qwen3-Next, Qwen3.5, OLMo hybrid): ``pb_state::gated_delta_rule``.
+
+Per value head, the recurrent state ``S`` (key_dim, value_dim) evolves token by token as
+
+    S <- exp(g) * S;   S <- S + k (beta * (v - S^T k))^T;   o = S^T q
+
+with ``q``/``k`` L2-normalized (when asked) and ``q`` scaled by ``key_dim ** -0.5``; key heads are
+shared by consecutive value heads (grouped). Two formulations, in float32:
+
+* :func:`delta_sequence`: one request's tokens in chunks of ``chunk_size`` (the within-chunk
+  updates solved as one unit-triangular system, then a scan over chunks): prefills;
+* :func:`delta_step`: one token of each of many requests, the recurrence itself: decode, graph-safe.
+
+They are what transformers runs without the ``fla`` kernels for a prompt and for a decode token, so
+tokens follow ``generate``. The op picks :func:`delta_step` for every token inside a graph (FULL
+uniform decode) and, eagerly, per request: one token -> the step, more -> the chunked form. It reads
+the slot's current copy and writes the other (:mod:`.metadata`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.backends import capturing
+from ..ops import register_splitting_op
+from .metadata import current_state_metadata, runs, state_tensor, write_rows
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v_heads: int, l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key heads repeated for their value heads, in float32, normalized if asked."""
+    group = v_heads // q.shape[-2]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
+    q, k = q.float(), k.float()
+    if l2norm:
+        q, k = _unit(q), _unit(k)
+    return q, k
+
+
+def delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request: ``q``/``k`` (R, key_heads, key_dim), ``v`` (R, heads, value_dim), ``g``/``beta``
+    (R, heads), ``states`` (R, heads, key_dim, value_dim) -> (output (R, heads, value_dim), new states)."""
+    q, k = _prepare(q, k, v.shape[-2], l2norm)
+    q = q / (q.shape[-1] ** 0.5)
+    s = states.float() * g.float().exp()[..., None, None]
+    remembered = (s * k[..., None]).sum(-2)  # S^T k: (R, heads, value_dim)
+    correction = (v.float() - remembered) * beta.float()[..., None]
+    s = s + k[..., None] * correction[..., None, :]
+    return (s * q[..., None]).sum(-2).to(v.dtype), s
+
+
+def delta_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    l2norm: bool = True, chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request: ``q``/``k`` (n, key_heads, key_dim), ``v`` (n, heads, value_dim), ``g``/``beta`` (n, heads),
+    from ``state`` (heads, key_dim, value_dim) -> (output (n, heads, value_dim), new state), chunk by chunk."""
+    n, heads, v_dim = v.shape
+    q, k = _prepare(q, k, heads, l2norm)
+    q = q * q.shape[-1] ** -0.5
+    pad = -n % chunk_size
+    # (heads, chunks, L, dim) and (heads, chunks, L); padded tokens have zero k/v/beta and no decay
+    as_chunks = lambda t: F.pad(t.transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk_size, t.shape[-1])  # noqa: E731
+    q, k, vf = as_chunks(q), as_chunks(k), as_chunks(v.float())
+    beta_c, g_c = (F.pad(t.float().transpose(0, 1), (0, pad)).reshape(heads, -1, chunk_size) for t in (beta, g))
+    k_beta, v_beta = k * beta_c[..., None], vf * beta_c[..., None]
+    log_decay = g_c.cumsum(-1)  # log of the decay from the chunk's start to each token
+    later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).triu(1)
+    pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(later, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * pair  # unit lower triangular (the diagonal is taken as 1)
+    within = (q @ k.transpose(-1, -2)) * pair
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, k_beta * log_decay.exp()[..., None], upper=False, unitriangular=True)
+    q_from_start = q * log_decay.exp()[..., None]
+    k_to_end = k * (log_decay[..., -1:] - log_decay).exp()[..., None]
+    whole = log_decay[..., -1].exp()[..., None, None]  # (heads, chunks, 1, 1)
+    s = state.float()
+    out = torch.empty_like(values)
+    for c in range(values.shape[1]):
+        fresh = values[:, c] - reads[:, c] @ s
+        out[:, c] = q_from_start[:, c] @ s + within[:, c] @ fresh
+        s = s * whole[:, c] + k_to_end[:, c].transpose(-1, -2) @ fresh
+    out = out.reshape(heads, -1, v_dim)[:, :n].transpose(0, 1)
+    return out.to(v.dtype), s
+
+
+@torch.library.custom_op("pb_state::gated_delta_rule", mutates_args=("out",))
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, out: torch.Tensor,
+    state: int, l2norm: bool = True, chunk_size: int = 64,
+) -> None:
+    """``out`` = the gated delta rule per request from the slot's recurrent state ``state``, which it advances.
+
+    ``q``/``k``: (tokens, key_heads, key_dim); ``v``/``out``: (tokens, heads, value_dim); ``g`` (log
+    decay, <= 0) and ``beta``: (tokens, heads); tokens in the step's layout (request after request).
+    """
+    op = "pb_state::gated_delta_rule"
+    meta = current_state_metadata(op)
+    states = state_tensor(meta, state, op)
+    tokens, heads, v_dim = v.shape
+    if heads % k.shape[1] or states.shape[1:] != (heads, k.shape[2], v_dim):
+        raise ValueError(
+            f"{op}: k has {k.shape[1]} heads of {k.shape[2]}, v {heads} heads of {v_dim} (a multiple of k's); "
+            f"the state holds {tuple(states.shape[1:])}, it must be (value heads, key_dim, value_dim)"
+        )
+    if meta.state_index.shape[0] < tokens:
+        raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
+    if chunk_size < 1:
+        raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
+    read = meta.state_index[:tokens]
+    if capturing(v.device):  # one token per request (FULL decode): gather, step, scatter; no host read
+        y, new = delta_step(q, k, v, g, beta, states.index_select(0, read), l2norm)
+        states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
+        out.copy_(y)
+        return
+    out.zero_()  # padding tokens: zeros
+    half = states.shape[0] // 2
+    singles = []
+    for row, start, count in runs(read, scratch=half - 1):
+        if count == 1:
+            singles.append((row, start))
+            continue
+        part = slice(start, start + count)
+        y, new = delta_sequence(q[part], k[part], v[part], g[part], beta[part], states[row], l2norm, chunk_size)
+        states[(row + half) % states.shape[0]].copy_(new)
+        out[part] = y
+    if singles:  # the decoding requests of a mixed step, together
+        rows = torch.tensor([r for r, _ in singles], device=v.device)
+        at = torch.tensor([s for _, s in singles], device=v.device)
+        pick = lambda t: t.index_select(0, at)  # noqa: E731
+        y, new = delta_step(pick(q), pick(k), pick(v), pick(g), pick(beta), states.index_select(0, rows), l2norm)
+        states.index_copy_(0, write_rows(rows, states.shape[0]), new.to(states.dtype))
+        out.index_copy_(0, at, y)
+
+
+register_splitting_op(gated_delta_rule)

@@ -1,0 +1,79 @@
+"""What the state ops read each step: which copy of which slot every token's request uses.
+
+Every state tensor holds **two copies** of each slot, ``(2 * copies, *shape)`` with ``copies =
+num_slots + 1`` (slot ``num_slots`` is scratch). A step reads each request's current copy and
+writes the new state into the other one, never into what it read; the engine then flips which
+copy is current (:meth:`~piecewise_backend.state.StateCache.commit`). So an op that runs twice in
+one step (a warm-up, the capture-time run of a break on garbage, then the replay) computes from
+the same old state every time, and only a committed step changes what the next one reads.
+
+The per-token input :data:`STATE_INDEX` holds the flat row (``copy * copies + slot``) each
+token's request reads; its write row is :func:`write_rows`. Padding tokens read and write the
+scratch slot. The state ops (:mod:`.conv`, :mod:`.delta`) take it from the forward context's
+``state_metadata`` (:func:`current_state_metadata`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..context import _CONTEXT
+
+#: Name of the per-token input the state cache adds to a runner.
+STATE_INDEX = "state_index"
+
+
+@dataclasses.dataclass
+class StateMetadata:
+    """One step's state inputs: a view of the runner's ``state_index`` buffer, and the state tensors.
+
+    Only tensors and lists of tensors: a graph keeps what it read at capture.
+    """
+
+    state_index: torch.Tensor  # (tokens,) long: flat row of the copy each token's request reads
+    states: list[torch.Tensor]  # per state (StateCache.specs order): (2 * copies, *shape)
+
+
+def current_state_metadata(op: str) -> StateMetadata:
+    """The forward context's ``state_metadata``, or a RuntimeError naming ``op`` and how to provide it."""
+    ctx = _CONTEXT.get()
+    meta = getattr(ctx, "state_metadata", None)
+    if not isinstance(meta, StateMetadata):
+        raise RuntimeError(
+            f"{op} needs a StateMetadata as `state_metadata` in the forward context (got {type(meta).__name__}); "
+            "run the model through a GraphRunner with a StateCache's context_fn, or under "
+            "pb.set_forward_context(state_metadata=state_cache.metadata(...))"
+        )
+    return meta
+
+
+def state_tensor(meta: StateMetadata, state: int, op: str) -> torch.Tensor:
+    """State tensor number ``state`` of ``meta``, or a ValueError naming how many there are."""
+    if not 0 <= state < len(meta.states):
+        raise ValueError(f"{op}: state {state} out of range; the state cache holds {len(meta.states)} states")
+    return meta.states[state]
+
+
+def write_rows(read: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """The rows a step writes for the rows it reads: the same slot's other copy."""
+    half = total_rows // 2
+    return torch.remainder(read + half, total_rows)
+
+
+def runs(index: torch.Tensor, scratch: int) -> list[tuple[int, int, int]]:
+    """``(read row, first token, tokens)`` of each request of an eager step (one host read).
+
+    Tokens are laid out request after request and two requests of a step never share a slot,
+    so each run of equal rows is one request; runs of the scratch slot (padding) are left out.
+    """
+    values = index.tolist()
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            if values[start] != scratch:
+                out.append((values[start], start, i - start))
+            start = i
+    return out
