@@ -30,7 +30,7 @@ import torch
 from ..context import _CONTEXT
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..platforms.simulated.platform import is_recording
-from .kernels import attend, attend_blocks
+from .kernels import attend, attend_blocks, visible_start
 
 
 class AttentionInputs(Protocol):
@@ -63,11 +63,14 @@ class AttentionBackend:
     sliding_window: bool = True
     softcap: bool = True
     sinks: bool = True
+    chunked: bool = False  # takes ``chunk_size=`` (llama4's chunked attention) as a keyword
     available: Callable[[torch.device, int, torch.dtype], str | None] = lambda device, block_size, dtype: None
     accepts: Callable[[torch.Tensor, torch.Tensor], str | None] = lambda q, key_cache: None
     description: str = ""
 
-    def unsupported(self, sliding_window: int, softcap: float, sinks: torch.Tensor | None) -> str | None:
+    def unsupported(
+        self, sliding_window: int, softcap: float, sinks: torch.Tensor | None, chunk_size: int = 0
+    ) -> str | None:
         """Why this backend cannot run a call with these features, or None."""
         missing = [
             what
@@ -75,6 +78,7 @@ class AttentionBackend:
                 ("sliding windows", sliding_window > 0, self.sliding_window),
                 ("logit soft-capping", softcap > 0, self.softcap),
                 ("attention sinks", sinks is not None, self.sinks),
+                ("chunked attention", chunk_size > 0, self.chunked),
             )
             if used and not has
         ]
@@ -148,37 +152,38 @@ class BoundedAttention:
 
     def __call__(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionInputs, scale: float,
-        sliding_window: int, softcap: float, sinks: torch.Tensor | None,
+        sliding_window: int, softcap: float, sinks: torch.Tensor | None, *, chunk_size: int = 0,
     ) -> torch.Tensor:
         block_size, tables = key_cache.shape[1], meta.block_tables
         width = tables.shape[1]
         if q.shape[0] == 0:  # nothing to attend (and no longest context to read)
             return torch.zeros(q.shape, device=q.device)
         if capturing(q.device):
-            span = width if sliding_window <= 0 else min(width, (sliding_window + block_size - 2) // block_size + 1)
+            span = width
+            for reach in (sliding_window, chunk_size):  # a token sees at most this many keys
+                if reach > 0:
+                    span = min(span, (reach + block_size - 2) // block_size + 1)
             chunk = self.graph_chunk_keys
         else:  # eager: the host may read how far the step's longest context reaches (one device-to-host copy)
             pos = meta.positions[: q.shape[0]]
             last = pos // block_size
-            first = torch.zeros_like(pos)
-            if sliding_window > 0:
-                first = (pos - sliding_window + 1).clamp(min=0) // block_size
+            first = visible_start(pos, sliding_window, chunk_size) // block_size
             needed, span = (int(n) for n in torch.stack([last.max(), (last - first).max()]).cpu() + 1)
             tables = tables[:, : min(width, needed)]  # later columns are past every token's position
             chunk = self.eager_chunk_keys
         return attend_blocks(
             q, key_cache, value_cache, meta.positions, meta.request_index, tables, scale, sliding_window,
-            softcap, sinks, num_blocks=span, chunk_blocks=max(1, chunk // block_size),
+            softcap, sinks, num_blocks=span, chunk_blocks=max(1, chunk // block_size), chunk_size=chunk_size,
         )
 
 
 def _reference(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionInputs, scale: float,
-    sliding_window: int, softcap: float, sinks: torch.Tensor | None,
+    sliding_window: int, softcap: float, sinks: torch.Tensor | None, *, chunk_size: int = 0,
 ) -> torch.Tensor:
     return attend(
         q, key_cache, value_cache, meta.positions, meta.request_index, meta.block_tables, scale, sliding_window,
-        softcap, sinks,
+        softcap, sinks, chunk_size,
     )
 
 
@@ -190,11 +195,11 @@ def describe(backends: tuple[str, ...]) -> str:
 def _builtins() -> list[AttentionBackend]:
     return [
         AttentionBackend(
-            "reference", _reference, AttentionGraphSupport.ALWAYS,
+            "reference", _reference, AttentionGraphSupport.ALWAYS, chunked=True,
             description="whole block table per token in float32, masked: the oracle; cost grows with max_model_len",
         ),
         AttentionBackend(
-            "bounded", BoundedAttention(), AttentionGraphSupport.ALWAYS,
+            "bounded", BoundedAttention(), AttentionGraphSupport.ALWAYS, chunked=True,
             description="the blocks in use (eager) or the static bound a chunk at a time (captured), online softmax",
         ),
     ]
@@ -204,15 +209,16 @@ for _backend in _builtins():
     register_attention_backend(_backend)
 
 
-def run_attention(backends: tuple[str, ...], *args: Any) -> torch.Tensor:
-    """Run the first of ``backends`` that supports the call's features (``args`` as :data:`AttentionFn`)."""
+def run_attention(backends: tuple[str, ...], *args: Any, chunk_size: int = 0) -> torch.Tensor:
+    """Run the first of ``backends`` that supports the call's features (``args`` as :data:`AttentionFn`;
+    ``chunk_size`` > 0 goes, as a keyword, only to backends that declare ``chunked``)."""
     q, key_cache, sliding_window, softcap, sinks = args[0], args[1], args[5], args[6], args[7]
     reasons = []
     for name in backends:
         backend = get_attention_backend(name)
-        reason = backend.unsupported(sliding_window, softcap, sinks) or backend.accepts(q, key_cache)
+        reason = backend.unsupported(sliding_window, softcap, sinks, chunk_size) or backend.accepts(q, key_cache)
         if reason is None:
-            return backend.fn(*args)
+            return backend.fn(*args, chunk_size=chunk_size) if chunk_size > 0 else backend.fn(*args)
         reasons.append(reason)
     raise ValueError(
         f"pb_kv::paged_attention: no attention backend of {list(backends)} can run this call: {'; '.join(reasons)}"

@@ -19,6 +19,17 @@ def _scores(grouped: torch.Tensor, keys: torch.Tensor, scale: float, softcap: fl
     return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
 
 
+def visible_start(pos: torch.Tensor, sliding_window: int = -1, chunk_size: int = 0) -> torch.Tensor:
+    """The first position each token sees: its window's start (``sliding_window`` > 0), its chunk's
+    (``chunk_size`` > 0), the later of the two, or 0."""
+    start = torch.zeros_like(pos)
+    if sliding_window > 0:
+        start = (pos - sliding_window + 1).clamp(min=0)
+    if chunk_size > 0:
+        start = torch.maximum(start, pos // chunk_size * chunk_size)
+    return start
+
+
 def attend(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -30,11 +41,13 @@ def attend(
     sliding_window: int = -1,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """The reference: causal attention of each query token over its request's cached keys, in float32.
 
     Gathers every token's whole block table (static shape: ``max_blocks_per_req * block_size``
-    keys) and masks keys after the token's position (and outside ``sliding_window`` if > 0).
+    keys) and masks keys after the token's position (and outside ``sliding_window`` if > 0, and
+    before the start of the token's chunk of ``chunk_size`` positions if > 0: llama4's chunked attention).
     ``softcap`` > 0 caps each score to ``tanh(s / softcap) * softcap`` before masking; ``sinks``
     (one logit per query head) joins each head's softmax denominator without a value.
     """
@@ -48,6 +61,8 @@ def attend(
     visible = key_pos[None, :] <= pos
     if sliding_window > 0:
         visible = visible & (key_pos[None, :] > pos - sliding_window)
+    if chunk_size > 0:
+        visible = visible & (key_pos[None, :] >= pos // chunk_size * chunk_size)
     hidden = ~visible
     # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
     values = values.masked_fill(hidden[:, :, None, None], 0.0)
@@ -79,12 +94,14 @@ def attend_blocks(
     *,
     num_blocks: int,
     chunk_blocks: int,
+    chunk_size: int = 0,
 ) -> torch.Tensor:
     """Attention over ``num_blocks`` blocks per token, ``chunk_blocks`` at a time, with an online softmax.
 
     Token ``t`` reads blocks ``first[t] .. first[t] + num_blocks - 1`` of its request, where
-    ``first[t]`` is the first block its sliding window reaches (0 without a window); keys past
-    its position are masked, so any ``num_blocks`` covering the step's longest span is exact.
+    ``first[t]`` is the first block its sliding window (or its attention chunk, ``chunk_size`` > 0)
+    reaches (0 without either); keys past its position are masked, so any ``num_blocks`` covering
+    the step's longest span is exact.
     Static shapes and no host read: graph-safe. Memory: one chunk per token at a time.
     """
     tokens, q_heads, dim = q.shape
@@ -92,7 +109,8 @@ def attend_blocks(
     group, width = q_heads // kv_heads, block_tables.shape[1]
     pos = positions[:tokens]
     rows = request_index[:tokens, None]
-    first = (pos - sliding_window + 1).clamp(min=0) // block_size if sliding_window > 0 else torch.zeros_like(pos)
+    seen_from = visible_start(pos, sliding_window, chunk_size)
+    first = seen_from // block_size
     grouped = q.reshape(tokens, kv_heads, group, dim).float()
     offsets = torch.arange(block_size, device=q.device)
 
@@ -101,9 +119,7 @@ def attend_blocks(
         logical = first[:, None] + torch.arange(start, stop, device=q.device)
         blocks = block_tables[rows, logical.clamp(max=width - 1)]  # past the table: masked below (key_pos > pos)
         key_pos = (logical[:, :, None] * block_size + offsets).flatten(1)  # (tokens, chunk keys)
-        hidden = key_pos > pos[:, None]
-        if sliding_window > 0:
-            hidden = hidden | (key_pos <= pos[:, None] - sliding_window)
+        hidden = (key_pos > pos[:, None]) | (key_pos < seen_from[:, None])
         keys = key_cache[blocks].flatten(1, 2).float()
         # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
         values = value_cache[blocks].flatten(1, 2).float().masked_fill(hidden[:, :, None, None], 0.0)

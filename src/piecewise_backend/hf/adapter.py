@@ -19,10 +19,15 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
+from . import mixers
 
 PROBE_IMPLEMENTATION = "pb_probe"
-#: ``layer_types`` / ``layers_block_type`` entries the paged attention serves (others are refused).
-SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "mlp", "moe"})
+#: ``layer_types`` / ``layers_block_type`` entries served (others are refused): attention by the paged
+#: attention (``chunked_attention`` with its chunk mask), ``linear_attention`` and ``conv`` by the state
+#: ops where the layer's module calls kernels :mod:`.mixers` routes (its own check refuses the rest).
+SERVED_LAYER_TYPES = frozenset({
+    "full_attention", "sliding_attention", "attention", "mlp", "moe", "chunked_attention", "linear_attention", "conv",
+})
 # Layer classes that keep a recurrent or convolution state from one token to the next.
 _STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
 
@@ -49,6 +54,8 @@ class ProbeResult:
     masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)
     qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
     ignores_positions: bool = False  # q/k differ along the row for one token at one position_id
+    #: layers whose state kernels are routed to the pb_state ops, by layer index (see :mod:`.mixers`)
+    state_layers: dict[int, mixers.StateLayer] = dataclasses.field(default_factory=dict)
 
     def compare_masks(self) -> None:
         """Set each layer's ``mask`` to how the mask the model built differs from the causal one (None: it does not)."""
@@ -57,12 +64,19 @@ class ProbeResult:
         self.masks.clear()
 
     def kv_shape(self) -> tuple[int, int, int]:
-        """(layers, kv_heads, head_dim) of one cache that holds every layer (head dims padded to the widest)."""
-        return max(self.layers) + 1, max(l.kv_heads for l in self.layers.values()), self.head_dim
+        """(attention layers, kv_heads, head_dim) of one cache that holds every attention layer (head dims
+        padded to the widest); ``(0, 1, 1)`` for a model without attention."""
+        if not self.layers:
+            return 0, 1, 1
+        return len(self.layers), max(l.kv_heads for l in self.layers.values()), self.head_dim
+
+    def kv_layers(self) -> dict[int, int]:
+        """Each attention layer's index in the cache (the cache holds attention layers only)."""
+        return {layer: i for i, layer in enumerate(sorted(self.layers))}
 
     @property
     def head_dim(self) -> int:
-        return max(max(l.k_dim, l.v_dim) for l in self.layers.values())
+        return max((max(l.k_dim, l.v_dim) for l in self.layers.values()), default=1)
 
 
 _RECORD: list[ProbeResult] = []
@@ -152,18 +166,21 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         # the probe follows the ones Dynamo will trace.
         torch.compiler.is_compiling = lambda: True
         with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads) as reads, \
-                sim_rules.watching_host_reads(reads):
+                sim_rules.watching_host_reads(reads), mixers.recording(model) as states:
             positions = torch.arange(tokens, device=param.device)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False)
             # One token repeated at one position: every row's q/k must be equal (attention gives zeros here),
-            # unless the model takes positions from the row index instead of position_ids.
+            # unless the model takes positions from the row index instead of position_ids. State layers
+            # run each row as its own request here, as the engine would.
             _RECORD[-1] = same
+            states.rows_independent = True
             model(input_ids=ids[:, :1].expand(1, tokens), position_ids=torch.zeros_like(positions), use_cache=False)
     finally:
         torch.compiler.is_compiling = is_compiling
         _RECORD.pop()
         model.set_attn_implementation(previous)
     result.compare_masks()
+    result.state_layers = {i: l for i, l in states.layers.items() if l.calls}
     # Close, not equal: a kernel may round one row differently from another.
     result.ignores_positions = any(
         not all(torch.allclose(t.float(), t[:, :, :1].expand_as(t).float(), rtol=1e-4, atol=1e-5) for t in qk)
@@ -178,8 +195,11 @@ def refusal(model: torch.nn.Module) -> str | None:
     name = type(model).__name__
     text = model.config.get_text_config()
     chunk = getattr(text, "attention_chunk_size", None)
-    if chunk:
-        return f"{name} uses chunked attention (attention_chunk_size={chunk}); the paged attention has no chunk mask"
+    if chunk and "chunked_attention" not in (getattr(text, "layer_types", None) or ()):
+        return (
+            f"{name} sets attention_chunk_size={chunk} without layer_types naming its chunked_attention layers; "
+            "the paged attention cannot tell which layers are chunked"
+        )
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         other = sorted({str(k) for k in kinds or ()} - SERVED_LAYER_TYPES)
@@ -193,7 +213,20 @@ def refusal(model: torch.nn.Module) -> str | None:
         # A layer's own module (it has a layer_idx: it would keep a per-layer cache); an audio or vision
         # encoder's convolutions run once over the input and keep nothing between tokens.
         if hasattr(m, "layer_idx") and (_STATEFUL.search(kind) or any(isinstance(c, torch.nn.Conv1d) for c in m.children())):
-            return f"{name} keeps recurrent or convolution state between tokens ({kind} at {path}); the paged cache holds K/V only"
+            called = mixers.kernels_called(m)
+            unserved = sorted(called & mixers.KNOWN_UNSERVED.keys())
+            if unserved:
+                family = mixers.KNOWN_UNSERVED[unserved[0]]
+                return (
+                    f"{name} keeps {family} state ({kind} at {path} calls {unserved}); the state cache does not "
+                    "serve that family yet"
+                )
+            if not called:
+                return (
+                    f"{name} keeps recurrent or convolution state between tokens in its own code ({kind} at {path}, "
+                    f"through none of the kernels {sorted(mixers.SERVED_KERNELS)}); neither the paged cache nor the "
+                    "state cache can hold it"
+                )
     return None
 
 
@@ -224,8 +257,12 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
             f"{name} reads device data on the host in its forward ({result.host_reads[0]}): "
             "a data-dependent shape or a sync, which a CUDA graph would replay with the values seen at capture"
         )
-    if not result.layers:
-        return f"{name} calls no attention through transformers' AttentionInterface"
+    if not result.layers and not result.state_layers:
+        return f"{name} calls no attention through transformers' AttentionInterface and has no state layer it routes"
+    for layer in result.state_layers.values():
+        why = layer.refusal(name)
+        if why:
+            return why
     if result.ignores_positions:
         return (
             f"{name} ignores position_ids (its positions come from the sequence length), so the second request "
@@ -251,6 +288,8 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
         return f"{name}: layer {bad[0]} has {result.layers[bad[0]].q_heads} query heads, not a multiple of its KV heads"
     # One cache of the most KV heads: a layer with fewer repeats each KV head, which keeps GQA's pairing
     # only if the counts divide (and the layer's query heads are a multiple of the cache's count).
+    if not result.layers:
+        return None
     cache_kv = result.kv_shape()[1]
     odd = [i for i, l in result.layers.items() if cache_kv % l.kv_heads or l.q_heads % cache_kv]
     if odd:

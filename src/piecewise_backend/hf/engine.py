@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
 from ..kv import cache as kv
-from ..modes import CUDAGraphMode
+from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
+from ..state.cache import StateCache, StateSpec
+from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, probe, refusal
 from .tiny import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 
@@ -68,7 +70,10 @@ def paged_attention_forward(
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (F.pad(t[0], (0, dim - t.shape[-1])).transpose(0, 1).contiguous() for t in (query, key, value))
     out = torch.empty_like(q)
-    torch.ops.pb_kv.paged_attention(q, k, v, out, module.layer_idx, scale, sliding_window or -1, float(softcap or 0.0), sinks)
+    layer = getattr(module, "pb_kv_layer", module.layer_idx)  # the cache holds attention layers only
+    torch.ops.pb_kv.paged_attention(
+        q, k, v, out, layer, scale, sliding_window or -1, float(softcap or 0.0), sinks, getattr(module, "pb_chunk_size", 0)
+    )
     return out[..., :v_dim].unsqueeze(0), None
 
 
@@ -81,11 +86,15 @@ def register_attention() -> str:
 class TokensFirst(torch.nn.Module):
     """``(input_ids (tokens,), position_ids (tokens,)) -> logits (tokens, vocab)`` around a HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None):
+    def __init__(
+        self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None, state_specs: Sequence[StateSpec] = (),
+    ):
         super().__init__()
         self.model = model
-        #: (layers, kv_heads, head_dim) of the cache the model needs (set by :func:`adapt`)
+        #: (attention layers, kv_heads, head_dim) of the cache the model needs (set by :func:`adapt`)
         self.kv_shape = kv_shape
+        #: the states its state layers keep per request, in the order of the state cache (set by :func:`adapt`)
+        self.state_specs = list(state_specs)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
@@ -116,11 +125,26 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
         reason = layout_refusal(name, result)
     if reason is not None:
         raise ValueError(reason)
-    for layout in result.layers.values():
+    kv_layers = result.kv_layers()
+    chunked = chunked_layers(model)
+    for layer, layout in result.layers.items():
         layout.module.pb_head_dim = result.head_dim
         layout.module.pb_kv_repeat = result.kv_shape()[1] // layout.kv_heads
+        layout.module.pb_kv_layer = kv_layers[layer]
+        layout.module.pb_chunk_size = chunked.get(layer, 0)
+    specs = mixers.specs(result.state_layers)
+    keys = [(s.layer, s.kind) for s in specs]
+    mixers.route(result.state_layers, lambda layer, kind: keys.index((layer, kind)))
     model.set_attn_implementation(register_attention())
-    return TokensFirst(model.eval(), result.kv_shape())
+    return TokensFirst(model.eval(), result.kv_shape(), specs)
+
+
+def chunked_layers(model: torch.nn.Module) -> dict[int, int]:
+    """``{layer: attention_chunk_size}`` of the layers ``layer_types`` marks ``chunked_attention`` (llama4)."""
+    text = model.config.get_text_config()
+    chunk = getattr(text, "attention_chunk_size", None) or 0
+    kinds = getattr(text, "layer_types", None) or ()
+    return {i: chunk for i, kind in enumerate(kinds) if kind == "chunked_attention" and chunk}
 
 
 def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
@@ -134,7 +158,7 @@ def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
         return model_or_config.kv_shape
     if isinstance(model_or_config, torch.nn.Module):
         result = probe(model_or_config)
-        if not result.layers:
+        if not result.layers and not result.state_layers:
             raise ValueError(f"{type(model_or_config).__name__} calls no attention through transformers' AttentionInterface")
         return result.kv_shape()
     config = model_or_config.get_text_config() if hasattr(model_or_config, "get_text_config") else model_or_config
@@ -186,13 +210,21 @@ class HFEngine:
             dtype=param.dtype, device=param.device, attention_backend=attention_backend,
         )
         self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
+        #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
+        self.states = StateCache(adapted.state_specs, num_slots=max_num_reqs, device=param.device) if adapted.state_specs else None
         self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
         compiled = torch.compile(adapted, backend=self.backend)
+        inputs, context_fn = [StaticInput("input_ids"), *self.cache.static_inputs()], self.cache.context_fn
+        support = self.cache.attention_graph_support
+        if self.states is not None:  # FULL graphs hold state updates of one token per request only
+            states = self.states
+            inputs.extend(states.static_inputs())
+            context_fn = lambda views: {**self.cache.context_fn(views), **states.context_fn(views)}  # noqa: E731
+            support = min(support, AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
         self.runner = GraphRunner(
-            compiled, config, [StaticInput("input_ids"), *self.cache.static_inputs()],
-            model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn,
-            max_num_reqs=max_num_reqs, device=param.device,
-            attention_support=self.cache.attention_graph_support, attention_backend=self.attention_backend,
+            compiled, config, inputs, model_kwargs=["input_ids", kv.POSITIONS], context_fn=context_fn,
+            max_num_reqs=max_num_reqs, device=param.device, attention_support=support,
+            attention_backend=self.attention_backend,
         )
         self.max_num_reqs = max_num_reqs
         self.max_step_tokens = self.runner.dispatcher.max_size
@@ -234,10 +266,12 @@ class HFEngine:
                     if on_step is not None:
                         on_step(info)
                     step += 1
-        finally:  # an error mid-way must not leak the blocks of the requests still running
+        finally:  # an error mid-way must not leak the blocks (and state slots) of the requests still running
             for r in running:
                 if r in self.cache.tables:
                     self.cache.free(r)
+                if self.states is not None and r in self.states.slots:
+                    self.states.free(r)
         return outputs
 
     def _step(
@@ -262,14 +296,20 @@ class HFEngine:
             running.append(waiting.pop(0))
         decode = all(n == 1 for _, _, n in chunks)  # one query token per request: FULL-graph shaped
         meta = self.cache.step_inputs(chunks)
+        if self.states is not None:
+            meta.update(self.states.step_inputs(chunks))
         ids = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
         logits = self.runner.run(uniform_decode=decode, num_reqs=len(chunks) if decode else None, input_ids=ids, **meta)
+        if self.states is not None:  # the step succeeded: the states it wrote become current
+            self.states.commit(r for r, _, _ in chunks)
         last = torch.tensor(_ends(chunks), device=logits.device)
         for (r, _, _), tok in zip(chunks, logits[last].argmax(-1).tolist()):
             outputs[r].append(tok)
             if len(outputs[r]) >= budgets[r] or tok == eos_token_id:
                 running.remove(r)
                 self.cache.free(r)
+                if self.states is not None:
+                    self.states.free(r)
         return StepInfo(step, len(tokens), len(chunks), decode, self.runner.last_mode)
 
 

@@ -30,6 +30,9 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_i
 _CONSTRAINED = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok")
 #: A tiny model above this many parameters means a size field was not shrunk: refused, not allocated.
 MAX_PARAMS = 50_000_000
+#: Layer mixes of released models whose type's default config has another one (lfm2's default is all
+#: attention; LFM2 checkpoints are mostly short-convolution layers).
+TINY_LAYER_MIX = {"lfm2": ("conv", "full_attention")}
 # MLA configs expand K/V to every query head (num_key_value_heads = num_attention_heads) and derive
 # head_dim from the rope part.
 _MLA = ("kv_lora_rank",)
@@ -102,11 +105,47 @@ def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -
     raise ValueError(f"tiny_random_model cannot build {arch!r} from a shrunk config ({(too_big or errors)[-1]}); pass fitting **sizes")
 
 
+def _layer_kinds(config: Any) -> list[str] | None:
+    """The per-layer types a config declares (``layer_types`` or ``layers_block_type``), or None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for field in ("layer_types", "layers_block_type"):
+        try:
+            kinds = getattr(text, field, None)
+        except Exception:  # a per-layer attribute that refuses a global read
+            kinds = None
+        if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+            return list(kinds)
+    return None
+
+
+def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, sizes: dict[str, Any]) -> Any:
+    """``config``, rebuilt with one layer of each type when shrinking lost a type the full config has.
+
+    The layers keep the order in which each type first appears (qwen3_next: linear, then full
+    attention). A config that derives its types from other fields, or refuses the list, is kept as
+    built (it may lose a type: the caller's ``sizes`` can set them).
+    """
+    if "layer_types" in sizes or "num_hidden_layers" in sizes:
+        return config
+    full = list(TINY_LAYER_MIX.get(arch, ())) or _layer_kinds(defaults) or []
+    wanted = list(dict.fromkeys(full))
+    tiny = _layer_kinds(config) or []
+    if not tiny or not set(wanted) - set(tiny):
+        return config
+    layers = wanted if len(wanted) >= len(tiny) else wanted + [wanted[0]] * (len(tiny) - len(wanted))
+    try:
+        rebuilt = _build(transformers, arch, defaults, {**sizes, "num_hidden_layers": len(layers), "layer_types": layers})
+    except ValueError:
+        return config
+    return rebuilt if set(wanted) <= set(_layer_kinds(rebuilt) or ()) else config
+
+
 def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = "cpu", **sizes: Any) -> torch.nn.Module:
     """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
 
     ``sizes`` override :data:`TINY`; only fields the model's config has (and can set) are set (GPT-2
-    has no ``num_key_value_heads``...). The model uses HF's SDPA attention (eager where a model has no
+    has no ``num_key_value_heads``...). Fewer layers keep one of each type the full config has
+    (``layer_types``; :data:`TINY_LAYER_MIX` where released models differ from the default). The model uses HF's SDPA attention (eager where a model has no
     SDPA support) and is in eval mode.
     """
     transformers = _transformers()
@@ -118,7 +157,7 @@ def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = 
         raise ValueError(f"tiny_random_model cannot build {arch!r}: its default config is invalid ({type(e).__name__}: {e})") from e
     if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
-    config = _build(transformers, arch, defaults, sizes)
+    config = _keep_layer_mix(transformers, arch, defaults, _build(transformers, arch, defaults, sizes), sizes)
     torch.manual_seed(seed)
     try:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")

@@ -103,7 +103,9 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
     ):
-        for name, value in dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
+            raise ValueError(f"PagedKVCache.num_layers must be an int >= 0 (0: a model without attention), got {num_layers!r}")
+        for name, value in dict(num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 block_size=block_size, max_model_len=max_model_len).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache.{name} must be a positive int, got {value!r}")
@@ -115,6 +117,7 @@ class PagedKVCache:
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.tables: dict[Hashable, list[int]] = {}
+        self._device = torch.device(device)
         #: The attention backends the op runs for this cache, in order (see :mod:`.attention`).
         self.attention_backends = select_attention_backends(attention_backend, device, block_size, dtype)
 
@@ -130,7 +133,12 @@ class PagedKVCache:
 
     @property
     def device(self) -> torch.device:
-        return self.key_caches[0].device
+        return self._device
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the K and V tensors of every layer (the scratch block included)."""
+        return sum(t.numel() * t.element_size() for t in (*self.key_caches, *self.value_caches))
 
     def reserve(self, request: Hashable, num_tokens: int) -> None:
         """Grow ``request``'s block table to hold ``num_tokens`` tokens (allocating on first use).

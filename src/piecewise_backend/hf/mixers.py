@@ -1,0 +1,231 @@
+"""Route the state layers of HF models (short convolutions, gated delta nets) onto the ``pb_state`` ops.
+
+transformers' state-layer modules call module-level kernels for everything that keeps state
+(``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ...: the functions its hub kernels would
+replace). Served with ``use_cache=False``, a forward calls the whole-sequence forms only, on the
+tokens-first row where several requests sit side by side; left alone, their convolution and
+recurrence would run across request boundaries and forget every state between steps.
+
+* :func:`recording` runs a probe with each such kernel call recorded (which layer calls which
+  kernel on which shapes: the :class:`~piecewise_backend.state.StateSpec` it needs) and, for the
+  probe's row-independence forward, runs every row as its own request;
+* :func:`route` gives each state layer a forward whose kernel calls are the ``pb_state`` ops on
+  that layer's states: the module's own forward code, its globals bound to those ops.
+
+What a module calls decides (:func:`kernels_called`): the names its forward's code reads from its
+module globals. :data:`SERVED_KERNELS` are routed; :data:`KNOWN_UNSERVED` are named in refusals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..state import conv as _conv  # noqa: F401  (registers pb_state::causal_conv1d)
+from ..state import delta as _delta  # noqa: F401  (registers pb_state::gated_delta_rule)
+from ..state.cache import StateSpec
+from ..state.conv import ACTIVATIONS
+
+#: Kernel name -> the state it keeps ("conv", "recurrent"). The ``*_update`` / recurrent forms run
+#: only with a cache, which a served forward never has; they are routed too, so none can run unseen.
+SERVED_KERNELS = {
+    "causal_conv1d_fn": "conv",
+    "causal_conv1d_update": "conv",
+    "torch_chunk_gated_delta_rule": "recurrent",
+    "torch_recurrent_gated_delta_rule": "recurrent",
+}
+#: Stateful kernels of other families, and the family a refusal names.
+KNOWN_UNSERVED = {
+    "mamba2_chunk_scan": "Mamba2 (SSD scan)",
+    "mamba2_selective_state_update": "Mamba2 (SSD scan)",
+    "mamba2_split_conv1d_scan_combined": "Mamba2 (SSD scan)",
+    "mamba_selective_scan": "Mamba1 (selective scan)",
+    "mamba_selective_state_update": "Mamba1 (selective scan)",
+    "selective_scan_fn": "Mamba1 (selective scan)",
+    "mamba_inner_fn": "Mamba1 (selective scan)",
+}
+
+
+def raw_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    """The class's ``forward`` below its decorators (``functools.wraps`` chains)."""
+    return inspect.unwrap(type(module).forward)
+
+
+def kernels_called(module: torch.nn.Module) -> set[str]:
+    """The served and known unserved kernel names ``module``'s forward reads from its globals."""
+    fn = raw_forward(module)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return set()
+    return {n for n in code.co_names if n in SERVED_KERNELS or n in KNOWN_UNSERVED}
+
+
+@dataclasses.dataclass
+class StateLayer:
+    """One module that calls served kernels: its layer and, per kernel kind, the calls the probe saw."""
+
+    module: torch.nn.Module
+    layer: int
+    calls: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+
+    def specs(self) -> list[StateSpec]:
+        """The states this layer needs, one per kind it keeps."""
+        out = []
+        for kind, seen in sorted(self.calls.items()):
+            out.append(StateSpec(self.layer, kind, seen[0]["shape"], seen[0]["dtype"]))
+        return out
+
+    def refusal(self, name: str) -> str | None:
+        """Why the ops cannot serve this layer as the probe saw it, or None."""
+        path = type(self.module).__name__
+        for kind, seen in self.calls.items():
+            if len(seen) > 2:  # the probe runs two forwards: one call each
+                return f"{name}: {path} (layer {self.layer}) calls its {kind} kernel more than once per forward"
+            bad = next((c["why"] for c in seen if c.get("why")), None)
+            if bad:
+                return f"{name}: {path} (layer {self.layer}) {bad}"
+        return None
+
+
+def _conv_record(x: torch.Tensor, weight: torch.Tensor, activation: Any) -> dict[str, Any]:
+    why = None
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        why = f"calls causal_conv1d_fn on x {tuple(x.shape)} with weight {tuple(weight.shape)}, not (batch, channels, tokens) with (channels, K)"
+    elif (activation or "") not in ACTIVATIONS:
+        why = f"uses convolution activation {activation!r}; pb_state::causal_conv1d applies {sorted(ACTIVATIONS)}"
+    shape = (x.shape[1], weight.shape[-1] - 1) if why is None else ()
+    return {"shape": shape, "dtype": x.dtype, "why": why}
+
+
+def _delta_record(key: torch.Tensor, value: torch.Tensor, initial_state: Any) -> dict[str, Any]:
+    why = None
+    if key.dim() != 4 or value.dim() != 4 or value.shape[2] % key.shape[2]:
+        why = f"calls the gated delta rule with key {tuple(key.shape)} and value {tuple(value.shape)}, not grouped (batch, tokens, heads, dim)"
+    elif initial_state is not None:
+        why = "passes its own initial state to the gated delta rule"
+    shape = (value.shape[2], key.shape[3], value.shape[3]) if why is None else ()
+    return {"shape": shape, "dtype": torch.float32, "why": why}
+
+
+class _Recorder:
+    """The probe's view of every state layer: calls the original kernels, noting each call."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, StateLayer] = {}
+        self.rows_independent = False  # the probe's second forward: every row its own request
+
+    def kernels(self, layer: StateLayer, original: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+        rec = self
+
+        def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: Any = None, **kw: Any) -> Any:
+            layer.calls.setdefault("conv", []).append(_conv_record(x, weight, activation))
+            fn = original["causal_conv1d_fn"]
+            if rec.rows_independent and x.dim() == 3:  # (1, C, T) -> T requests of one token
+                return fn(x.permute(2, 1, 0), weight, bias, activation=activation, **kw).permute(2, 1, 0)
+            return fn(x, weight, bias, activation=activation, **kw)
+
+        def delta(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  *args: Any, initial_state: Any = None, **kw: Any) -> Any:
+            layer.calls.setdefault("recurrent", []).append(_delta_record(key, value, initial_state))
+            fn = original["torch_chunk_gated_delta_rule"]
+            if rec.rows_independent and query.dim() == 4:
+                out, state = fn(*(t.transpose(0, 1) for t in (query, key, value, g, beta)), *args,
+                                initial_state=initial_state, **kw)
+                return out.transpose(0, 1), state
+            return fn(query, key, value, g, beta, *args, initial_state=initial_state, **kw)
+
+        def cached(*args: Any, **kw: Any) -> Any:
+            raise RuntimeError("a served forward has no cache: the single-token cached kernels never run")
+
+        return {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta,
+                "causal_conv1d_update": cached, "torch_recurrent_gated_delta_rule": cached}
+
+
+def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> None:
+    """Give ``module`` its class's forward code with ``kernels`` in place of the globals of those names."""
+    fn = raw_forward(module)
+    names = {n: k for n, k in kernels.items() if n in fn.__code__.co_names}
+    scope = dict(fn.__globals__, **names)
+    # Without a module name Dynamo reads this dict itself; with one it would read the module's globals.
+    scope.pop("__name__", None)
+    bound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    bound.__kwdefaults__ = fn.__kwdefaults__
+    bound.__qualname__ = fn.__qualname__
+    module.forward = types.MethodType(bound, module)
+
+
+def candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(layer_idx, module)`` of every module whose forward calls a served kernel."""
+    out = []
+    for m in model.modules():
+        layer = getattr(m, "layer_idx", None)
+        if isinstance(layer, int) and kernels_called(m) & SERVED_KERNELS.keys():
+            out.append((layer, m))
+    return out
+
+
+@contextmanager
+def recording(model: torch.nn.Module) -> Iterator[_Recorder]:
+    """Within: ``model``'s state layers record their kernel calls (the probe's); restored after."""
+    rec = _Recorder()
+    found = candidates(model)
+    try:
+        for layer, m in found:
+            fn = raw_forward(m)
+            state_layer = rec.layers.setdefault(layer, StateLayer(m, layer))
+            original = {n: fn.__globals__[n] for n in SERVED_KERNELS if n in fn.__globals__}
+            _bind(m, rec.kernels(state_layer, original))
+        yield rec
+    finally:
+        for _, m in found:
+            m.__dict__.pop("forward", None)
+
+
+def _conv_kernel(state: int) -> Callable[..., Any]:
+    def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: Any = None, **kw: Any) -> torch.Tensor:
+        rows = x[0].transpose(0, 1).contiguous()  # (tokens, channels)
+        out = torch.empty_like(rows)
+        torch.ops.pb_state.causal_conv1d(rows, weight, bias, out, state, activation or "")
+        return out.transpose(0, 1)[None]
+
+    return conv
+
+
+def _delta_kernel(state: int) -> Callable[..., Any]:
+    def delta(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              chunk_size: int = 64, initial_state: Any = None, output_final_state: bool = False,
+              use_qk_l2norm_in_kernel: bool = False, **kw: Any) -> tuple[torch.Tensor, None]:
+        out = torch.empty_like(value[0])
+        torch.ops.pb_state.gated_delta_rule(
+            query[0], key[0], value[0], g[0], beta[0], out, state, bool(use_qk_l2norm_in_kernel), int(chunk_size)
+        )
+        return out[None], None
+
+    return delta
+
+
+def _no_cache(*args: Any, **kw: Any) -> Any:
+    raise RuntimeError("piecewise_backend serves state layers without a HF cache: a cached kernel was called")
+
+
+def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> None:
+    """Bind every layer's kernels to the ``pb_state`` ops on its states (``index(layer, kind)``: the op's state)."""
+    for layer, sl in layers.items():
+        kernels: dict[str, Callable[..., Any]] = {"causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache}
+        if "conv" in sl.calls:
+            kernels["causal_conv1d_fn"] = _conv_kernel(index(layer, "conv"))
+        if "recurrent" in sl.calls:
+            kernels["torch_chunk_gated_delta_rule"] = _delta_kernel(index(layer, "recurrent"))
+        _bind(sl.module, kernels)
+
+
+def specs(layers: dict[int, StateLayer]) -> list[StateSpec]:
+    """Every state of ``layers``, by layer then kind: the order of the state cache."""
+    return [s for layer in sorted(layers) for s in layers[layer].specs()]
+
