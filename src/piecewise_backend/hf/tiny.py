@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from .mixers import candidates
+
 #: Sizes of :func:`tiny_random_model`; a config gets only the fields it has (and can set).
 TINY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,6 +32,8 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_i
 _CONSTRAINED = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok")
 #: A tiny model above this many parameters means a size field was not shrunk: refused, not allocated.
 MAX_PARAMS = 50_000_000
+#: What :func:`tiny_random_model` scales state layers' weights by (see there).
+STATE_GAIN = 8.0
 #: Layer mixes of released models whose type's default config has another one (lfm2's default is all
 #: attention; LFM2 checkpoints are mostly short-convolution layers).
 TINY_LAYER_MIX = {"lfm2": ("conv", "full_attention")}
@@ -140,13 +144,18 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
     return rebuilt if set(wanted) <= set(_layer_kinds(rebuilt) or ()) else config
 
 
-def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = "cpu", **sizes: Any) -> torch.nn.Module:
+def tiny_random_model(
+    arch: str, *, seed: int = 0, device: torch.device | str = "cpu", state_gain: float = STATE_GAIN, **sizes: Any
+) -> torch.nn.Module:
     """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
 
     ``sizes`` override :data:`TINY`; only fields the model's config has (and can set) are set (GPT-2
     has no ``num_key_value_heads``...). Fewer layers keep one of each type the full config has
-    (``layer_types``; :data:`TINY_LAYER_MIX` where released models differ from the default). The model uses HF's SDPA attention (eager where a model has no
-    SDPA support) and is in eval mode.
+    (``layer_types``; :data:`TINY_LAYER_MIX` where released models differ from the default). The
+    weight matrices and convolutions of state layers (modules that call the kernels
+    :mod:`.mixers` routes) are scaled by ``state_gain``: at HF's initialization and this size their
+    output barely moves the logits, so a model that dropped their state would still pass a check.
+    The model uses HF's SDPA attention (eager where a model has no SDPA support) and is in eval mode.
     """
     transformers = _transformers()
     if arch not in transformers.CONFIG_MAPPING:
@@ -164,4 +173,9 @@ def tiny_random_model(arch: str, *, seed: int = 0, device: torch.device | str = 
     except ValueError:  # a model without SDPA support (Gemma2...): HF's eager attention
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for _, module in candidates(model):
+            for p in module.parameters():
+                if p.dim() >= 2:
+                    p.mul_(state_gain)
     return model.to(device).eval()
