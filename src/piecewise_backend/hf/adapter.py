@@ -230,6 +230,25 @@ def refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
+def length_refusal(model: torch.nn.Module, max_row: int) -> str | None:
+    """Why ``model`` would be served wrongly on rows of up to ``max_row`` tokens (or positions), or None.
+
+    llama4's temperature tuning scales the queries of its no-RoPE layers by ``log1p(floor((p + 1) /
+    floor_scale))`` with ``p`` the token's row index when there is no HF cache: the tokens-first row
+    is not the position, but every scale is 1 (both agree) while rows and positions stay below
+    ``floor_scale - 1``.
+    """
+    text = model.config.get_text_config()
+    floor = getattr(text, "floor_scale", None)
+    if getattr(text, "attn_temperature_tuning", False) and isinstance(floor, (int, float)) and max_row > floor - 1:
+        return (
+            f"{type(model).__name__} tunes attention temperature from row indices (floor_scale={floor}); exact only for "
+            f"rows and positions below {int(floor) - 1}, but this engine allows {max_row}: use max_model_len and "
+            f"capture sizes <= {int(floor) - 1}"
+        )
+    return None
+
+
 def graph_safe_experts(model: torch.nn.Module) -> str | None:
     """Switch mixture-of-experts layers to an implementation without host syncs; returns it (None: no experts).
 

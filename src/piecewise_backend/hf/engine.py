@@ -34,7 +34,7 @@ from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
 from ..state.cache import StateCache, StateSpec
 from . import mixers
-from .adapter import graph_safe_experts, layout_refusal, probe, refusal
+from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal
 from .tiny import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 
 ATTN_IMPLEMENTATION = "pb_paged"
@@ -201,6 +201,9 @@ class HFEngine:
                 f"use max_model_len <= {limit}"
             )
         self.vocab_size: int = model.config.get_text_config().vocab_size
+        why = length_refusal(model, max(max_model_len, *config.sizes))
+        if why is not None:
+            raise ValueError(why)
         adapted = adapt(model)
         layers, kv_heads, head_dim = kv_shape(adapted)
         param = next(model.parameters())

@@ -136,12 +136,15 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
     tiny = _layer_kinds(config) or []
     if not tiny or not set(wanted) - set(tiny):
         return config
-    layers = wanted if len(wanted) >= len(tiny) else wanted + [wanted[0]] * (len(tiny) - len(wanted))
-    try:
-        rebuilt = _build(transformers, arch, defaults, {**sizes, "num_hidden_layers": len(layers), "layer_types": layers})
-    except ValueError:
-        return config
-    return rebuilt if set(wanted) <= set(_layer_kinds(rebuilt) or ()) else config
+    first = wanted if len(wanted) >= len(tiny) else wanted + [wanted[0]] * (len(tiny) - len(wanted))
+    for layers in (first, wanted * 2):  # twice: configs whose last layers reuse an earlier layer's cache (gemma3n)
+        try:
+            rebuilt = _build(transformers, arch, defaults, {**sizes, "num_hidden_layers": len(layers), "layer_types": layers})
+        except ValueError:
+            continue
+        if set(wanted) <= set(_layer_kinds(rebuilt) or ()):
+            return rebuilt
+    return config
 
 
 def tiny_random_model(

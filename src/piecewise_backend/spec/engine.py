@@ -27,6 +27,7 @@ import torch
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
 from ..hf.engine import adapt, kv_shape
+from ..hf.mixers import candidates
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
@@ -113,7 +114,15 @@ class SpecEngine:
         vocab = [m.config.get_text_config().vocab_size for m in (target, drafter)]
         if vocab[0] != vocab[1]:
             raise ValueError(f"the drafter's vocabulary ({vocab[1]} tokens) must be the target's ({vocab[0]})")
-        for m in (target, drafter):
+        for role, m in (("target", target), ("drafter", drafter)):
+            stateful = candidates(m)
+            if stateful:  # before either model is adapted
+                layer, module = stateful[0]
+                raise ValueError(
+                    f"SpecEngine cannot serve the {role} {type(m).__name__}: {type(module).__name__} (layer {layer}) "
+                    "keeps a recurrent or convolution state, which rejected draft tokens would leave advanced (no "
+                    "per-position state snapshots to roll back to); serve it with HFEngine"
+                )
             limit = getattr(m.config.get_text_config(), "max_position_embeddings", None)
             if limit is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len={max_model_len} exceeds {type(m).__name__}'s max_position_embeddings={limit}")
