@@ -105,6 +105,64 @@ def test_bounded_matches_reference(seed, kv_heads, group, block, window, softcap
         assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
+def chunked_reference(step: Step, cache: kv.PagedKVCache, chunk: int, window: int) -> torch.Tensor:
+    """Each token over its own request's keys, by hand: causal, within ``window``, same ``chunk`` of positions."""
+    meta, q = step.meta, step.q
+    keys, values = cache.key_caches[0].flatten(0, 1), cache.value_caches[0].flatten(0, 1)
+    out = torch.zeros_like(q)
+    for t in range(q.shape[0]):
+        if meta.slot_mapping[t] < 0:
+            continue
+        pos = int(meta.positions[t])
+        table = meta.block_tables[meta.request_index[t]]
+        visible = [p for p in range(pos + 1) if p // chunk == pos // chunk and (window <= 0 or p > pos - window)]
+        rows = torch.tensor([int(table[p // cache.block_size]) * cache.block_size + p % cache.block_size for p in visible])
+        k = keys[rows].repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        v = values[rows].repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        weights = (torch.einsum("hd,lhd->hl", q[t], k) * 0.4).softmax(-1)
+        out[t] = torch.einsum("hl,lhd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("name", ["reference", "bounded", "many"])
+@pytest.mark.parametrize("chunk, window", [(4, -1), (3, -1), (8, 5)])
+def test_chunked_attention_sees_only_its_chunk(chunk, window, name, captured, monkeypatch):
+    """llama4's chunked attention: a token attends to keys of its own chunk of positions only (and its window)."""
+    monkeypatch.setitem(attention.backends._BACKENDS, "many", attention.AttentionBackend(
+        "many", attention.BoundedAttention(eager_chunk_keys=2, graph_chunk_keys=2),
+        pb.AttentionGraphSupport.ALWAYS, chunked=True))
+    cache, steps = ragged_steps(5, 2, 2, 2, max_model_len=64)
+    for step in steps:
+        with pb.set_forward_context(pb.CUDAGraphMode.FULL if captured else pb.CUDAGraphMode.NONE):
+            got = attention.run_attention((name,), step.q, cache.key_caches[0], cache.value_caches[0], step.meta, 0.4,
+                                          window, 0.0, None, chunk_size=chunk)
+        real = step.meta.slot_mapping >= 0
+        assert torch.isfinite(got[real]).all()
+        assert_close(got[real], chunked_reference(step, cache, chunk, window)[real], atol=1e-5, rtol=1e-5)
+
+
+def test_a_backend_without_chunking_hands_chunked_layers_on(monkeypatch):
+    """A backend that does not declare ``chunked`` never sees ``chunk_size``; alone, it refuses chunked layers."""
+    calls = []
+
+    def plain(*args):
+        calls.append(len(args))
+        return attention.get_attention_backend("reference").fn(*args)
+
+    monkeypatch.setitem(attention.backends._BACKENDS, "plain", attention.AttentionBackend(
+        "plain", plain, pb.AttentionGraphSupport.ALWAYS))
+    cache, steps = ragged_steps(0, 2, 2, 4, max_model_len=32)
+    args = (steps[0].q, cache.key_caches[0], cache.value_caches[0], steps[0].meta, 0.4, -1, 0.0, None)
+    attention.run_attention(("plain", "bounded"), *args, chunk_size=4)
+    assert calls == []
+    attention.run_attention(("plain", "bounded"), *args)
+    assert calls == [8]
+    with pytest.raises(ValueError, match="'plain' does not support chunked attention"):
+        attention.run_attention(("plain",), *args, chunk_size=4)
+    assert attention.get_attention_backend("varlen").unsupported(-1, 0.0, None, 8) is not None
+
+
 class Largest(TorchDispatchMode):
     """The most elements any op's output had, and whether any op read device values on the host."""
 

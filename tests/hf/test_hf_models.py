@@ -250,9 +250,9 @@ def test_engine_serves_the_architecture_like_generate(arch):
     assert _example().check(reference, prompts, outputs, budgets, eos=None) == []
 
 
-def test_engine_refuses_a_model_with_recurrent_state_up_front():
+def test_engine_refuses_a_model_with_state_it_cannot_hold_up_front():
     from piecewise_backend import hf
 
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
-    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM has layers of type \['linear_attention'\]"):
-        hf.HFEngine(hf.tiny_random_model("qwen3_next"), config, max_model_len=24)
+    with pytest.raises(ValueError, match=r"KimiLinearForCausalLM keeps recurrent or convolution state .* in its own code"):
+        hf.HFEngine(hf.tiny_random_model("kimi_linear"), config, max_model_len=24)

@@ -190,6 +190,10 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     return result
 
 
+def transformers_pretrained() -> type:
+    return __import__("transformers").PreTrainedModel
+
+
 def refusal(model: torch.nn.Module) -> str | None:
     """Why the paged attention would serve ``model`` wrongly (from its config and modules), or None."""
     name = type(model).__name__
@@ -210,10 +214,13 @@ def refusal(model: torch.nn.Module) -> str | None:
             )
     for path, m in model.named_modules():
         kind = type(m).__name__
-        # A layer's own module (it has a layer_idx: it would keep a per-layer cache); an audio or vision
-        # encoder's convolutions run once over the input and keep nothing between tokens.
-        if hasattr(m, "layer_idx") and (_STATEFUL.search(kind) or any(isinstance(c, torch.nn.Conv1d) for c in m.children())):
-            called = mixers.kernels_called(m)
+        # A state layer's module (by its class name), or a layer's own module (it has a layer_idx: it would keep a
+        # per-layer cache) with a convolution; an audio or vision encoder's convolutions keep nothing between tokens.
+        if isinstance(m, transformers_pretrained()):  # the model and its base model carry the family's name
+            continue
+        stateful = _STATEFUL.search(kind) or hasattr(m, "layer_idx") and any(isinstance(c, torch.nn.Conv1d) for c in m.children())
+        if stateful:
+            called = set().union(*(mixers.kernels_called(d) for d in m.modules()))  # a block's mixer calls them
             unserved = sorted(called & mixers.KNOWN_UNSERVED.keys())
             if unserved:
                 family = mixers.KNOWN_UNSERVED[unserved[0]]

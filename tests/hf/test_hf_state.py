@@ -1,0 +1,124 @@
+"""HF models with state layers (gated delta nets, short convolutions) and chunked attention through HFEngine."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import piecewise_backend as pb
+from piecewise_backend import state as st
+
+transformers = pytest.importorskip("transformers")
+from piecewise_backend import hf  # noqa: E402
+from piecewise_backend.spec import SpecEngine  # noqa: E402
+
+CONFIG = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8, 16])
+
+
+def _example():
+    path = Path(__file__).resolve().parents[2] / "examples" / "hf_generate.py"
+    spec = importlib.util.spec_from_file_location("hf_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def serve(model: torch.nn.Module, capture: bool = True) -> tuple[list[list[int]], list[list[int]], list, hf.HFEngine]:
+    """Three requests that join and finish at different steps (a prompt longer than llama4's chunk of 8)."""
+    engine = hf.HFEngine(model, CONFIG, max_num_reqs=3, max_model_len=32, block_size=4)
+    if capture:
+        engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    steps: list[hf.StepInfo] = []
+    outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
+    return prompts, outputs, steps, engine
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "olmo_hybrid", "lfm3", "llama4_text"])
+def test_engine_serves_state_layers_and_chunked_attention_like_generate(arch):
+    model = hf.tiny_random_model(arch)
+    reference = copy.deepcopy(model)
+    prompts, outputs, steps, engine = serve(model)
+    modes = {s.mode for s in steps if s.uniform_decode}
+    assert modes == {pb.CUDAGraphMode.FULL}, steps  # pure decode steps replay FULL graphs, state updates inside
+    assert pb.CUDAGraphMode.PIECEWISE in {s.mode for s in steps if not s.uniform_decode}
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+    kinds = model.config.get_text_config().layer_types
+    attention = [k for k in kinds if k.endswith("attention") and k != "linear_attention"]
+    assert len(engine.cache.key_caches) == len(attention)  # the KV cache holds attention layers only
+    assert (engine.states is None) == (arch == "llama4_text")
+    if engine.states is not None:
+        assert engine.states.slots == {}  # every finished request gave its slot back
+
+
+def test_a_capture_on_first_sight_mid_serving_keeps_the_states_right():
+    """No capture() at startup: each descriptor is captured on the step that first needs it, its breaks run
+    on garbage at capture and again at replay; the states must advance once, from the right values."""
+    model = hf.tiny_random_model("qwen3_5_text")
+    reference = copy.deepcopy(model)
+    prompts, outputs, steps, _ = serve(model, capture=False)
+    assert {pb.CUDAGraphMode.FULL, pb.CUDAGraphMode.PIECEWISE} <= {s.mode for s in steps}
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+
+
+def test_tokens_depend_on_the_state_so_the_check_can_fail(monkeypatch):
+    """The control: an engine that never commits (every step reads a new request's zeros) differs from
+    generate, so the tiny models' state layers matter (tiny_random_model's state_gain)."""
+    monkeypatch.setattr(st.cache.StateCache, "commit", lambda self, requests: None)
+    model = hf.tiny_random_model("lfm2")
+    reference = copy.deepcopy(model)
+    prompts, outputs, _, _ = serve(model)
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) != []
+
+
+@pytest.mark.parametrize("arch, kinds", [
+    ("qwen3_next", {"linear_attention", "full_attention"}),
+    ("lfm2", {"conv", "full_attention"}),  # its default config is all attention; LFM2 checkpoints are not
+    ("lfm3", {"conv", "full_attention", "sliding_attention"}),
+    ("llama4_text", {"chunked_attention", "full_attention"}),
+    ("gemma3_text", {"sliding_attention", "full_attention"}),
+])
+def test_tiny_models_keep_a_layer_of_every_type(arch, kinds):
+    assert set(hf.tiny_random_model(arch).config.get_text_config().layer_types) == kinds
+    assert set(hf.tiny_random_model(arch, num_hidden_layers=1).config.get_text_config().layer_types) < kinds  # sizes win
+
+
+def test_adapt_routes_each_state_layer_to_the_ops_by_what_it_calls():
+    model = hf.tiny_random_model("qwen3_next")
+    adapted = hf.adapt(model)
+    text = model.config.get_text_config()
+    conv = 2 * text.linear_num_key_heads * text.linear_key_head_dim + text.linear_num_value_heads * text.linear_value_head_dim
+    assert [(s.layer, s.kind, s.shape) for s in adapted.state_specs] == [
+        (0, "conv", (conv, text.linear_conv_kernel_dim - 1)),
+        (0, "recurrent", (text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim)),
+    ]
+    assert adapted.kv_shape[0] == 1  # one attention layer (layer 1), at cache index 0
+    assert model.model.layers[1].self_attn.pb_kv_layer == 0
+    assert "forward" in vars(model.model.layers[0].linear_attn)  # its own code, its kernels bound to the ops
+    assert "forward" not in vars(copy.deepcopy(hf.tiny_random_model("qwen3_next")).model.layers[0].linear_attn)
+
+
+def test_llama4_chunked_layers_and_its_temperature_bound():
+    model = hf.tiny_random_model("llama4_text")
+    hf.adapt(model)
+    assert [layer.self_attn.pb_chunk_size for layer in model.model.layers] == [8, 0]
+    model = hf.tiny_random_model("llama4_text")
+    model.config.floor_scale = 20
+    with pytest.raises(ValueError, match=r"tunes attention temperature from row indices \(floor_scale=20\)"):
+        hf.HFEngine(model, CONFIG, max_model_len=32)
+
+
+def test_spec_engine_refuses_state_layers_before_touching_the_models():
+    target = hf.tiny_random_model("qwen3_next")
+    drafter = hf.tiny_random_model("llama")
+    with pytest.raises(ValueError, match=r"cannot serve the target Qwen3NextForCausalLM: Qwen3NextGatedDeltaNet"):
+        SpecEngine(target, drafter, CONFIG, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"cannot serve the drafter"):
+        SpecEngine(hf.tiny_random_model("llama"), hf.tiny_random_model("lfm2"), CONFIG, num_speculative_tokens=2)
+    assert "forward" not in vars(target.model.layers[0].linear_attn)
+    assert target.config._attn_implementation == "sdpa"
