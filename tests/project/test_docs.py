@@ -48,8 +48,12 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 SPAN = re.compile(r"`([^`]+)`")
 SECTION_MODULES = {
-    "piecewise_backend.kv.op": "kv.op", "piecewise_backend.kv": "kv", "piecewise_backend.hf": "hf",
+    "piecewise_backend.kv.op": "kv.op", "piecewise_backend.kv": "kv", "piecewise_backend.hf.mixers": "hf.mixers",
+    "piecewise_backend.hf": "hf",
     "piecewise_backend.spec": "spec",
+    "piecewise_backend.state.metadata": "state.metadata", "piecewise_backend.state.cache": "state.cache",
+    "piecewise_backend.state.conv": "state.conv", "piecewise_backend.state.delta": "state.delta",
+    "piecewise_backend.state": "state",
     "piecewise_backend.parallel": "parallel",
     "piecewise_backend.attention.cuda": "attention.cuda", "piecewise_backend.attention.kernels": "attention.kernels",
     "piecewise_backend.attention": "attention",

@@ -14,7 +14,7 @@ from .backends import (
     select_attention_backends,
 )
 from .cuda import VARLEN, Kernel, VarlenAttention, varlen_accepts, varlen_arguments, varlen_unavailable
-from .kernels import attend, attend_blocks
+from .kernels import attend, attend_blocks, visible_start
 
 __all__ = [
     "attention_backends",
@@ -30,6 +30,7 @@ __all__ = [
     "select_attention_backends",
     "attend",
     "attend_blocks",
+    "visible_start",
     "Kernel",
     "VARLEN",
     "varlen_accepts",

@@ -19,6 +19,7 @@ from .engine import (
     StepInfo,
     TokensFirst,
     adapt,
+    chunked_layers,
     kv_shape,
     paged_attention_forward,
     register_attention,
@@ -27,6 +28,7 @@ from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
 __all__ = [
     "adapt",
+    "chunked_layers",
     "ATTN_IMPLEMENTATION",
     "HFEngine",
     "kv_shape",
