@@ -122,3 +122,19 @@ def test_spec_engine_refuses_state_layers_before_touching_the_models():
         SpecEngine(hf.tiny_random_model("llama"), hf.tiny_random_model("lfm2"), CONFIG, num_speculative_tokens=2)
     assert "forward" not in vars(target.model.layers[0].linear_attn)
     assert target.config._attn_implementation == "sdpa"
+
+
+def test_a_model_without_attention_is_served():
+    """lfm2 of conv layers only: no KV layers at all, and FULL decode graphs of the state ops alone. (transformers'
+    generate cannot run it: its cache needs an attention layer; the reference is its greedy forward.)"""
+    model = hf.tiny_random_model("lfm2", num_hidden_layers=2, layer_types=["conv", "conv"])
+    reference = copy.deepcopy(model)
+    prompts, outputs, steps, engine = serve(model)
+    assert engine.cache.key_caches == [] and engine.cache.memory_bytes == 0
+    assert pb.CUDAGraphMode.FULL in {s.mode for s in steps}
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outputs):
+            ids = list(prompt)
+            for token in out:
+                assert reference(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax().item() == token
+                ids.append(token)

@@ -89,3 +89,16 @@ def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
     cb_row = re.search(r"^\| transformers generate_batch .*\| 32 ", out, re.M)
     assert cb_row or "transformers continuous batching" in out, out  # a row, or the line saying why there is none
     assert "the CUDA graphs are simulated" in out
+
+
+def test_state_benchmark_measures_memory_per_request_against_context():
+    """bench_state on small contexts: state layers' bytes per request do not grow, KV bytes do; no KV without attention."""
+    import importlib
+
+    bench_state = importlib.import_module("benchmarks.bench_state")
+    section = bench_state.run(quick=True, contexts=(16, 48))[0]
+    assert "| state only (lfm2, 2 conv layers)" in section.body
+    data = section.data
+    assert data["lfm2"]["kv_bytes"] == {16: 0, 48: 0} and data["lfm2"]["state_bytes"] > 0
+    assert data["qwen3_next"]["kv_bytes"][48] > data["qwen3_next"]["kv_bytes"][16] > 0
+    assert data["llama"]["state_bytes"] == 0
