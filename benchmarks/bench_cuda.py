@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import sys
 import time
@@ -285,7 +286,7 @@ def latency(
             try:
                 step = makers[name](b)
                 ok, diff = agree(step(), ref)
-                diffs[name] = max(diffs.get(name, 0.0), diff) if diff == diff else diff
+                diffs[name] = diff if math.isnan(diff) else max(diffs.get(name, 0.0), diff)
                 if not ok:
                     wrong.setdefault(name, f"logits differ from eager at batch {b}: max |diff| {diff:.3g}")
                     continue

@@ -19,6 +19,7 @@ from piecewise_backend.platforms import base as platforms_base
 from piecewise_backend.platforms.cuda import platform as cuda_platform
 from pbtest import cuda_double
 from pbtest.cuda_double.fake import NOT_PERMITTED
+from pbtest.helpers import end_failed_capture
 
 FULL, NONE = pb.CUDAGraphMode.FULL, pb.CUDAGraphMode.NONE
 CFG = pb.CompilationConfig(platform="cuda", compile_pieces="eager", use_ubatching=True, cudagraph_mode="FULL")
@@ -176,25 +177,25 @@ def test_why_threads_prepare_first_a_cublas_handle_made_in_the_capture_invalidat
 
 def test_double_global_capture_refuses_cudamalloc_from_another_thread_thread_local_does_not(fake):
     for mode, refused in (("global", True), ("thread_local", False)):
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
+        stream, graph, pool = torch.cuda.Stream(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         errors: list[str] = []
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode=mode)
+            graph.capture_begin(pool=pool, capture_error_mode=mode)
             fake.launch()
             t = threading.Thread(target=lambda: errors.extend(_try(lambda: fake.malloc(1 << 20))))
             t.start(); t.join()  # noqa: E702
             ended = _try(graph.capture_end)
-            _end_routing_after_failure(fake)
+        if ended:
+            end_failed_capture(graph, pool)
         assert bool(errors) == refused and bool(ended) == refused, (mode, errors, ended)
 
 
 def test_double_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_joins_it(fake):
     for join in (False, True):
         origin, side = torch.cuda.Stream(), torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         with torch.cuda.stream(origin):
-            graph.capture_begin()
+            graph.capture_begin(pool=pool)
             fork = torch.cuda.Event()
             fork.record(origin)
             side.wait_event(fork)
@@ -206,14 +207,9 @@ def test_double_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_jo
                 done.record(side)
                 origin.wait_event(done)
             errors = _try(graph.capture_end)
-            _end_routing_after_failure(fake)
+        if errors:
+            end_failed_capture(graph, pool)
         assert bool(errors) != join, errors
-
-
-def _end_routing_after_failure(fake: Any) -> None:
-    # What the platform's recovery does: torch 2.11's failed capture_end leaves device routing on.
-    for pool, _ in list(fake.routing):
-        torch._C._cuda_endAllocateToPool(0, pool)
 
 
 def _try(fn: Any) -> list[str]:
@@ -269,17 +265,18 @@ def test_cuda_global_capture_refuses_cudamalloc_from_another_thread():
     for mode, refused in (("global", True), ("thread_local", False)):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # nothing cached could serve the other thread's allocation
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
+        stream, graph, pool = torch.cuda.Stream(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         errors: list[str] = []
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode=mode)
+            graph.capture_begin(pool=pool, capture_error_mode=mode)
             torch.ones(1, device="cuda").add_(1)
             # an odd size the cache cannot serve: a fresh cudaMalloc on the other thread's default stream
             fresh = lambda: torch.empty((97 << 20) + 3, dtype=torch.uint8, device="cuda")  # noqa: E731
             t = threading.Thread(target=lambda: errors.extend(_try(fresh)))
             t.start(); t.join()  # noqa: E702
             ended = _try(graph.capture_end)
+        if ended:  # a failed capture: end its routing as the platform does (2.11 leaves it on)
+            end_failed_capture(graph, pool)
         assert bool(errors or ended) == refused, (mode, errors, ended)
         torch.cuda.synchronize()
 
@@ -289,11 +286,11 @@ def test_cuda_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_join
     # twin of test_double_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_joins_it
     for join in (False, True):
         origin, side = torch.cuda.Stream(), torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         a = torch.ones(4, device="cuda")
         torch.cuda.synchronize()
         with torch.cuda.stream(origin):
-            graph.capture_begin()
+            graph.capture_begin(pool=pool)
             fork = torch.cuda.Event()
             fork.record(origin)
             side.wait_event(fork)
@@ -304,7 +301,8 @@ def test_cuda_an_event_wait_forks_a_stream_into_the_capture_and_a_wait_back_join
                 done.record(side)
                 origin.wait_event(done)
             errors = _try(graph.capture_end)
-            _end_routing_after_failure(fake)
+        if errors:  # the unjoined fork failed the capture: end its routing as the platform does
+            end_failed_capture(graph, pool)
         assert bool(errors) != join, errors
 
 
