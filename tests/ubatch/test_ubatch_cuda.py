@@ -172,6 +172,57 @@ def test_why_threads_prepare_first_a_cublas_handle_made_in_the_capture_invalidat
     assert "cublasCreate" in fake.invalidations
 
 
+class CaptureOnlyGemm(torch.nn.Module):
+    """A GEMM only inside a capture (a FULL-only attention path; the eager warm-up runs none): its workspace
+    must already exist on the micro-batch thread's stream, or it is made inside the capture, in the graph's pool."""
+
+    def __init__(self, lt: bool) -> None:
+        super().__init__()
+        self.lt = lt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fake = cuda_double.current()
+        if torch.cuda.is_current_stream_capturing():
+            fake.gemm(lt=self.lt)
+        with pb.dbo_comm(x):
+            fake.launch()
+        pb.dbo_yield()
+        return x * 2
+
+
+def test_threads_make_their_cublaslt_workspace_before_the_capture_on_torch_2_11(monkeypatch):
+    # torch 2.11 keeps cuBLASLt's workspace apart, made by the first Lt GEMM (cublaslt_unified_workspace)
+    monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: True])
+    with cuda_double.installed((2, 11)) as fake:
+        model = CaptureOnlyGemm(lt=True)
+        wrapper = pb.wrap_model(model, CFG)
+        x = torch.arange(5.0)
+        pb.mark_persistent(x)
+        _step(wrapper, x, FULL)
+        made = {key: seg.pool for key, seg in fake.lt_workspaces.items()}
+        assert len(made) >= 4 and set(made.values()) == {(0, 0)}, made  # 2 threads x 2 streams, none in the pool
+        cuda_double.check_clean(fake)
+
+
+def test_a_reused_stream_whose_workspaces_were_freed_is_warmed_again(fake):
+    # A generation's end frees its stream's workspaces (torch >= 2.12) and the stream serves the next one:
+    # the micro-batch threads' "ready on this stream" must not outlive that.
+    model = CaptureOnlyGemm(lt=False)
+    wrapper = pb.wrap_model(model, CFG)
+    x = torch.arange(5.0)
+    pb.mark_persistent(x)
+    _step(wrapper, x, FULL)
+    p = cuda_platform.platform_for(0)
+    first = p.stream.cuda_stream
+    for _ in range(2):  # each generation ends; its stream waits as a spare for the one after next
+        wrapper.clear_graphs()
+        p.release_cached()
+        _step(wrapper, x, FULL)
+    assert p.stream.cuda_stream == first  # the first generation's raw stream again
+    ours = [seg for (h, st), seg in fake.workspaces.items() if st.cuda_stream == first and h in set(fake.handles.values())]
+    assert ours and all(seg.pool == (0, 0) for seg in ours), [seg.pool for seg in ours]
+
+
 # --- the double's rules this relies on (tests/support/pbtest/cuda_double/fake.py), with GPU twins ---------------------
 
 

@@ -292,8 +292,12 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
     monkeypatch.setattr(memory, "_cuda_releasePool", lambda device, pool: fake._release(tuple(pool)))
     from piecewise_backend import platforms
     from piecewise_backend.platforms.cuda import platform as cuda_platform
+    from piecewise_backend.platforms.cuda import streams as cuda_streams
 
     monkeypatch.setattr(cuda_platform, "_platforms", {}, raising=False)  # a fresh platform per install
+    # the one device op the platform issues itself: a cuBLASLt GEMM that makes a thread's Lt workspace
+    monkeypatch.setattr(cuda_streams, "lt_gemm", lambda device: fake.gemm(lt=True))
+    monkeypatch.setattr(cuda_streams, "_cleared", {})  # raw stream ids restart with each double
     getattr(platforms.get_platform, "cache_clear", lambda: None)()  # platform code that caches by name only
     return fake
 
