@@ -5,8 +5,8 @@ timeout, one verdict line each (``PASS|FAIL|TIMEOUT <step> (<s> s)...``), a tabl
 end; exit status 1 unless every step passed. Plan mode (``--plan``, any machine, CUDA or not):
 the gate's setup and backend check, then one ``PLAN`` line per step, its budget and the number of
 tests it would run (a command step: its command), and ``PLAN total <sum> s of <GPU_CHECK_SECONDS> s``;
-exit status 1 if the budgets exceed GPU_CHECK_SECONDS, a pytest step collects no test, or the
-backend does not resolve by name.
+exit status 1 if the budgets exceed GPU_CHECK_SECONDS, a pytest step collects no test, the steps
+write more files to ``$OUT`` than the device brings back (8), or the backend does not resolve by name.
 
 The gate makes the tracked tree usable as it is, without network, dependencies or a change to the
 caller's environment: it installs the tree (``pip install --no-deps --no-build-isolation --no-index
@@ -40,6 +40,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SECONDS = 480
+OWN_FILES = ("summary.txt", "steps.log", "junit.xml")
+MAX_FILES = 8  # what the device tool brings back from $OUT
 
 VERSIONS = r"""
 import sys, torch
@@ -291,6 +293,10 @@ class Check:
             self.say(f"PLAN {s.name} {s.budget_s} s {n} tests (-m {s.marker} {' '.join(s.tests)}{how})")
             if n == 0:
                 problems.append(f"step {s.name} collects no test (-m {s.marker} {' '.join(s.tests)})")
+        written = sorted({a for s in steps for a in s.command if "{out}" in a})
+        if len(OWN_FILES) + len(written) > MAX_FILES:
+            problems.append(f"the steps write {len(written)} files to $OUT besides {', '.join(OWN_FILES)}: the device "
+                            f"returns {MAX_FILES} at most ({', '.join(written)})")
         total = gate_s + sum(s.budget_s for s in steps)
         self.say(f"PLAN total {total} s of {self.total} s")
         if total > self.total:

@@ -17,7 +17,9 @@ then run ``bash scripts/gpu_check.sh --plan`` (any machine): it must exit 0.
   asks pytest-xdist for that many processes where it is installed (the GPU machine has it).
 * a command step gives ``command`` (``{py}`` is the Python running the check, ``{out}`` the
   results folder); its exit status is its verdict, so a benchmark must exit non-zero when a
-  variant of the library failed or its tokens/outputs differ on CUDA.
+  variant of the library failed or its tokens/outputs differ on CUDA. A benchmark writes its table
+  to a file of its own under ``{out}`` as soon as it has one (a killed step keeps it); the device
+  returns 8 files, 3 of them the check's own, and ``--plan`` refuses more.
 * ``gpus``: the step runs only on a machine with that many GPUs (reported as not run otherwise,
   and left out of the plan's total there).
 

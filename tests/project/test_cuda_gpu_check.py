@@ -138,6 +138,10 @@ def test_plan_fails_over_budget_or_with_a_step_that_collects_nothing(check, caps
     assert "PLAN total 125 s of 100 s" in out
     assert "FAIL plan: the budgets add up to 125 s, over GPU_CHECK_SECONDS=100 s" in out
     assert "FAIL plan: step rules collects no test (-m cuda tests/platforms/test_cuda_double.py)" in out
+    many = [Step(f"bench{i}", 1, "x", command=("{py}", "-m", "b", "--out", f"{{out}}/t{i}.md")) for i in range(6)]
+    monkeypatch.setattr(check, "count", lambda steps: {})
+    assert check.run_plan(many, 1) == 1
+    assert "FAIL plan: the steps write 6 files to $OUT besides summary.txt, steps.log, junit.xml" in capsys.readouterr().out
 
 
 def test_verdicts_count_tests_from_junit_and_no_test_run_is_a_failure(check, tmp_path, monkeypatch):
