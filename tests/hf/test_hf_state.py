@@ -138,3 +138,10 @@ def test_a_model_without_attention_is_served():
             for token in out:
                 assert reference(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax().item() == token
                 ids.append(token)
+
+
+def test_a_tiny_model_that_would_lose_a_refused_layer_type_is_not_built():
+    """qwen4_exp's default config cannot build its indexed-attention layers small: without them the model would be
+    served for a reason its checkpoints (refused: indexed attention) do not have."""
+    with pytest.raises(ValueError, match=r"cannot build 'qwen4_exp' with a layer of every type .* loses \['indexed_attention'\]"):
+        hf.tiny_random_model("qwen4_exp")

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .adapter import SERVED_LAYER_TYPES
 from .mixers import candidates
 
 #: Sizes of :func:`tiny_random_model`; a config gets only the fields it has (and can set).
@@ -127,7 +128,8 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
 
     The layers keep the order in which each type first appears (qwen3_next: linear, then full
     attention). A config that derives its types from other fields, or refuses the list, is kept as
-    built (it may lose a type: the caller's ``sizes`` can set them).
+    built when the types it loses are ones the engine serves (it then tests less); losing a type the
+    engine refuses raises (the model would pass for a reason its checkpoints do not have).
     """
     if "layer_types" in sizes or "num_hidden_layers" in sizes:
         return config
@@ -144,6 +146,12 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
             continue
         if set(wanted) <= set(_layer_kinds(rebuilt) or ()):
             return rebuilt
+    unserved = sorted(set(wanted) - set(tiny) - SERVED_LAYER_TYPES)
+    if unserved:  # served without them, the model would pass for a reason its checkpoints do not have
+        raise ValueError(
+            f"tiny_random_model cannot build {arch!r} with a layer of every type its full config has: shrunk, it "
+            f"loses {unserved} layers (a config built with them fails or drops them); pass fitting **sizes"
+        )
     return config
 
 
