@@ -81,7 +81,7 @@ def test_adapt_refuses_what_it_cannot_serve():
     [
         # state kept by a family the state cache does not serve yet, or by a layer's own code (lightning attention)
         ("falcon_mamba", {}, r"keeps Mamba1 \(selective scan\) state \(FalconMambaBlock"),
-        ("nemotron_h", {}, r"keeps Mamba2 \(SSD scan\) state"),
+        ("recurrent_gemma", {}, r"state between tokens in its own code \(RecurrentGemmaRecurrentBlock"),
         ("minimax", {}, r"state between tokens in its own code \(MiniMaxLightningAttention"),
         # differential attention calls the interface twice per layer with the same layer index
         ("diffllama", {}, "runs attention layer 0 more than once per forward"),

@@ -12,6 +12,7 @@ from piecewise_backend.state.metadata import STATE_INDEX
 from pbtest.helpers import compile_model
 
 C, K, HK, HV, DK, DV = 8, 4, 1, 2, 4, 4
+SH, SP, SG, SN = 4, 2, 2, 3  # Mamba2: heads, head_dim, groups, state size
 CONFIG = pb.CompilationConfig(
     platform="simulated", compile_pieces="eager", cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16]
 )
@@ -119,6 +120,36 @@ def test_chunked_and_recurrent_delta_rule_agree_and_chain():
     assert_close(torch.stack(steps), whole, rtol=0, atol=1e-5)
 
 
+def test_ssd_kernels_match_transformers():
+    nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    g = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x, dt, B, Cm = r(1, 37, SH, SP), r(1, 37, SH), r(1, 37, SG, SN), r(1, 37, SG, SN)
+    A, D, bias, s0 = -torch.rand(SH, generator=g), r(SH), r(SH), r(1, SH, SP, SN)
+    ref, ref_state = nh.mamba2_chunk_scan(x, dt, A, B, Cm, 8, D=D, dt_bias=bias, initial_states=s0, dt_softplus=True,
+                                          return_final_states=True, dt_limit=(0.0, float("inf")))
+    y, state = st.ssd_sequence(x[0], dt[0], A, B[0], Cm[0], D, bias, s0[0], 8)
+    assert_close(y, ref[0], rtol=0, atol=0)
+    assert_close(state, ref_state[0], rtol=0, atol=0)
+    states = r(3, SH, SP, SN)
+    x1, dt1, B1, C1 = r(3, SH, SP), r(3, SH), r(3, SG, SN), r(3, SG, SN)
+    hf_states = states.clone()
+    ref = nh.mamba2_selective_state_update(hf_states, x1, dt1[..., None].expand(-1, -1, SP),
+                                           A[:, None, None].expand(-1, SP, SN), B1, C1, D[:, None].expand(-1, SP),
+                                           dt_bias=bias[:, None].expand(-1, SP), dt_softplus=True)
+    y, new = st.ssd_step(x1, dt1, A, B1, C1, D, bias, states)
+    assert_close(y, ref, rtol=0, atol=0)
+    assert_close(new, hf_states, rtol=0, atol=0)
+    steps, s = [], s0[0]
+    for t in range(37):  # the recurrence token by token == the chunked form
+        out, s1 = st.ssd_step(x[:, t], dt[:, t], A, B[:, t], Cm[:, t], D, bias, s[None])
+        steps.append(out[0])
+        s = s1[0]
+    assert_close(torch.stack(steps), y_whole := st.ssd_sequence(x[0], dt[0], A, B[0], Cm[0], D, bias, s0[0], 8)[0],
+                 rtol=1e-5, atol=1e-5)
+    assert y_whole.shape == x[0].shape
+
+
 def test_conv_kernels_match_transformers():
     qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     x, w, b = torch.randn(1, C, 9), torch.randn(C, K), torch.randn(C)
@@ -139,7 +170,8 @@ def test_conv_kernels_match_transformers():
 # --- the ops under a GraphRunner: eager, PIECEWISE breaks, FULL graphs ---
 
 class StateToy(torch.nn.Module):
-    """A short conv then a gated delta rule on per-token features: (tokens, C) -> (tokens, C + HV * DV)."""
+    """A short conv, then a gated delta rule and a Mamba2 scan on per-token features:
+    (tokens, C) -> (tokens, C + HV * DV + SH * SP)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -147,6 +179,8 @@ class StateToy(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(C, K))
         self.bias = torch.nn.Parameter(torch.randn(C))
         self.proj = torch.nn.Linear(C, 2 * HK * DK + HV * DV + 2 * HV)
+        self.ssm_proj = torch.nn.Linear(C, SH * SP + SH + 2 * SG * SN)
+        self.A, self.D, self.dt_bias = (torch.nn.Parameter(t) for t in (-torch.rand(SH) - 0.5, torch.randn(SH), torch.randn(SH)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = torch.empty_like(x)
@@ -154,7 +188,16 @@ class StateToy(torch.nn.Module):
         q, k, v, g, beta = self.split(self.proj(conv))
         out = torch.empty(x.shape[0], HV, DV, dtype=x.dtype, device=x.device)
         torch.ops.pb_state.gated_delta_rule(q, k, v, g, beta, out, 1, True, 64)
-        return torch.cat([conv, out.flatten(1)], dim=-1)
+        xs, dt, B, Cm = self.ssm_split(self.ssm_proj(conv))
+        ys = torch.empty_like(xs)
+        torch.ops.pb_state.ssd_scan(xs, dt, self.A, B, Cm, self.D, self.dt_bias, ys, 2, 4, True, 0.0, float("inf"))
+        return torch.cat([conv, out.flatten(1), ys.flatten(1)], dim=-1)
+
+    @staticmethod
+    def ssm_split(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, dt, B, Cm = h.split([SH * SP, SH, SG * SN, SG * SN], dim=-1)
+        t = h.shape[0]
+        return x.reshape(t, SH, SP), dt, B.reshape(t, SG, SN), Cm.reshape(t, SG, SN)
 
     @staticmethod
     def split(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -162,16 +205,21 @@ class StateToy(torch.nn.Module):
         t = h.shape[0]
         return q.reshape(t, HK, DK), k.reshape(t, HK, DK), v.reshape(t, HV, DV), -torch.nn.functional.softplus(a), b.sigmoid()
 
-    def reference(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def reference(
+        self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """One request, eagerly, from its states: (output, new conv state, new recurrent state)."""
         conv, new_conv = st.conv_sequence(x, conv_state, self.weight, self.bias, "silu")
         q, k, v, g, beta = self.split(self.proj(conv))
         out, new_rec = st.delta_sequence(q, k, v, g, beta, rec_state)
-        return torch.cat([conv, out.flatten(1)], dim=-1), new_conv, new_rec
+        xs, dt, B, Cm = self.ssm_split(self.ssm_proj(conv))
+        ys, new_ssm = st.ssd_sequence(xs, dt, self.A, B, Cm, self.D, self.dt_bias, ssm_state, 4)
+        return torch.cat([conv, out.flatten(1), ys.flatten(1)], dim=-1), new_conv, new_rec, new_ssm
 
 
 def specs() -> list[st.StateSpec]:
-    return [st.StateSpec(0, "conv", (C, K - 1)), st.StateSpec(0, "recurrent", (HV, DK, DV))]
+    return [st.StateSpec(0, "conv", (C, K - 1)), st.StateSpec(0, "recurrent", (HV, DK, DV)),
+            st.StateSpec(0, "ssm", (SH, SP, SN))]
 
 
 def make_runner(model: StateToy, cache: st.StateCache, config: pb.CompilationConfig = CONFIG) -> pb.GraphRunner:
@@ -208,9 +256,9 @@ def expected(model: StateToy, cache: st.StateCache, chunks: list[tuple[str, int]
     outs, new, at = [], {}, 0
     with torch.no_grad():
         for r, n in chunks:
-            out, conv, rec = model.reference(x[at:at + n], cache.state(r, 0).clone(), cache.state(r, 1).clone())
+            out, *states = model.reference(x[at:at + n], *(cache.state(r, i).clone() for i in range(3)))
             outs.append(out)
-            new[r] = (conv, rec)
+            new[r] = states
             at += n
     return torch.cat(outs), new
 
@@ -305,3 +353,17 @@ def test_eager_op_runs_a_break_twice_without_applying_the_update_twice():
         first = model(x)
         second = model(x)
     assert_close(first, second, rtol=0, atol=0)
+
+
+def test_an_op_captured_inside_a_piecewise_segment_refuses():
+    """An unsplit model (not compiled with the backend, or run uncompiled by Dynamo) puts the op inside a
+    PIECEWISE segment, where it can neither run per request nor assume one token each: a clear error."""
+    model = StateToy()
+    cache = st.StateCache(specs(), num_slots=2)
+    runner = pb.GraphRunner(
+        model, CONFIG, [pb.StaticInput("x", shape=(C,), dtype=torch.float32), *cache.static_inputs()],
+        model_args=["x"], context_fn=cache.context_fn, max_num_reqs=2,
+        attention_support=pb.AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+    )
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="captured inside a PIECEWISE graph segment"):
+        runner.run(x=torch.randn(3, C), **cache.step_inputs([("a", 0, 3)]))

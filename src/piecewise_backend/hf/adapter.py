@@ -27,6 +27,7 @@ PROBE_IMPLEMENTATION = "pb_probe"
 #: ops where the layer's module calls kernels :mod:`.mixers` routes (its own check refuses the rest).
 SERVED_LAYER_TYPES = frozenset({
     "full_attention", "sliding_attention", "attention", "mlp", "moe", "chunked_attention", "linear_attention", "conv",
+    "hybrid",  # falcon_h1: a Mamba2 mixer and attention side by side in one layer
 })
 # Layer classes that keep a recurrent or convolution state from one token to the next.
 _STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
@@ -214,11 +215,13 @@ def refusal(model: torch.nn.Module) -> str | None:
             )
     for path, m in model.named_modules():
         kind = type(m).__name__
-        # A state layer's module (by its class name), or a layer's own module (it has a layer_idx: it would keep a
-        # per-layer cache) with a convolution; an audio or vision encoder's convolutions keep nothing between tokens.
+        # A layer's own module (it has a layer_idx: it would keep a per-layer cache) named like a state layer or
+        # holding a convolution, or a module named like one that holds a convolution (recurrent_gemma's block);
+        # an audio or vision encoder's convolutions keep nothing between tokens.
         if isinstance(m, transformers_pretrained()):  # the model and its base model carry the family's name
             continue
-        stateful = _STATEFUL.search(kind) or hasattr(m, "layer_idx") and any(isinstance(c, torch.nn.Conv1d) for c in m.children())
+        conv = any(isinstance(c, torch.nn.Conv1d) for c in m.children())
+        stateful = (hasattr(m, "layer_idx") or conv) and (_STATEFUL.search(kind) or conv and hasattr(m, "layer_idx"))
         if stateful:
             called = set().union(*(mixers.kernels_called(d) for d in m.modules()))  # a block's mixer calls them
             unserved = sorted(called & mixers.KNOWN_UNSERVED.keys())

@@ -1,7 +1,7 @@
-"""Route the state layers of HF models (short convolutions, gated delta nets) onto the ``pb_state`` ops.
+"""Route the state layers of HF models (short convolutions, gated delta nets, Mamba2) onto the ``pb_state`` ops.
 
 transformers' state-layer modules call module-level kernels for everything that keeps state
-(``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ...: the functions its hub kernels would
+(``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ...: the functions its hub kernels would
 replace). Served with ``use_cache=False``, a forward calls the whole-sequence forms only, on the
 tokens-first row where several requests sit side by side; left alone, their convolution and
 recurrence would run across request boundaries and forget every state between steps.
@@ -29,22 +29,24 @@ import torch
 
 from ..state import conv as _conv  # noqa: F401  (registers pb_state::causal_conv1d)
 from ..state import delta as _delta  # noqa: F401  (registers pb_state::gated_delta_rule)
+from ..state import ssd as _ssd  # noqa: F401  (registers pb_state::ssd_scan)
 from ..state.cache import StateSpec
 from ..state.conv import ACTIVATIONS
 
-#: Kernel name -> the state it keeps ("conv", "recurrent"). The ``*_update`` / recurrent forms run
-#: only with a cache, which a served forward never has; they are routed too, so none can run unseen.
+#: Kernel name -> the state it keeps ("conv", "recurrent", "ssm"). The ``*_update`` / recurrent forms
+#: run only with a cache, which a served forward never has, and the fused Mamba2 kernel only in
+#: training; they are routed too (to an error, or to "no fused kernel"), so none can run unseen.
 SERVED_KERNELS = {
     "causal_conv1d_fn": "conv",
     "causal_conv1d_update": "conv",
     "torch_chunk_gated_delta_rule": "recurrent",
     "torch_recurrent_gated_delta_rule": "recurrent",
+    "mamba2_chunk_scan": "ssm",
+    "mamba2_selective_state_update": "ssm",
+    "mamba2_split_conv1d_scan_combined": "ssm",
 }
 #: Stateful kernels of other families, and the family a refusal names.
 KNOWN_UNSERVED = {
-    "mamba2_chunk_scan": "Mamba2 (SSD scan)",
-    "mamba2_selective_state_update": "Mamba2 (SSD scan)",
-    "mamba2_split_conv1d_scan_combined": "Mamba2 (SSD scan)",
     "mamba_selective_scan": "Mamba1 (selective scan)",
     "mamba_selective_state_update": "Mamba1 (selective scan)",
     "selective_scan_fn": "Mamba1 (selective scan)",
@@ -113,6 +115,18 @@ def _delta_record(key: torch.Tensor, value: torch.Tensor, initial_state: Any) ->
     return {"shape": shape, "dtype": torch.float32, "why": why}
 
 
+def _ssm_record(x: torch.Tensor, B: torch.Tensor, initial_states: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    why = None
+    if x.dim() != 4 or B.dim() != 4 or x.shape[2] % B.shape[2]:
+        why = f"calls mamba2_chunk_scan with x {tuple(x.shape)} and B {tuple(B.shape)}, not grouped (batch, tokens, heads, dim)"
+    elif initial_states is not None:
+        why = "passes its own initial state to mamba2_chunk_scan"
+    elif kw.get("z") is not None or kw.get("seq_idx") is not None:
+        why = "passes z or seq_idx to mamba2_chunk_scan, which pb_state::ssd_scan does not apply"
+    shape = (x.shape[2], x.shape[3], B.shape[3]) if why is None else ()
+    return {"shape": shape, "dtype": torch.float32, "why": why}
+
+
 class _Recorder:
     """The probe's view of every state layer: calls the original kernels, noting each call."""
 
@@ -140,11 +154,22 @@ class _Recorder:
                 return out.transpose(0, 1), state
             return fn(query, key, value, g, beta, *args, initial_state=initial_state, **kw)
 
+        def ssm(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *args: Any,
+                initial_states: Any = None, **kw: Any) -> Any:
+            layer.calls.setdefault("ssm", []).append(_ssm_record(x, B, initial_states, kw))
+            fn = original["mamba2_chunk_scan"]
+            if rec.rows_independent and x.dim() == 4:
+                out = fn(x.transpose(0, 1), dt.transpose(0, 1), A, B.transpose(0, 1), C.transpose(0, 1), *args,
+                         initial_states=initial_states, **kw)
+                return out.transpose(0, 1) if isinstance(out, torch.Tensor) else (out[0].transpose(0, 1), out[1])
+            return fn(x, dt, A, B, C, *args, initial_states=initial_states, **kw)
+
         def cached(*args: Any, **kw: Any) -> Any:
             raise RuntimeError("a served forward has no cache: the single-token cached kernels never run")
 
-        return {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta,
-                "causal_conv1d_update": cached, "torch_recurrent_gated_delta_rule": cached}
+        return {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta, "mamba2_chunk_scan": ssm,
+                "causal_conv1d_update": cached, "torch_recurrent_gated_delta_rule": cached,
+                "mamba2_selective_state_update": cached, "mamba2_split_conv1d_scan_combined": _no_fused}
 
 
 def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> None:
@@ -210,6 +235,26 @@ def _delta_kernel(state: int) -> Callable[..., Any]:
     return delta
 
 
+def _ssm_kernel(state: int) -> Callable[..., Any]:
+    def ssm(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int = 256,
+            D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, initial_states: Any = None,
+            dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),
+            return_final_states: bool = False, **kw: Any) -> torch.Tensor:
+        if return_final_states:
+            raise RuntimeError("a served forward has no cache: mamba2_chunk_scan is never asked for its final state")
+        out = torch.empty_like(x[0])
+        torch.ops.pb_state.ssd_scan(x[0], dt[0], A, B[0], C[0], D, dt_bias, out, state, int(chunk_size),
+                                    bool(dt_softplus), float(dt_limit[0]), float(dt_limit[1]))
+        return out[None]
+
+    return ssm
+
+
+def _no_fused(*args: Any, **kw: Any) -> None:
+    """The fused Mamba2 kernel's torch fallback: None, so the mixer takes its unfused path."""
+    return None
+
+
 def _no_cache(*args: Any, **kw: Any) -> Any:
     raise RuntimeError("piecewise_backend serves state layers without a HF cache: a cached kernel was called")
 
@@ -217,11 +262,16 @@ def _no_cache(*args: Any, **kw: Any) -> Any:
 def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> None:
     """Bind every layer's kernels to the ``pb_state`` ops on its states (``index(layer, kind)``: the op's state)."""
     for layer, sl in layers.items():
-        kernels: dict[str, Callable[..., Any]] = {"causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache}
+        kernels: dict[str, Callable[..., Any]] = {
+            "causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache,
+            "mamba2_selective_state_update": _no_cache, "mamba2_split_conv1d_scan_combined": _no_fused,
+        }
         if "conv" in sl.calls:
             kernels["causal_conv1d_fn"] = _conv_kernel(index(layer, "conv"))
         if "recurrent" in sl.calls:
             kernels["torch_chunk_gated_delta_rule"] = _delta_kernel(index(layer, "recurrent"))
+        if "ssm" in sl.calls:
+            kernels["mamba2_chunk_scan"] = _ssm_kernel(index(layer, "ssm"))
         _bind(sl.module, kernels)
 
 

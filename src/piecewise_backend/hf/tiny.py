@@ -33,11 +33,20 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_i
 _CONSTRAINED = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok")
 #: A tiny model above this many parameters means a size field was not shrunk: refused, not allocated.
 MAX_PARAMS = 50_000_000
+#: Sizes for types whose fields TINY cannot name generically (mamba2: heads * head_dim must be expand * hidden).
+TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {"mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16}}
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
-#: Layer mixes of released models whose type's default config has another one (lfm2's default is all
-#: attention; LFM2 checkpoints are mostly short-convolution layers).
-TINY_LAYER_MIX = {"lfm2": ("conv", "full_attention")}
+#: The config fields that give a tiny model the layer mix of released checkpoints, for types whose
+#: default config has another one: lfm2's default is all attention (LFM2 checkpoints are mostly short
+#: convolutions); granitemoehybrid's and bamba's are all Mamba2 and jamba's first attention layer is
+#: its fifth (their checkpoints interleave attention).
+TINY_LAYER_MIX: dict[str, dict[str, Any]] = {
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "bamba": {"attn_layer_indices": [1]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+}
 # MLA configs expand K/V to every query head (num_key_value_heads = num_attention_heads) and derive
 # head_dim from the rope part.
 _MLA = ("kv_lora_rank",)
@@ -133,8 +142,10 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
     """
     if "layer_types" in sizes or "num_hidden_layers" in sizes:
         return config
-    full = list(TINY_LAYER_MIX.get(arch, ())) or _layer_kinds(defaults) or []
-    wanted = list(dict.fromkeys(full))
+    mix = TINY_LAYER_MIX.get(arch)
+    if mix is not None:
+        return config if set(mix) & set(sizes) else _build(transformers, arch, defaults, {**mix, **sizes})
+    wanted = list(dict.fromkeys(_layer_kinds(defaults) or []))
     tiny = _layer_kinds(config) or []
     if not tiny or not set(wanted) - set(tiny):
         return config
@@ -177,6 +188,7 @@ def tiny_random_model(
         raise ValueError(f"tiny_random_model cannot build {arch!r}: its default config is invalid ({type(e).__name__}: {e})") from e
     if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
+    sizes = {**TINY_TYPE_SIZES.get(arch, {}), **sizes}
     config = _keep_layer_mix(transformers, arch, defaults, _build(transformers, arch, defaults, sizes), sizes)
     torch.manual_seed(seed)
     try:

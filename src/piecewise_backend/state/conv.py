@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.backends import capturing
 from ..ops import register_splitting_op
-from .metadata import current_state_metadata, runs, state_tensor, write_rows
+from .metadata import current_state_metadata, one_token_per_request, runs, state_tensor, write_rows
 
 #: Activations the op applies after the convolution ("" = none).
 ACTIVATIONS = {"": None, "silu": F.silu, "swish": F.silu}
@@ -73,7 +72,7 @@ def causal_conv1d(
     if meta.state_index.shape[0] < tokens:
         raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
     read = meta.state_index[:tokens]
-    if capturing(x.device):  # one token per request (FULL decode): gather, step, scatter; no host read
+    if one_token_per_request(op, x.device):  # one token per request (FULL decode): gather, step, scatter; no host read
         y, new = conv_step(x, states.index_select(0, read), weight, bias, activation)
         states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
         out.copy_(y)

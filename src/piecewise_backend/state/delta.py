@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..attention.backends import capturing
 from ..ops import register_splitting_op
-from .metadata import current_state_metadata, runs, state_tensor, write_rows
+from .metadata import current_state_metadata, one_token_per_request, runs, state_tensor, write_rows
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +115,7 @@ def gated_delta_rule(
     if chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
     read = meta.state_index[:tokens]
-    if capturing(v.device):  # one token per request (FULL decode): gather, step, scatter; no host read
+    if one_token_per_request(op, v.device):  # one token per request (FULL decode): gather, step, scatter; no host read
         y, new = delta_step(q, k, v, g, beta, states.index_select(0, read), l2norm)
         states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
         out.copy_(y)

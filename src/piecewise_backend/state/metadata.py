@@ -19,7 +19,9 @@ import dataclasses
 
 import torch
 
+from ..attention.backends import capturing
 from ..context import _CONTEXT
+from ..modes import CUDAGraphMode
 
 #: Name of the per-token input the state cache adds to a runner.
 STATE_INDEX = "state_index"
@@ -47,6 +49,24 @@ def current_state_metadata(op: str) -> StateMetadata:
             "pb.set_forward_context(state_metadata=state_cache.metadata(...))"
         )
     return meta
+
+
+def one_token_per_request(op: str, device: torch.device) -> bool:
+    """Whether the op runs its graph form (one token per request, no host read): inside a FULL step.
+
+    Captured in any other mode, the op sits inside a PIECEWISE segment, where it can neither read the
+    step's request boundaries nor assume one token per request: the model was not split at it.
+    """
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.runtime_mode == CUDAGraphMode.FULL:
+        return True
+    if capturing(device):
+        raise RuntimeError(
+            f"{op} is being captured inside a PIECEWISE graph segment: the model was not split at it (compiled "
+            "without the piecewise backend, or Dynamo fell back to running it uncompiled, e.g. at "
+            "torch._dynamo.config.recompile_limit); a state op runs per request at a break, or inside FULL graphs"
+        )
+    return False
 
 
 def state_tensor(meta: StateMetadata, state: int, op: str) -> torch.Tensor:
