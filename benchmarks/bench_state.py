@@ -6,7 +6,8 @@ context is; an attention layer reads and holds K/V for every earlier token. Meas
 at 256 and 8192 tokens of context, one decode token for each of 4 requests, on tiny random
 models through ``HFEngine``'s runner:
 
-* ``state only``: lfm2 with short-convolution layers only (no attention, no KV cache at all);
+* ``Mamba only``: mamba (two Mamba1 mixers; no attention, no KV cache at all);
+* ``state only``: lfm2 with short-convolution layers only (no attention either);
 * ``hybrid``: qwen3_next, one gated delta net layer and one attention layer;
 * ``attention``: llama with two attention layers (the reference for growth).
 
@@ -31,6 +32,7 @@ from benchmarks.common import Section, Variant, fmt_ratio, fmt_spread, log, meas
 
 KIB = 2**10
 MODELS = (  # name, arch, sizes
+    ("Mamba only (mamba, 2 layers)", "mamba", {}),
     ("state only (lfm2, 2 conv layers)", "lfm2", dict(num_hidden_layers=2, layer_types=["conv", "conv"])),
     ("hybrid (qwen3_next, delta net + attention)", "qwen3_next", {}),
     ("attention (llama, 2 layers)", "llama", {}),

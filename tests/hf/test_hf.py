@@ -80,7 +80,7 @@ def test_adapt_refuses_what_it_cannot_serve():
     "arch, sizes, reason",
     [
         # state kept by a family the state cache does not serve yet, or by a layer's own code (lightning attention)
-        ("falcon_mamba", {}, r"keeps Mamba1 \(selective scan\) state \(FalconMambaBlock"),
+        ("deepseek_v4", {}, r"layers of type \['compressed_sparse_attention', 'heavily_compressed_attention'\]"),
         ("recurrent_gemma", {}, r"state between tokens in its own code \(RecurrentGemmaRecurrentBlock"),
         ("minimax", {}, r"state between tokens in its own code \(MiniMaxLightningAttention"),
         # differential attention calls the interface twice per layer with the same layer index

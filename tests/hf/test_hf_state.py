@@ -1,4 +1,4 @@
-"""HF models with state layers (gated delta nets, short convolutions, Mamba2) and chunked attention through HFEngine."""
+"""HF models with state layers (gated delta nets, short convolutions, Mamba2, Mamba1) and chunked attention through HFEngine."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def serve(model: torch.nn.Module, capture: bool = True) -> tuple[list[list[int]]
 
 
 # type -> attention layers of its tiny model (the KV cache holds those only)
-SERVED = {"qwen3_next": 1, "olmo_hybrid": 1, "lfm3": 2, "llama4_text": 2, "nemotron_h": 1, "falcon_h1": 2, "mamba2": 0}
+SERVED = {"qwen3_next": 1, "olmo_hybrid": 1, "lfm3": 2, "llama4_text": 2, "nemotron_h": 1, "falcon_h1": 2, "mamba2": 0,
+          "mamba": 0, "jamba": 1}
 
 
 @pytest.mark.parametrize("arch", sorted(SERVED))
@@ -93,6 +94,7 @@ def test_tokens_depend_on_the_state_so_the_check_can_fail(monkeypatch):
     ("gemma3_text", {"sliding_attention", "full_attention"}),
     ("granitemoehybrid", {"linear_attention", "full_attention"}),  # its default is all Mamba2
     ("bamba", {"linear_attention", "full_attention"}),
+    ("jamba", {"linear_attention", "full_attention"}),  # its first attention layer is its fifth by default
 ])
 def test_tiny_models_keep_a_layer_of_every_type(arch, kinds):
     assert set(hf.tiny_random_model(arch).config.get_text_config().layer_types) == kinds

@@ -112,6 +112,7 @@ def test_state_benchmark_measures_memory_per_request_against_context():
     assert "| state only (lfm2, 2 conv layers)" in section.body
     data = section.data
     assert data["lfm2"]["kv_bytes"] == {16: 0, 48: 0} and data["lfm2"]["state_bytes"] > 0
+    assert data["mamba"]["kv_bytes"] == {16: 0, 48: 0} and data["mamba"]["state_bytes"] > 0
     assert data["qwen3_next"]["kv_bytes"][48] > data["qwen3_next"]["kv_bytes"][16] > 0
     assert data["llama"]["state_bytes"] == 0
 

@@ -13,6 +13,7 @@ from pbtest.helpers import compile_model
 
 C, K, HK, HV, DK, DV = 8, 4, 1, 2, 4, 4
 SH, SP, SG, SN = 4, 2, 2, 3  # Mamba2: heads, head_dim, groups, state size
+MN = 3  # Mamba1: state size (its channels are the conv's C)
 CONFIG = pb.CompilationConfig(
     platform="simulated", compile_pieces="eager", cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16]
 )
@@ -150,6 +151,32 @@ def test_ssd_kernels_match_transformers():
     assert y_whole.shape == x[0].shape
 
 
+def test_selective_scan_kernels_match_transformers():
+    mb = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+    g = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    u, dt, z, B, Cm = r(1, C, 11), r(1, C, 11), r(1, C, 11), r(1, MN, 11), r(1, MN, 11)
+    A, D, bias = -torch.rand(C, MN, generator=g), r(C), r(C)
+    ref, ref_state = mb.mamba_selective_scan(u, dt, A, B, Cm, D=D, z=z, delta_bias=bias, delta_softplus=True,
+                                             return_last_state=True, use_mambapy=False, use_associative_scan=False)
+    y, state = st.selective_sequence(u[0].T, dt[0].T, A, B[0].T, Cm[0].T, D, z[0].T, bias, torch.zeros(C, MN))
+    assert_close(y.T, ref[0], rtol=0, atol=0)
+    assert_close(state, ref_state[0], rtol=0, atol=0)
+    states = r(3, C, MN)
+    u1, dt1, z1, B1, C1 = r(3, C), r(3, C), r(3, C), r(3, MN), r(3, MN)
+    hf_states = states.clone()
+    ref_step = mb.mamba_selective_state_update(hf_states, u1, dt1, A, B1, C1, D, z=z1, dt_bias=bias, dt_softplus=True)
+    y, new = st.selective_step(u1, dt1, A, B1, C1, D, z1, bias, states)
+    assert_close(y, ref_step, rtol=0, atol=0)
+    assert_close(new, hf_states, rtol=0, atol=0)
+    first, mid = st.selective_sequence(u[0, :, :4].T, dt[0, :, :4].T, A, B[0, :, :4].T, Cm[0, :, :4].T, D,
+                                       z[0, :, :4].T, bias, torch.zeros(C, MN))  # a prefill in two chunks
+    rest, end = st.selective_sequence(u[0, :, 4:].T, dt[0, :, 4:].T, A, B[0, :, 4:].T, Cm[0, :, 4:].T, D,
+                                      z[0, :, 4:].T, bias, mid)
+    assert_close(torch.cat([first, rest]).T, ref[0], rtol=1e-6, atol=1e-6)
+    assert_close(end, ref_state[0], rtol=1e-6, atol=1e-6)
+
+
 def test_conv_kernels_match_transformers():
     qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     x, w, b = torch.randn(1, C, 9), torch.randn(C, K), torch.randn(C)
@@ -170,8 +197,8 @@ def test_conv_kernels_match_transformers():
 # --- the ops under a GraphRunner: eager, PIECEWISE breaks, FULL graphs ---
 
 class StateToy(torch.nn.Module):
-    """A short conv, then a gated delta rule and a Mamba2 scan on per-token features:
-    (tokens, C) -> (tokens, C + HV * DV + SH * SP)."""
+    """A short conv, then a gated delta rule, a Mamba2 scan and a Mamba1 scan on per-token features:
+    (tokens, C) -> (tokens, C + HV * DV + SH * SP + C)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,6 +208,8 @@ class StateToy(torch.nn.Module):
         self.proj = torch.nn.Linear(C, 2 * HK * DK + HV * DV + 2 * HV)
         self.ssm_proj = torch.nn.Linear(C, SH * SP + SH + 2 * SG * SN)
         self.A, self.D, self.dt_bias = (torch.nn.Parameter(t) for t in (-torch.rand(SH) - 0.5, torch.randn(SH), torch.randn(SH)))
+        self.sel_proj = torch.nn.Linear(C, 2 * C + 2 * MN)  # dt, z, B, C
+        self.A1, self.D1, self.bias1 = (torch.nn.Parameter(t) for t in (-torch.rand(C, MN) - 0.5, torch.randn(C), torch.randn(C)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = torch.empty_like(x)
@@ -191,7 +220,10 @@ class StateToy(torch.nn.Module):
         xs, dt, B, Cm = self.ssm_split(self.ssm_proj(conv))
         ys = torch.empty_like(xs)
         torch.ops.pb_state.ssd_scan(xs, dt, self.A, B, Cm, self.D, self.dt_bias, ys, 2, 4, True, 0.0, float("inf"))
-        return torch.cat([conv, out.flatten(1), ys.flatten(1)], dim=-1)
+        dt1, z, B1, C1 = self.sel_proj(conv).split([C, C, MN, MN], dim=-1)
+        y1 = torch.empty_like(conv)
+        torch.ops.pb_state.selective_scan(conv, dt1, self.A1, B1, C1, self.D1, z, self.bias1, y1, 3, True)
+        return torch.cat([conv, out.flatten(1), ys.flatten(1), y1], dim=-1)
 
     @staticmethod
     def ssm_split(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -206,7 +238,8 @@ class StateToy(torch.nn.Module):
         return q.reshape(t, HK, DK), k.reshape(t, HK, DK), v.reshape(t, HV, DV), -torch.nn.functional.softplus(a), b.sigmoid()
 
     def reference(
-        self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, ssm_state: torch.Tensor
+        self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, ssm_state: torch.Tensor,
+        sel_state: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         """One request, eagerly, from its states: (output, new conv state, new recurrent state)."""
         conv, new_conv = st.conv_sequence(x, conv_state, self.weight, self.bias, "silu")
@@ -214,12 +247,14 @@ class StateToy(torch.nn.Module):
         out, new_rec = st.delta_sequence(q, k, v, g, beta, rec_state)
         xs, dt, B, Cm = self.ssm_split(self.ssm_proj(conv))
         ys, new_ssm = st.ssd_sequence(xs, dt, self.A, B, Cm, self.D, self.dt_bias, ssm_state, 4)
-        return torch.cat([conv, out.flatten(1), ys.flatten(1)], dim=-1), new_conv, new_rec, new_ssm
+        dt1, z, B1, C1 = self.sel_proj(conv).split([C, C, MN, MN], dim=-1)
+        y1, new_sel = st.selective_sequence(conv, dt1, self.A1, B1, C1, self.D1, z, self.bias1, sel_state)
+        return torch.cat([conv, out.flatten(1), ys.flatten(1), y1], dim=-1), new_conv, new_rec, new_ssm, new_sel
 
 
 def specs() -> list[st.StateSpec]:
     return [st.StateSpec(0, "conv", (C, K - 1)), st.StateSpec(0, "recurrent", (HV, DK, DV)),
-            st.StateSpec(0, "ssm", (SH, SP, SN))]
+            st.StateSpec(0, "ssm", (SH, SP, SN)), st.StateSpec(1, "ssm", (C, MN))]
 
 
 def make_runner(model: StateToy, cache: st.StateCache, config: pb.CompilationConfig = CONFIG) -> pb.GraphRunner:
@@ -256,7 +291,7 @@ def expected(model: StateToy, cache: st.StateCache, chunks: list[tuple[str, int]
     outs, new, at = [], {}, 0
     with torch.no_grad():
         for r, n in chunks:
-            out, *states = model.reference(x[at:at + n], *(cache.state(r, i).clone() for i in range(3)))
+            out, *states = model.reference(x[at:at + n], *(cache.state(r, i).clone() for i in range(4)))
             outs.append(out)
             new[r] = states
             at += n

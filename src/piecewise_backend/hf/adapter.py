@@ -28,6 +28,7 @@ PROBE_IMPLEMENTATION = "pb_probe"
 SERVED_LAYER_TYPES = frozenset({
     "full_attention", "sliding_attention", "attention", "mlp", "moe", "chunked_attention", "linear_attention", "conv",
     "hybrid",  # falcon_h1: a Mamba2 mixer and attention side by side in one layer
+    "mamba",  # jamba's layers_block_type
 })
 # Layer classes that keep a recurrent or convolution state from one token to the next.
 _STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")

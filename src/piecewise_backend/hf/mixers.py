@@ -1,4 +1,4 @@
-"""Route the state layers of HF models (short convolutions, gated delta nets, Mamba2) onto the ``pb_state`` ops.
+"""Route the state layers of HF models (short convolutions, gated delta nets, Mamba2, Mamba1) onto the ``pb_state`` ops.
 
 transformers' state-layer modules call module-level kernels for everything that keeps state
 (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ...: the functions its hub kernels would
@@ -29,6 +29,7 @@ import torch
 
 from ..state import conv as _conv  # noqa: F401  (registers pb_state::causal_conv1d)
 from ..state import delta as _delta  # noqa: F401  (registers pb_state::gated_delta_rule)
+from ..state import selective as _selective  # noqa: F401  (registers pb_state::selective_scan)
 from ..state import ssd as _ssd  # noqa: F401  (registers pb_state::ssd_scan)
 from ..state.cache import StateSpec
 from ..state.conv import ACTIVATIONS
@@ -44,14 +45,12 @@ SERVED_KERNELS = {
     "mamba2_chunk_scan": "ssm",
     "mamba2_selective_state_update": "ssm",
     "mamba2_split_conv1d_scan_combined": "ssm",
+    "mamba_selective_scan": "ssm",
+    "mamba_selective_state_update": "ssm",
+    "mamba_inner_fn": "ssm",
 }
-#: Stateful kernels of other families, and the family a refusal names.
-KNOWN_UNSERVED = {
-    "mamba_selective_scan": "Mamba1 (selective scan)",
-    "mamba_selective_state_update": "Mamba1 (selective scan)",
-    "selective_scan_fn": "Mamba1 (selective scan)",
-    "mamba_inner_fn": "Mamba1 (selective scan)",
-}
+#: Stateful kernels of families not served, and the family a refusal names (none known in transformers 5.24).
+KNOWN_UNSERVED: dict[str, str] = {}
 
 
 def raw_forward(module: torch.nn.Module) -> Callable[..., Any]:
@@ -127,6 +126,16 @@ def _ssm_record(x: torch.Tensor, B: torch.Tensor, initial_states: Any, kw: dict[
     return {"shape": shape, "dtype": torch.float32, "why": why}
 
 
+def _selective_record(u: torch.Tensor, A: torch.Tensor, B: torch.Tensor, kw: dict[str, Any]) -> dict[str, Any]:
+    why = None
+    if u.dim() != 3 or A.dim() != 2 or B.dim() != 3 or A.shape != (u.shape[1], B.shape[1]):
+        why = f"calls mamba_selective_scan with u {tuple(u.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, not (batch, channels, tokens)"
+    elif kw.get("return_last_state"):
+        why = "asks mamba_selective_scan for its last state without a cache"
+    shape = tuple(A.shape) if why is None else ()
+    return {"shape": shape, "dtype": torch.float32, "why": why}
+
+
 class _Recorder:
     """The probe's view of every state layer: calls the original kernels, noting each call."""
 
@@ -164,12 +173,24 @@ class _Recorder:
                 return out.transpose(0, 1) if isinstance(out, torch.Tensor) else (out[0].transpose(0, 1), out[1])
             return fn(x, dt, A, B, C, *args, initial_states=initial_states, **kw)
 
+        def selective(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *args: Any,
+                      **kw: Any) -> Any:
+            layer.calls.setdefault("ssm", []).append(_selective_record(u, A, B, kw))
+            fn = original["mamba_selective_scan"]
+            if rec.rows_independent and u.dim() == 3:  # (1, channels, T) -> T requests of one token
+                row = lambda t: None if t is None else t.permute(2, 1, 0)  # noqa: E731
+                kw = dict(kw, z=row(kw.get("z")))
+                return fn(row(u), row(dt), A, row(B), row(C), *args, **kw).permute(2, 1, 0)
+            return fn(u, dt, A, B, C, *args, **kw)
+
         def cached(*args: Any, **kw: Any) -> Any:
             raise RuntimeError("a served forward has no cache: the single-token cached kernels never run")
 
         return {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta, "mamba2_chunk_scan": ssm,
+                "mamba_selective_scan": selective,
                 "causal_conv1d_update": cached, "torch_recurrent_gated_delta_rule": cached,
-                "mamba2_selective_state_update": cached, "mamba2_split_conv1d_scan_combined": _no_fused}
+                "mamba2_selective_state_update": cached, "mamba_selective_state_update": cached,
+                "mamba2_split_conv1d_scan_combined": _no_fused, "mamba_inner_fn": _no_fused}
 
 
 def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> None:
@@ -250,8 +271,23 @@ def _ssm_kernel(state: int) -> Callable[..., Any]:
     return ssm
 
 
+def _selective_kernel(state: int) -> Callable[..., Any]:
+    def selective(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
+                  delta_softplus: bool = False, return_last_state: bool = False, **kw: Any) -> torch.Tensor:
+        if return_last_state:
+            raise RuntimeError("a served forward has no cache: mamba_selective_scan is never asked for its last state")
+        rows = lambda t: None if t is None else t[0].transpose(0, 1).contiguous()  # noqa: E731  (tokens, ...)
+        out = torch.empty_like(rows(u))
+        torch.ops.pb_state.selective_scan(rows(u), rows(dt), A, rows(B), rows(C), D, rows(z), delta_bias, out, state,
+                                          bool(delta_softplus))
+        return out.transpose(0, 1)[None]
+
+    return selective
+
+
 def _no_fused(*args: Any, **kw: Any) -> None:
-    """The fused Mamba2 kernel's torch fallback: None, so the mixer takes its unfused path."""
+    """The fused Mamba kernels' torch fallback: None, so the mixer takes its unfused path."""
     return None
 
 
@@ -265,6 +301,7 @@ def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> No
         kernels: dict[str, Callable[..., Any]] = {
             "causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache,
             "mamba2_selective_state_update": _no_cache, "mamba2_split_conv1d_scan_combined": _no_fused,
+            "mamba_selective_state_update": _no_cache, "mamba_inner_fn": _no_fused,
         }
         if "conv" in sl.calls:
             kernels["causal_conv1d_fn"] = _conv_kernel(index(layer, "conv"))
@@ -272,6 +309,7 @@ def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> No
             kernels["torch_chunk_gated_delta_rule"] = _delta_kernel(index(layer, "recurrent"))
         if "ssm" in sl.calls:
             kernels["mamba2_chunk_scan"] = _ssm_kernel(index(layer, "ssm"))
+            kernels["mamba_selective_scan"] = _selective_kernel(index(layer, "ssm"))
         _bind(sl.module, kernels)
 
 
