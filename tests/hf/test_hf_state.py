@@ -158,3 +158,21 @@ def test_a_tiny_model_that_would_lose_a_refused_layer_type_is_not_built():
     served for a reason its checkpoints (refused: indexed attention) do not have."""
     with pytest.raises(ValueError, match=r"cannot build 'qwen4_exp' with a layer of every type .* loses \['indexed_attention'\]"):
         hf.tiny_random_model("qwen4_exp")
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY"])
+def test_every_graph_mode_serves_state_layers(mode):
+    """(FULL_AND_PIECEWISE: the tests above.) FULL resolves to FULL_AND_PIECEWISE: FULL graphs hold one token per
+    request only; FULL_DECODE_ONLY runs mixed steps eagerly."""
+    model = hf.tiny_random_model("qwen3_next")
+    reference = copy.deepcopy(model)
+    config = CONFIG.replace(cudagraph_mode=mode)
+    engine = hf.HFEngine(model, config, max_num_reqs=3, max_model_len=32, block_size=4)
+    engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    steps: list[hf.StepInfo] = []
+    outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
+    want = {"NONE": {"NONE"}, "PIECEWISE": {"PIECEWISE"}, "FULL": {"FULL", "PIECEWISE"}, "FULL_DECODE_ONLY": {"FULL", "NONE"}}
+    assert {s.mode.name for s in steps} == want[mode]
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
