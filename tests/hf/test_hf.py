@@ -290,6 +290,13 @@ def test_engine_rejects_bad_requests(llama_engine):
         engine.generate([[1] * 30], 5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
         engine.generate([[1], [2]], [3])
+    # the checks every engine shares (hf/arguments.py): each error names the value and what is valid
+    for bad, shown in ((2.5, "2.5"), (None, "None"), (True, "True")):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be a positive int or one per prompt .*got {shown}$"):
+            engine.generate([[1]], bad)
+    with pytest.raises(ValueError, match=r"max_new_tokens\[0\] must be a positive int \(tokens to generate\), got 2.5"):
+        engine.generate([[1]], [2.5])
+    assert engine.cache.tables == {}
 
 
 def test_engine_rejects_token_ids_outside_the_vocabulary(llama_engine):

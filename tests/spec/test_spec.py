@@ -241,6 +241,15 @@ def test_engine_rejects_bad_arguments():
         engine.generate([[1] * 10], 5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
         engine.generate([[1], [2]], [3])
+    # the checks HFEngine makes too (one validator: hf/arguments.py)
+    with pytest.raises(ValueError, match=r"prompt 1: token id 256 is outside the vocabulary \(ids 0..255\)"):
+        engine.generate([[3], [4, 256]], 2)
+    for bad, shown in ((2.5, "2.5"), (None, "None"), (True, "True")):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be a positive int or one per prompt .*got {shown}$"):
+            engine.generate([[1]], bad)
+    with pytest.raises(ValueError, match=r"max_new_tokens\[0\] must be a positive int \(tokens to generate\), got 2.5"):
+        engine.generate([[1]], [2.5])
+    assert engine.target.cache.tables == {} and engine.drafter.cache.tables == {}
 
 
 def test_truncated_drafter_shares_the_targets_first_layers():

@@ -33,6 +33,7 @@ from ..kv import cache as kv
 from ..modes import CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
 from .adapter import graph_safe_experts, layout_refusal, probe, refusal
+from .arguments import check_generate
 from .tiny import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 
 ATTN_IMPLEMENTATION = "pb_paged"
@@ -214,17 +215,8 @@ class HFEngine:
         Each step decodes one token for every running request and admits waiting prompts whole
         while they fit ``max_num_reqs`` and the largest captured size.
         """
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(budgets) != len(prompts) or any(b < 1 for b in budgets):
-            raise ValueError(f"max_new_tokens must be a positive int or one per prompt ({len(prompts)}), got {max_new_tokens!r}")
-        for i, p in enumerate(prompts):
-            if not p or len(p) + budgets[i] > self.cache.max_model_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + {budgets[i]} new must be in 1..max_model_len={self.cache.max_model_len}"
-                )
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
-            if bad:  # an embedding lookup out of range: IndexError here, a device-side assert inside a CUDA graph
-                raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (ids 0..{self.vocab_size - 1})")
+        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.cache.max_model_len)
+        prompts, budgets = args.prompts, args.budgets
         outputs: list[list[int]] = [[] for _ in prompts]
         waiting, running, step = list(range(len(prompts))), [], 0
         try:

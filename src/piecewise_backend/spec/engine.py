@@ -26,6 +26,7 @@ import torch
 
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
+from ..hf.arguments import check_generate
 from ..hf.engine import adapt, kv_shape
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport, CUDAGraphMode
@@ -118,6 +119,7 @@ class SpecEngine:
             if limit is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len={max_model_len} exceeds {type(m).__name__}'s max_position_embeddings={limit}")
         self.k = k
+        self.vocab_size: int = vocab[0]
         verify = sorted({r * (k + 1) for r in range(1, max_num_reqs + 1)} | set(config.sizes))
         if not getattr(config, "_max_derived", True):
             verify = [s for s in verify if s <= config.max_capture_size]
@@ -169,16 +171,10 @@ class SpecEngine:
     ) -> list[list[int]]:
         """Greedy completions of ``prompts`` (token ids, without the prompt), equal to the target's own
         greedy decoding; :attr:`stats` holds this call's totals."""
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(budgets) != len(prompts) or any(not isinstance(b, int) or b < 1 for b in budgets):
-            raise ValueError(f"max_new_tokens must be a positive int or one per prompt ({len(prompts)}), got {max_new_tokens!r}")
-        for i, p in enumerate(prompts):
-            # the last verify step of a request writes k positions past its next-to-last token
-            if not p or len(p) + budgets[i] + self.k - 1 > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + {budgets[i]} new + {self.k - 1} (speculative tokens - 1) must be "
-                    f"in 1..max_model_len={self.max_model_len}"
-                )
+        # the last verify step of a request writes k positions past its next-to-last token
+        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                              reserve=self.k - 1, reserve_reason="speculative tokens - 1")
+        prompts, budgets = args.prompts, args.budgets
         self.stats = SpecStats()
         state = self._state = RequestStates(prompts, budgets, eos_token_id)
         try:
