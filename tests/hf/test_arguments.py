@@ -6,7 +6,7 @@ import pytest
 
 from piecewise_backend.hf import arguments
 
-LIMITS = dict(vocab_size=256, max_model_len=32)
+LIMITS = {"vocab_size": 256, "max_model_len": 32}
 
 
 @pytest.mark.parametrize(
@@ -47,3 +47,46 @@ def test_prompts_must_fit_the_vocabulary_and_the_model_length():
     arguments.check_generate([[1] * 27], 5, **LIMITS)  # exactly max_model_len
     with pytest.raises(ValueError, match=r"prompt 0: 26 tokens \+ 5 new \+ 2 \(speculative tokens - 1\) must be"):
         arguments.check_generate([[1] * 26], 5, reserve=2, reserve_reason="speculative tokens - 1", **LIMITS)
+
+
+def test_token_ids_must_be_integers_and_name_the_first_bad_one():
+    with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
+        arguments.check_generate([[5.5, 6.9]], 2, **LIMITS)
+    with pytest.raises(ValueError, match=r"prompt 1: token id 6.0 \(float\) at position 1 is not an integer"):
+        arguments.check_generate([[1], [5, 6.0]], 2, **LIMITS)
+    with pytest.raises(ValueError, match=r"prompt 0: token id True \(bool\) at position 0 is not an integer"):
+        arguments.check_generate([[True]], 2, **LIMITS)
+    with pytest.raises(ValueError, match=r"prompt 0: token id '5' \(str\) at position 0 is not an integer"):
+        arguments.check_generate([["5"]], 2, **LIMITS)
+
+
+def test_prompts_as_tensors_and_arrays():
+    torch = pytest.importorskip("torch")
+    np = pytest.importorskip("numpy")
+    got = arguments.check_generate([torch.tensor([5, 6]), np.array([7, 8], dtype=np.int32), (9,), range(3, 5)], 2,
+                                   **LIMITS).prompts
+    assert got == [[5, 6], [7, 8], [9], [3, 4]] and all(type(t) is int for p in got for t in p)
+    with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
+        arguments.check_generate([torch.tensor([5.5, 6.0])], 2, **LIMITS)
+    with pytest.raises(ValueError, match=r"prompt 0: token id 5.0 \(float\) at position 0 is not an integer"):
+        arguments.check_generate([np.array([5.0])], 2, **LIMITS)
+    with pytest.raises(ValueError, match=r"prompt 0 is a 2-D Tensor of shape \(1, 3\); a prompt is a list or tuple of "
+                                         r"ints, a 1-D integer tensor"):
+        arguments.check_generate([torch.tensor([[5, 6, 7]])], 2, **LIMITS)
+    with pytest.raises(TypeError, match=r"prompts must be a list or tuple of prompts .* got Tensor .*padded batch"):
+        arguments.check_generate(torch.tensor([[5, 6, 7]]), 2, **LIMITS)
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ("hello", r"prompts must be a list or tuple of prompts .*got str 'hello'"),
+        (["hello"], r"prompt 0 is text \('hello'\): generate takes token ids; tokenize it first"),
+        ([1, 2, 3], r"prompt 0 is an int \(1\), not a sequence of token ids: .*wrap a single prompt as \[prompt\]"),
+        ([{1, 2}], r"prompt 0 is a set \({1, 2}\); a prompt is a list or tuple of ints"),
+        (None, r"prompts must be a list or tuple of prompts .*got NoneType None"),
+    ],
+)
+def test_prompts_of_the_wrong_kind_are_refused(prompts, message):
+    with pytest.raises(TypeError, match=message):
+        arguments.check_generate(prompts, 2, **LIMITS)

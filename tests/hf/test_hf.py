@@ -33,7 +33,8 @@ def load_example():
 
 
 def test_importing_the_package_does_not_import_transformers():
-    code = "import sys, piecewise_backend, piecewise_backend.kv; assert 'transformers' not in sys.modules, 'imported'"
+    code = ("import sys, piecewise_backend, piecewise_backend.kv, piecewise_backend.hf.arguments; "
+            "assert 'transformers' not in sys.modules, 'imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
@@ -305,6 +306,21 @@ def test_engine_rejects_token_ids_outside_the_vocabulary(llama_engine):
         engine.generate([[3, 4], [5, 256]], 2)
     with pytest.raises(ValueError, match="prompt 0: token id -1 is outside the vocabulary"):
         engine.generate([[-1]], 2)
+    assert engine.cache.tables == {}
+
+
+def test_engine_refuses_float_ids_and_takes_tensors_and_arrays(llama_engine):
+    """A float id is refused, not truncated; a 1-D tensor or numpy array serves as its list does."""
+    np = pytest.importorskip("numpy")
+    engine, _ = llama_engine
+    with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
+        engine.generate([[5.5, 6.9]], 2)
+    with pytest.raises(ValueError, match=r"prompt 0 is a 2-D Tensor of shape \(1, 2\)"):
+        engine.generate([torch.tensor([[5, 6]])], 2)
+    with pytest.raises(TypeError, match=r"prompt 0 is text"):
+        engine.generate(["5 6"], 2)
+    expected = engine.generate([[5, 6], [7, 8, 9]], 3)
+    assert engine.generate([torch.tensor([5, 6]), np.array([7, 8, 9])], 3) == expected
     assert engine.cache.tables == {}
 
 

@@ -249,6 +249,8 @@ def test_engine_rejects_bad_arguments():
             engine.generate([[1]], bad)
     with pytest.raises(ValueError, match=r"max_new_tokens\[0\] must be a positive int \(tokens to generate\), got 2.5"):
         engine.generate([[1]], [2.5])
+    with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
+        engine.generate([[5.5, 6.9]], 2)
     assert engine.target.cache.tables == {} and engine.drafter.cache.tables == {}
 
 

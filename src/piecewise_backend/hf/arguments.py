@@ -1,8 +1,10 @@
 """The arguments of an engine's ``generate``, checked in one place for every engine.
 
 :class:`~piecewise_backend.hf.HFEngine` and :class:`~piecewise_backend.spec.SpecEngine` take the
-same prompts and budgets; :func:`check_generate` turns them into plain lists or raises a
-``ValueError`` that names the bad value and what is valid, before any request is admitted.
+same prompts and budgets; :func:`check_generate` turns them into plain lists of ints or raises a
+``ValueError`` (a ``TypeError`` for a value of the wrong kind: text, a bare int, a set) that names
+the bad value and what is valid, before any request is admitted. A prompt may be a list or tuple
+of ints, a 1-D integer tensor or a numpy integer array; a float id is refused, never truncated.
 Imports neither transformers nor numpy.
 """
 
@@ -10,12 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Sequence
 from typing import Any
+
+#: What a prompt may be, for the error messages.
+PROMPT_KINDS = "a list or tuple of ints, a 1-D integer tensor or a 1-D numpy integer array"
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateArgs:
-    """What :func:`check_generate` returns: every prompt as a list, one budget per prompt."""
+    """What :func:`check_generate` returns: every prompt as a list of ints, one budget per prompt."""
 
     prompts: list[list[int]]
     budgets: list[int]
@@ -26,9 +32,37 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_array(value: Any) -> bool:
+    """A torch tensor or a numpy array (duck-typed: neither is imported here)."""
+    return hasattr(value, "ndim") and hasattr(value, "shape") and hasattr(value, "tolist")
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def prompt_ids(prompt: Any, index: int) -> list[int]:
+    """``prompt`` (token ids of prompt ``index``) as a list of ints; refuses text, 2-D batches and non-integer ids."""
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError(f"prompt {index} is text ({_show(prompt)}): generate takes token ids; tokenize it first")
+    if is_int(prompt):
+        raise TypeError(f"prompt {index} is an int ({prompt}), not a sequence of token ids: prompts is a list of "
+                        "prompts, so wrap a single prompt as [prompt]")
+    if _is_array(prompt):
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt {index} is a {prompt.ndim}-D {type(prompt).__name__} of shape {tuple(prompt.shape)}; "
+                             f"a prompt is {PROMPT_KINDS} (a batch of prompts is a list of them, without padding)")
+        ids = prompt.tolist()
+    elif isinstance(prompt, Sequence):
+        ids = list(prompt)
+    else:
+        raise TypeError(f"prompt {index} is a {type(prompt).__name__} ({_show(prompt)}); a prompt is {PROMPT_KINDS}")
+    for position, t in enumerate(ids):
+        if not is_int(t):
+            raise ValueError(f"prompt {index}: token id {_show(t)} ({type(t).__name__}) at position {position} is "
+                             "not an integer; token ids are ints (a float id is not rounded)")
+    return [int(t) for t in ids]
 
 
 def budgets(max_new_tokens: Any, num_prompts: int) -> list[int]:
@@ -60,7 +94,11 @@ def check_generate(
     positions. Each request needs ``len(prompt) + budget + reserve <= max_model_len`` (``reserve``:
     positions past the last token an engine writes, e.g. speculative decoding's ``k - 1``, said in
     the error as ``reserve_reason``)."""
-    ids = [list(p) for p in prompts]
+    if isinstance(prompts, (str, bytes)) or _is_array(prompts) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list or tuple of prompts (each {PROMPT_KINDS}), got "
+                        f"{type(prompts).__name__} {_show(prompts)}" + (
+                            "; a padded batch would serve its padding as prompt tokens" if _is_array(prompts) else ""))
+    ids = [prompt_ids(p, i) for i, p in enumerate(prompts)]
     per_prompt = budgets(max_new_tokens, len(ids))
     extra = f" + {reserve} ({reserve_reason})" if reserve_reason else ""
     for i, p in enumerate(ids):
