@@ -35,9 +35,12 @@ LOGIT_TOL = 1e-3
 
 def check(
     reference: torch.nn.Module, prompts: list[list[int]], outputs: list[list[int]], new_tokens: Sequence[int],
-    eos: int | None, ties: list[int] | None = None,
+    eos: int | list[int] | None, ties: list[int] | None = None,
 ) -> list[int]:
     """Indices of the requests the engine served wrongly, compared with ``reference``.
+
+    ``eos`` is what the engine was given: an int or a list of stop tokens, or None for the model's
+    own (``generation_config.eos_token_id``), which ``generate`` then uses too.
 
     A request passes if its tokens equal ``reference.generate(do_sample=False)``, or if every token
     the engine picked is within ``LOGIT_TOL`` of the reference's best logit given the engine's own
@@ -51,9 +54,11 @@ def check(
     device = next(reference.parameters()).device
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         ids = torch.tensor([prompt], device=device)
+        stop = {} if eos is None else {"eos_token_id": eos}  # generate without it: the model's generation_config
+        pad = eos if isinstance(eos, int) else reference.generation_config.pad_token_id
         with torch.no_grad():
             full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new_tokens[i], eos_token_id=eos, pad_token_id=eos, **PLAIN_GREEDY)
+                                      max_new_tokens=new_tokens[i], pad_token_id=pad, **stop, **PLAIN_GREEDY)
         expected = full[0, len(prompt):].tolist()
         if out == expected:
             continue
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     text = model.config.get_text_config()  # a multimodal model's language part
     prompts = [torch.randint(3, text.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    eos = text.eos_token_id if isinstance(text.eos_token_id, int) else None
+    eos = None  # the model's generation_config.eos_token_id (an int or a list), for the engine and generate alike
 
     def show(info: StepInfo) -> None:
         kind = "decode" if info.uniform_decode else "mixed "

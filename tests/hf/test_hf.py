@@ -324,6 +324,52 @@ def test_engine_refuses_float_ids_and_takes_tensors_and_arrays(llama_engine):
     assert engine.cache.tables == {}
 
 
+def _generate(reference, prompt: list[int], n: int, **eos) -> list[int]:
+    """``reference.generate`` greedy; ``eos``: ``eos_token_id=...`` or nothing (the model's generation_config)."""
+    ids = torch.tensor([prompt])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=0,
+                             **eos)
+    return out[0, len(prompt):].tolist()
+
+
+def test_engine_stops_at_any_eos_of_a_list_and_at_the_models_own(llama_engine):
+    """``eos_token_id`` as a list (what many HF configs hold) stops a request at any of them; without
+    one the engine stops where ``model.generate`` does: at ``generation_config.eos_token_id``."""
+    engine, reference = llama_engine
+    prompts, n = [[5, 6, 7, 8], [9, 10, 11], [40, 41]], 10
+    free = engine.generate(prompts, n, eos_token_id=[])  # []: no stop token
+    assert free == [_generate(reference, p, n, eos_token_id=[]) for p in prompts] and all(len(o) == n for o in free)
+    # a token request 0 first emits at its 3rd token and one request 1 first emits at its 5th
+    eos = [next(o[i] for i in range(j, n) if o[i] not in o[:i]) for o, j in ((free[0], 2), (free[1], 4))]
+    expected = [_generate(reference, p, n, eos_token_id=eos) for p in prompts]
+    assert engine.generate(prompts, n, eos_token_id=eos) == expected
+    assert engine.generate(prompts, n, eos_token_id=tuple(eos)) == expected
+    assert len(expected[0]) < n and len(expected[1]) < n, expected  # both stopped early
+    saved = engine.model.generation_config.eos_token_id, reference.generation_config.eos_token_id
+    try:
+        for default in (eos[0], eos):  # an int or a list in the model's generation config
+            engine.model.generation_config.eos_token_id = reference.generation_config.eos_token_id = default
+            expected = [_generate(reference, p, n) for p in prompts]
+            assert len(expected[0]) < n, expected
+            assert engine.generate(prompts, n) == expected
+        engine.model.generation_config.eos_token_id = "2"
+        with pytest.raises(ValueError, match=r"the model's generation_config.eos_token_id must be an int, a list .* got '2'"):
+            engine.generate(prompts, n)
+    finally:
+        engine.model.generation_config.eos_token_id, reference.generation_config.eos_token_id = saved
+    assert engine.cache.tables == {}
+
+
+@pytest.mark.parametrize("eos", ["2", 2.0, True, [1, "x"], {2}, torch.tensor(2)])
+def test_engine_refuses_an_eos_that_is_not_ints(llama_engine, eos):
+    engine, _ = llama_engine
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int, a list or tuple of ints \(\[\]: no stop token\), "
+                                         r"or None \(the model's generation_config.eos_token_id\), got "):
+        engine.generate([[5, 6]], 2, eos_token_id=eos)
+    with pytest.raises(ValueError, match=r"eos_token_id 256 is outside the vocabulary \(ids 0..255\)"):
+        engine.generate([[5, 6]], 2, eos_token_id=[3, 256])
+
+
 def test_engine_rejects_max_model_len_past_the_models_positions():
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
     model = hf.tiny_random_model("gpt2", max_position_embeddings=16)  # learned positions: 16 rows

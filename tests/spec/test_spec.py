@@ -32,12 +32,13 @@ def make_engine(k: int, mode: str = "FULL", draft_layers: int = LAYERS, platform
     return engine, reference
 
 
-def greedy(reference: torch.nn.Module, prompt, n: int, eos: int | None = None) -> list[int]:
+def greedy(reference: torch.nn.Module, prompt, n: int, eos: int | list[int] | None = None) -> list[int]:
+    """``reference.generate`` greedy, stopping at ``eos`` (an int or a list) or only at ``n`` (None)."""
     device = next(reference.parameters()).device
     ids = torch.tensor([list(prompt)], device=device)
     with torch.no_grad():
         out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                 eos_token_id=eos, pad_token_id=eos)
+                                 eos_token_id=eos, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -117,6 +118,33 @@ def test_requests_finish_mid_run_at_eos_or_budget(self_draft):
     assert cut == at_eos | at_budget and all(a == 4 for i in rounds for a in i.accepted), rounds
     finished = {r: next(i.round for i in reversed(rounds) if r in i.requests) for r in range(4)}
     assert len(set(finished.values())) > 1, finished  # they finished at different rounds
+
+
+@pytest.mark.parametrize("self_draft", [(4, "FULL")], ids=["k4-FULL"], indirect=True)
+def test_eos_as_a_list_and_the_models_own_eos_stop_as_generate_does(self_draft):
+    """A list of stop tokens (any of them stops a request, inside an accepted run too), and without
+    ``eos_token_id`` the target's ``generation_config.eos_token_id``, as ``model.generate``."""
+    engine, reference, _ = self_draft
+    budgets = [12, 12, 7, 9]
+    free = engine.generate(PROMPTS, budgets, eos_token_id=[])  # []: no stop token
+    assert free == [greedy(reference, p, n) for p, n in zip(PROMPTS, budgets)]
+    eos = [next(o[i] for i in range(j, len(o)) if o[i] not in o[:i]) for o, j in ((free[0], 2), (free[1], 3))]
+    expected = [greedy(reference, p, n, eos) for p, n in zip(PROMPTS, budgets)]
+    assert sum(len(o) for o in expected) < sum(budgets), expected
+    assert engine.generate(PROMPTS, budgets, eos_token_id=eos) == expected
+    target = engine.target.model
+    saved = target.generation_config.eos_token_id, reference.generation_config.eos_token_id
+    try:
+        target.generation_config.eos_token_id = reference.generation_config.eos_token_id = eos
+        ids = [torch.tensor([list(p)]) for p in PROMPTS]
+        with torch.no_grad():  # generate without eos_token_id: the model's own
+            expected = [reference.generate(i, attention_mask=torch.ones_like(i), do_sample=False, max_new_tokens=n,
+                                           pad_token_id=0)[0, i.shape[1]:].tolist() for i, n in zip(ids, budgets)]
+        assert engine.generate(PROMPTS, budgets) == expected
+    finally:
+        target.generation_config.eos_token_id, reference.generation_config.eos_token_id = saved
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int, a list or tuple of ints .*got 2.5"):
+        engine.generate(PROMPTS, budgets, eos_token_id=2.5)
 
 
 def test_a_failed_round_frees_both_caches(self_draft):

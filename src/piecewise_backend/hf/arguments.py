@@ -1,7 +1,7 @@
 """The arguments of an engine's ``generate``, checked in one place for every engine.
 
 :class:`~piecewise_backend.hf.HFEngine` and :class:`~piecewise_backend.spec.SpecEngine` take the
-same prompts and budgets; :func:`check_generate` turns them into plain lists of ints or raises a
+same prompts, budgets and stop tokens; :func:`check_generate` turns them into plain lists of ints or raises a
 ``ValueError`` (a ``TypeError`` for a value of the wrong kind: text, a bare int, a set) that names
 the bad value and what is valid, before any request is admitted. A prompt may be a list or tuple
 of ints, a 1-D integer tensor or a numpy integer array; a float id is refused, never truncated.
@@ -21,10 +21,12 @@ PROMPT_KINDS = "a list or tuple of ints, a 1-D integer tensor or a 1-D numpy int
 
 @dataclasses.dataclass(frozen=True)
 class GenerateArgs:
-    """What :func:`check_generate` returns: every prompt as a list of ints, one budget per prompt."""
+    """What :func:`check_generate` returns: every prompt as a list of ints, one budget per prompt,
+    and the stop tokens (empty: stop at the budget only)."""
 
     prompts: list[list[int]]
     budgets: list[int]
+    eos: frozenset[int]
 
 
 def is_int(value: Any) -> bool:
@@ -81,19 +83,46 @@ def budgets(max_new_tokens: Any, num_prompts: int) -> list[int]:
     return [int(b) for b in per_prompt]
 
 
+def eos_ids(eos_token_id: Any, default: Any = None, *, vocab_size: int | None = None) -> frozenset[int]:
+    """The stop tokens: ``eos_token_id`` (an int, or a list/tuple of ints; ``[]``: none), or, when it is
+    None, ``default`` (the model's ``generation_config.eos_token_id``, as ``model.generate`` uses)."""
+    given = eos_token_id is not None
+    value, source = (eos_token_id, "eos_token_id") if given else (default, "the model's generation_config.eos_token_id")
+    if value is None:
+        return frozenset()
+    ids = [value] if is_int(value) else list(value) if isinstance(value, (list, tuple)) else None
+    if ids is None or not all(is_int(t) for t in ids):
+        raise ValueError(f"{source} must be an int, a list or tuple of ints ([]: no stop token), or None "
+                         f"(the model's generation_config.eos_token_id), got {_show(value)}")
+    if given and vocab_size is not None:
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"eos_token_id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1}): "
+                             "it would never stop a request")
+    return frozenset(int(t) for t in ids)
+
+
+def generation_eos(model: Any) -> Any:
+    """The stop token(s) ``model.generate`` uses by default: ``model.generation_config.eos_token_id`` (None without one)."""
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+
+
 def check_generate(
     prompts: Any,
     max_new_tokens: Any,
     *,
     vocab_size: int,
     max_model_len: int,
+    eos_token_id: Any = None,
+    default_eos: Any = None,
     reserve: int = 0,
     reserve_reason: str = "",
 ) -> GenerateArgs:
     """Check the arguments of ``generate`` for an engine of ``vocab_size`` tokens and ``max_model_len``
     positions. Each request needs ``len(prompt) + budget + reserve <= max_model_len`` (``reserve``:
     positions past the last token an engine writes, e.g. speculative decoding's ``k - 1``, said in
-    the error as ``reserve_reason``)."""
+    the error as ``reserve_reason``). ``eos_token_id``: see :func:`eos_ids` (``default_eos``: the
+    model's, from :func:`generation_eos`)."""
     if isinstance(prompts, (str, bytes)) or _is_array(prompts) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list or tuple of prompts (each {PROMPT_KINDS}), got "
                         f"{type(prompts).__name__} {_show(prompts)}" + (
@@ -110,4 +139,4 @@ def check_generate(
         if len(p) + per_prompt[i] + reserve > max_model_len:
             raise ValueError(f"prompt {i}: {len(p)} tokens + {per_prompt[i]} new{extra} must be in "
                              f"1..max_model_len={max_model_len}")
-    return GenerateArgs(ids, per_prompt)
+    return GenerateArgs(ids, per_prompt, eos_ids(eos_token_id, default_eos, vocab_size=vocab_size))

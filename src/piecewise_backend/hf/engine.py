@@ -33,7 +33,7 @@ from ..kv import cache as kv
 from ..modes import CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
 from .adapter import graph_safe_experts, layout_refusal, probe, refusal
-from .arguments import check_generate
+from .arguments import check_generate, generation_eos
 from .tiny import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 
 ATTN_IMPLEMENTATION = "pb_paged"
@@ -207,22 +207,26 @@ class HFEngine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> list[list[int]]:
         """Greedy completions of ``prompts`` (token ids, without the prompt), in order.
 
+        A request stops at its budget or at a token of ``eos_token_id`` (an int or a list of ints;
+        ``[]``: none; None: the model's ``generation_config.eos_token_id``, as ``model.generate``).
+
         Each step decodes one token for every running request and admits waiting prompts whole
         while they fit ``max_num_reqs`` and the largest captured size.
         """
-        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.cache.max_model_len)
+        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.cache.max_model_len,
+                              eos_token_id=eos_token_id, default_eos=generation_eos(self.model))
         prompts, budgets = args.prompts, args.budgets
         outputs: list[list[int]] = [[] for _ in prompts]
         waiting, running, step = list(range(len(prompts))), [], 0
         try:
             with torch.inference_mode():
                 while waiting or running:
-                    info = self._step(step, prompts, outputs, budgets, waiting, running, eos_token_id)
+                    info = self._step(step, prompts, outputs, budgets, waiting, running, args.eos)
                     if on_step is not None:
                         on_step(info)
                     step += 1
@@ -240,7 +244,7 @@ class HFEngine:
         budgets: list[int],
         waiting: list[int],
         running: list[int],
-        eos_token_id: int | None,
+        eos: frozenset[int],
     ) -> StepInfo:
         """Schedule, run and sample one step; updates ``outputs``, ``waiting`` and ``running``."""
         chunks = [(r, len(prompts[r]) + len(outputs[r]) - 1, 1) for r in running]
@@ -259,7 +263,7 @@ class HFEngine:
         last = torch.tensor(_ends(chunks), device=logits.device)
         for (r, _, _), tok in zip(chunks, logits[last].argmax(-1).tolist()):
             outputs[r].append(tok)
-            if len(outputs[r]) >= budgets[r] or tok == eos_token_id:
+            if len(outputs[r]) >= budgets[r] or tok in eos:
                 running.remove(r)
                 self.cache.free(r)
         return StepInfo(step, len(tokens), len(chunks), decode, self.runner.last_mode)

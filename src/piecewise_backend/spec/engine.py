@@ -26,7 +26,7 @@ import torch
 
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
-from ..hf.arguments import check_generate
+from ..hf.arguments import check_generate, generation_eos
 from ..hf.engine import adapt, kv_shape
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport, CUDAGraphMode
@@ -43,6 +43,7 @@ class _Side:
         self, model: torch.nn.Module, config: CompilationConfig, *, drafter: bool, query_len: int,
         support: AttentionGraphSupport, max_num_reqs: int, max_model_len: int, block_size: int, num_blocks: int | None,
     ):
+        self.model = model
         layers, kv_heads, head_dim = kv_shape(model.config)
         param = next(model.parameters())
         self.cache = kv.PagedKVCache(
@@ -166,17 +167,19 @@ class SpecEngine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         on_round: Callable[[RoundInfo], None] | None = None,
     ) -> list[list[int]]:
         """Greedy completions of ``prompts`` (token ids, without the prompt), equal to the target's own
-        greedy decoding; :attr:`stats` holds this call's totals."""
+        greedy decoding; :attr:`stats` holds this call's totals. ``eos_token_id`` as in
+        :meth:`HFEngine.generate <piecewise_backend.hf.HFEngine.generate>` (None: the target's
+        ``generation_config.eos_token_id``)."""
         # the last verify step of a request writes k positions past its next-to-last token
         args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                              eos_token_id=eos_token_id, default_eos=generation_eos(self.target.model),
                               reserve=self.k - 1, reserve_reason="speculative tokens - 1")
-        prompts, budgets = args.prompts, args.budgets
         self.stats = SpecStats()
-        state = self._state = RequestStates(prompts, budgets, eos_token_id)
+        state = self._state = RequestStates(args.prompts, args.budgets, args.eos)
         try:
             with torch.inference_mode():
                 while state.waiting or state.running:
