@@ -311,3 +311,39 @@ def test_partial_acceptance_with_debug_checks_on_cuda():
     outputs = engine.generate(PROMPTS, [9, 6, 12, 8])
     assert outputs == [greedy(reference, p, n) for p, n in zip(PROMPTS, [9, 6, 12, 8])]
     assert 0 < engine.stats.acceptance_rate < 1
+
+
+def _spec_decode_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "spec_decode.py"
+    module_spec = importlib.util.spec_from_file_location("spec_decode", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "deepseek_v2", "deepseek_v3", "minicpm3"])
+def test_spec_engine_sizes_its_caches_from_the_attention_modules(arch):
+    """Multi-query (gpt_bigcode: the config says 2 KV heads, its attention has 1) and MLA
+    (deepseek_v2/v3, minicpm3: K/V head dim 24, not the config's 8): both caches have HFEngine's
+    layout, the one the probe of the attention modules reads, not the one computed from the config."""
+    target = hf.tiny_random_model(arch, num_hidden_layers=LAYERS)
+    probed = hf.kv_shape(target)
+    assert probed != hf.kv_shape(target.config)  # the config would size the cache wrongly
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    engine = spec.SpecEngine(target, spec.truncated_drafter(target, 1), config, num_speculative_tokens=2,
+                             max_model_len=16, block_size=4)
+    for side, layers in ((engine.target, LAYERS), (engine.drafter, 1)):
+        caches = side.cache.key_caches
+        assert (len(caches), *caches[0].shape[2:]) == (layers, *probed[1:])
+
+
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "minicpm3"])
+def test_spec_decode_example_checks_multi_query_and_mla_models(arch, capsys):
+    """``examples/spec_decode.py --arch NAME --num-speculative-tokens 2 --check``, in this process
+    (deepseek_v2 and deepseek_v3 pass it too; 15 and 29 s here, so the suite runs one MLA model)."""
+    torch._dynamo.reset()
+    assert _spec_decode_example().main(["--arch", arch, "--num-speculative-tokens", "2", "--check"]) == 0
+    assert "check: 5/5 requests match model.generate token for token" in capsys.readouterr().out

@@ -44,7 +44,10 @@ class _Side:
         support: AttentionGraphSupport, max_num_reqs: int, max_model_len: int, block_size: int, num_blocks: int | None,
     ):
         self.model = model
-        layers, kv_heads, head_dim = kv_shape(model.config)
+        adapted = adapt(model)
+        # HFEngine's layout source: the probe of the attention modules (the config's fields can be
+        # wrong: multi-query gpt_bigcode, MLA's K/V head dims)
+        layers, kv_heads, head_dim = kv_shape(adapted)
         param = next(model.parameters())
         self.cache = kv.PagedKVCache(
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
@@ -52,7 +55,7 @@ class _Side:
         )
         self.backend = make_backend(config)
         self.runner = GraphRunner(
-            torch.compile(adapt(model), backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
+            torch.compile(adapted, backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
             model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn, max_num_reqs=max_num_reqs,
             attention_support=min(support, self.cache.attention_graph_support), attention_backend=self.cache.attention_backend,
             uniform_decode_query_len=query_len, drafter=drafter, device=param.device,
