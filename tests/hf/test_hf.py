@@ -370,6 +370,25 @@ def test_engine_refuses_an_eos_that_is_not_ints(llama_engine, eos):
         engine.generate([[5, 6]], 2, eos_token_id=[3, 256])
 
 
+def test_ten_engines_in_one_process_each_compile_their_model():
+    """Dynamo keeps compiled code per code object and stops compiling one after 8 entries
+    (``recompile_limit``): every engine's adapted model has its own ``forward`` code, so the 10th
+    engine in a process is compiled and split like the first (no ``torch._dynamo.reset()``)."""
+    config = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager",
+                                  capture_sizes=[2, 4])
+    model = hf.tiny_random_model("llama", num_hidden_layers=1)
+    outputs, splits = [], []
+    for _ in range(10):
+        engine = hf.HFEngine(copy.deepcopy(model), config, max_num_reqs=2, max_model_len=16, block_size=4)
+        outputs.append(engine.generate([[5, 6, 7], [8, 9]], 1))  # one step: one Dynamo graph per engine
+        splits.append([s.found_ops for s in engine.backend.splits])
+    assert outputs == [outputs[0]] * 10
+    assert all(s and all(ops == ["pb_kv::paged_attention"] for ops in s) for s in splits), splits
+    first, second = (hf.adapt(copy.deepcopy(model)) for _ in range(2))
+    assert isinstance(first, hf.TokensFirst) and type(first).__name__ == "TokensFirst"
+    assert type(first).forward.__code__ is not type(second).forward.__code__
+
+
 def test_engine_rejects_max_model_len_past_the_models_positions():
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
     model = hf.tiny_random_model("gpt2", max_position_embeddings=16)  # learned positions: 16 rows

@@ -21,6 +21,8 @@ Gemma 2/3, ...); :func:`adapt` refuses, naming the reason, every model it would 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,7 +123,23 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
         layout.module.pb_head_dim = result.head_dim
         layout.module.pb_kv_repeat = result.kv_shape()[1] // layout.kv_heads
     model.set_attn_implementation(register_attention())
-    return TokensFirst(model.eval(), result.kv_shape())
+    return _own_code(TokensFirst)(model.eval(), result.kv_shape())
+
+
+def _own_code(cls: type[TokensFirst]) -> type[TokensFirst]:
+    """A subclass of ``cls`` whose ``forward`` has a code object of its own.
+
+    Dynamo keeps compiled code per code object and, past ``recompile_limit`` (8) entries, runs the
+    frame uncompiled: with one shared ``forward`` the 5th engine of a process was served eagerly,
+    its PIECEWISE graphs holding attention whole. A copy of the code per adapted model keeps each
+    engine's entries apart (and frees them with the engine).
+    """
+    base = cls.forward
+    forward = types.FunctionType(base.__code__.replace(), base.__globals__, base.__name__, base.__defaults__,
+                                 base.__closure__)
+    functools.update_wrapper(forward, base)
+    del forward.__wrapped__  # a wrapper's __wrapped__ would send inspect (and Dynamo's tracing) to the shared code
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
