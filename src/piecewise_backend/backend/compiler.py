@@ -18,7 +18,7 @@ from ..capture.wrappers import CUDAGraphWrapper
 from ..config import CompilationConfig
 from ..modes import CUDAGraphMode
 from ..observability import counters, logger
-from ..ops import registered_splitting_ops
+from ..ops import OpMatcher, registered_splitting_ops
 from ..platforms.registry import effective_mode
 from .cache import PieceCache, compile_cached
 from .dump import dump_split
@@ -58,6 +58,13 @@ def _compile_inductor(gm: fx.GraphModule) -> Callable[..., Any]:
     return compile_fx(fresh, _example_inputs(gm))  # returns a bare value when the piece does
 
 
+def _break_name(piece: Piece, matcher: OpMatcher | None) -> str:
+    """``piece``'s name with the splitting op(s) it holds, e.g. ``submod_1 (pb_kv::paged_attention)``."""
+    found = [matcher.match(n.target) for n in piece.module.graph.nodes if n.op == "call_function"] if matcher else []
+    names = dict.fromkeys(op if isinstance(op, str) else getattr(op, "__qualname__", repr(op)) for op in found if op)
+    return f"{piece.name} ({', '.join(names)})" if names else piece.name
+
+
 class PiecewiseBackend:
     """A torch.compile backend: ``backend(gm, example_inputs)`` -> stitched callable."""
 
@@ -87,17 +94,18 @@ class PiecewiseBackend:
         split = split_graph(gm, ops)
         self._log_missing(ops, split, configured, graph_index)
         split_gm = split.split_gm
+        matcher = OpMatcher(split.found_ops)
         for piece in split.pieces:
-            split_gm.__dict__[piece.name] = self._runner(piece)  # setattr refuses non-Modules
+            split_gm.__dict__[piece.name] = self._runner(piece, matcher)  # setattr refuses non-Modules
         counters["pieces"] += len(split.pieces)
         counters["splitting_pieces"] += split.num_splitting
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
         return _direct_forward(split_gm)
 
-    def _runner(self, piece: Piece) -> Callable[..., Any]:
+    def _runner(self, piece: Piece, matcher: OpMatcher | None = None) -> Callable[..., Any]:
         if piece.is_splitting:
-            return BreakPoint(_direct_forward(piece.module), piece.name)
+            return BreakPoint(_direct_forward(piece.module), _break_name(piece, matcher))
         counters["compiled_pieces"] += 1
         if self.config.compile_pieces == "eager":
             fn: Callable[..., Any] = _direct_forward(piece.module)
