@@ -80,6 +80,9 @@ class FakeStream:
         return event
 
     def wait_event(self, event: FakeEvent) -> None:
+        event.wait(self)  # torch.cuda.Stream.wait_event is event.wait(self)
+
+    def _wait(self, event: FakeEvent) -> None:
         # CUDA cudaStreamWaitEvent: an event recorded in a capture makes the waiting stream join
         # that capture (a fork); the legacy default stream cannot (cudaErrorStreamCaptureImplicit).
         fake = current()
@@ -123,7 +126,7 @@ class FakeEvent:
             self.clock[stream.id] = stream.seq
 
     def wait(self, stream: FakeStream | None = None) -> None:
-        (current().current_stream() if stream is None else stream).wait_event(self)
+        (current().current_stream() if stream is None else stream)._wait(self)
 
     def synchronize(self) -> None:
         if self.capture is not None and self.capture.id in current().captures:  # CUDA: cudaEventSynchronize
