@@ -505,15 +505,17 @@ def test_cuda_unjoined_side_stream_is_named(fake, monkeypatch, where):
     g.replay()
 
 
-def test_cuda_gc_collected_at_most_once_per_capture_of_64_breaks(fake, monkeypatch):
+@pytest.mark.parametrize("force", [False, True], ids=["default", "force_cudagraph_gc"])
+def test_cuda_gc_collected_at_most_once_per_capture_of_64_breaks(fake, monkeypatch, force):
+    # as torch.cuda.graph: no collection unless torch.compiler.config.force_cudagraph_gc, then one, never per segment
     monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: False])
     collected = []
     monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
     g = pb.BreakableGraph()
-    with pb.breakable_graph(g):
+    with torch.compiler.config.patch(force_cudagraph_gc=force), pb.breakable_graph(g):
         for _ in range(64):
             fake.launch()
             host_break(fake)
         fake.launch()
-    assert g.num_breaks == 64 and g.num_graphs == 65 and len(collected) <= 1
+    assert g.num_breaks == 64 and g.num_graphs == 65 and len(collected) == int(force)
     g.replay()

@@ -89,3 +89,14 @@ def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
     cb_row = re.search(r"^\| transformers generate_batch .*\| 32 ", out, re.M)
     assert cb_row or "transformers continuous batching" in out, out  # a row, or the line saying why there is none
     assert "the CUDA graphs are simulated" in out
+
+
+def test_breaks_benchmark_reports_the_machinery_cost_per_segment():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "breaks"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Breaks anywhere: capture cost per segment (CPU)" in proc.stdout
+    for row in ("eager (no capture)", "null platform", "simulated"):
+        assert re.search(rf"^\| {re.escape(row)} +\| [\d.]+ ", proc.stdout, re.M), proc.stdout

@@ -53,12 +53,14 @@ class EagerSegment:
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, force_grad: bool | None = None):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.single = isinstance(out, torch.Tensor)
-        leaves = [out] if self.single else tree_leaves(out)
+        leaves = [out] if self.single else [] if out is None else tree_leaves(out)
         # A result in fresh memory must land where the later graph segments read it.
         self.fresh = fresh_outputs(args, kwargs, leaves)
         # A result that *is* one of the inputs is read in place by later segments: it must stay that input.
-        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
+        self.returned = []
+        if any(isinstance(t, torch.Tensor) for t in leaves):
+            inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
         # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: a break whose
         # grad mode at capture was set by the model (see CaptureSession.run_break) gets it back on replay.
         self.grad_enabled = force_grad

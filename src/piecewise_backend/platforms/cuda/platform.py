@@ -94,10 +94,11 @@ class CudaPlatform:
             raise RuntimeError(self.broken)
 
     @contextlib.contextmanager
-    def capture_scope(self) -> Iterator[None]:
+    def capture_scope(self, collect: bool | None = None) -> Iterator[None]:
+        """Around one whole capture; ``collect``: collect garbage first (None: unless a bulk capture manages gc)."""
         self._usable()
         with exclusive("capturing"):
-            if not gc_managed():
+            if collect if collect is not None else not gc_managed():
                 gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
             with torch.cuda.device(self.device):
                 # outside any capture (ending a generation drops its MemPool); the current one stays: this
@@ -154,8 +155,10 @@ class CudaPlatform:
             gen, shared = pool.gen, gens.current
             gens.current = gen
         self._local.error_mode = capture_error_mode
+        # as torch.cuda.graph: no gc.collect() unless torch asks for one (force_cudagraph_gc)
+        collect = bool(getattr(torch.compiler.config, "force_cudagraph_gc", False)) and not gc_managed()
         try:
-            with self.capture_scope():
+            with self.capture_scope(collect):
                 yield
         finally:
             self._local.error_mode = "global"

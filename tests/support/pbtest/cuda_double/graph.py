@@ -145,7 +145,9 @@ class FakeCUDAGraph:
         self.replays = 0
         self.workspaces: list[Segment] = []  # cuBLAS workspaces the captured kernels address
 
-    def capture_begin(self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global") -> None:
+    def capture_begin(
+        self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global", check_input_liveness: bool = False
+    ) -> None:  # check_input_liveness: torch 2.13 torch.cuda.graph passes it (debug checks the double does not model)
         fake = self.fake
         # CG capture_begin: one graph per instance, never on the default stream.
         if self.has_graph_exec:
