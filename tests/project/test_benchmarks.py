@@ -100,3 +100,19 @@ def test_breaks_benchmark_reports_the_machinery_cost_per_segment():
     assert "Breaks anywhere: capture cost per segment (CPU)" in proc.stdout
     for row in ("eager (no capture)", "null platform", "simulated"):
         assert re.search(rf"^\| {re.escape(row)} +\| [\d.]+ ", proc.stdout, re.M), proc.stdout
+
+
+def test_breaks_benchmark_gpu_part_runs_on_the_cuda_double():
+    """The GPU comparison's control flow (both captures, both replays) on the CPU double of torch.cuda, so the
+    GPU step cannot fail for a reason the CPU could have shown (its timings mean nothing here)."""
+    import warnings
+
+    from benchmarks import bench_breaks
+    from pbtest import cuda_double
+
+    with cuda_double.installed() as fake, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the double's kernels-free segments are "empty graphs"
+        section = bench_breaks.gpu_section(True, None, device="cpu")
+        cuda_double.check_clean(fake)
+    assert "| breakable_graph " in section.body and "| per-segment torch.cuda.graph " in section.body
+    assert section.body.count("ms per replay") == 1 and len(section.data["times"]["breakable_graph"]) == 3
