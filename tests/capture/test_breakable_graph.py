@@ -519,3 +519,20 @@ def test_cuda_gc_collected_at_most_once_per_capture_of_64_breaks(fake, monkeypat
         fake.launch()
     assert g.num_breaks == 64 and g.num_graphs == 65 and len(collected) == int(force)
     g.replay()
+
+
+def test_cuda_private_pool_ends_with_its_last_graph(fake, monkeypatch):
+    monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: True])
+    g = pb.BreakableGraph()
+    with pb.breakable_graph(g):
+        device_workload(fake)
+    platform = g.platform
+    gen = g.pool().handle.gen
+    assert gen.id in {tuple(p.id) for p in platform.pools}  # counted in the platform's memory and owner tests
+    shared = pb.BreakableGraph(pool=g.pool())
+    del g
+    platform.release_cached()
+    assert gen.id in {tuple(p.id) for p in platform.pools}  # the pool object lives on in `shared`
+    del shared
+    platform.release_cached()
+    assert gen.id not in {tuple(p.id) for p in platform.pools} and gen.id in platform.generations.retired
