@@ -28,6 +28,7 @@ from ..backend.compiler import make_backend
 from ..config import CompilationConfig
 from ..hf.arguments import check_generate, generation_eos
 from ..hf.engine import adapt, kv_shape
+from ..hf.host_breaks import no_full_graphs
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
@@ -53,6 +54,7 @@ class _Side:
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size), dtype=param.dtype, device=param.device,
         )
+        config = no_full_graphs(config, adapted.host_breaks)  # a break point: no FULL graph holds it
         self.backend = make_backend(config)
         self.runner = GraphRunner(
             torch.compile(adapted, backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
