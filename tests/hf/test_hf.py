@@ -227,9 +227,11 @@ def llama_engine():
     return engine, reference
 
 
-def test_engine_serves_every_mode_and_matches_generate(llama_engine):
-    """A prompt longer than the largest capture runs eagerly, prompts join mid-decode (PIECEWISE),
-    pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
+@pytest.mark.parametrize("budget", [None, 16])
+def test_engine_serves_every_mode_and_matches_generate(llama_engine, budget):
+    """A prompt longer than the largest capture is prefilled in chunks of at most that size (default
+    max_num_batched_tokens), or, with a larger budget, runs in one eager step; prompts join mid-decode
+    (PIECEWISE), pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
     engine, reference = llama_engine
     # each Dynamo graph (one per compile; size 1 specializes) holds the whole model, no graph break,
     # and splits at each layer's paged attention
@@ -241,10 +243,17 @@ def test_engine_serves_every_mode_and_matches_generate(llama_engine):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 11, 1, 4)]
     budgets = [5, 2, 6, 3]
     steps: list[hf.StepInfo] = []
-    with pb.expect(captures=0):  # everything was captured up front
-        outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    assert engine.max_num_batched_tokens == 8  # the largest capture size
+    engine.max_num_batched_tokens = budget or 8
+    try:
+        with pb.expect(captures=0):  # everything was captured up front
+            outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    finally:
+        engine.max_num_batched_tokens = 8
     modes = {s.mode for s in steps}
-    assert modes == {pb.CUDAGraphMode.NONE, pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}, steps
+    graphs = {pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}
+    assert modes == (graphs if budget is None else graphs | {pb.CUDAGraphMode.NONE}), steps
+    assert max(s.num_tokens for s in steps) <= (budget or 8) and (budget is None) == (max(s.num_tokens for s in steps) <= 8)
     assert all((s.mode == pb.CUDAGraphMode.FULL) == (s.uniform_decode and s.num_tokens <= 8) for s in steps), steps
     assert [len(o) for o in outputs] == budgets
     assert load_example().check(reference, prompts, outputs, budgets, eos=None) == []

@@ -1,4 +1,4 @@
-"""Serve stock Hugging Face decoder models: adapter probe, engine, and tiny random models for tests."""
+"""Serve stock Hugging Face decoder models: adapter probe, engine, serving loop, sampling, tiny random models."""
 
 from .adapter import (
     PROBE_IMPLEMENTATION,
@@ -15,13 +15,14 @@ from .adapter import (
 from .engine import (
     ATTN_IMPLEMENTATION,
     HFEngine,
-    StepInfo,
     TokensFirst,
     adapt,
     kv_shape,
     paged_attention_forward,
     register_attention,
 )
+from .sampling import SamplingParams
+from .serving import RequestOutput, StepInfo
 from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
 __all__ = [
@@ -31,8 +32,10 @@ __all__ = [
     "kv_shape",
     "paged_attention_forward",
     "register_attention",
-    "StepInfo",
     "TokensFirst",
+    "SamplingParams",
+    "RequestOutput",
+    "StepInfo",
     "graph_safe_experts",
     "LayerLayout",
     "layout_refusal",
