@@ -343,6 +343,27 @@ def test_hf_generate_example_checks_against_generate(arch):
     assert "check: 5/5 requests match model.generate" in proc.stdout
 
 
+def test_hf_generate_example_serves_lazily_samples_and_streams():
+    """--lazy: served eagerly, captured in idle time, served again on graphs (the same tokens); --sample:
+    one seed, the same draws twice; --stream: every token printed as produced; --check: greedy vs generate."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama", "--check", "--lazy", "--sample",
+         "--stream"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    out = proc.stdout
+    assert "captured" not in out.split("capture_idle:")[0]  # nothing captured before the first run
+    modes = re.findall(r"^step +\d+:.* -> (\w+)$", out, re.M)
+    first, second = modes[: len(modes) // 2], modes[len(modes) // 2:]
+    assert set(first) == {"NONE"} and set(second) == {"PIECEWISE", "FULL"}, out
+    assert "lazy: the run on graphs equals the run before capture" in out
+    assert "sample: seed 0 drew the same tokens twice" in out and "check: 5/5 requests match model.generate" in out
+    streamed = re.findall(r"^  token: request (\d) -> (\d+)$", out, re.M)
+    greedy = {int(i): eval(toks) for i, toks in re.findall(r"^request (\d): prompt +\d+ tokens -> (\[.*\])$", out, re.M)}
+    first_run = streamed[: sum(len(t) for t in greedy.values())]  # the greedy run streams first, in order
+    assert {i: [int(t) for r, t in first_run if int(r) == i] for i in greedy} == greedy
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "deepseek_v3", "gpt_oss", "gemma2", "gpt_bigcode"])
 def test_hf_generate_example_on_cuda(arch):
