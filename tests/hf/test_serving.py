@@ -229,6 +229,7 @@ def test_lazy_engine_serves_at_once_then_idle_time_captures_what_traffic_asked_f
     with pb.expect(captures=0):
         assert engine.generate(PROMPTS, BUDGETS, on_step=again.append) == out
     assert {s.mode for s in again} == {M.PIECEWISE, M.FULL}  # the same traffic now replays graphs
+    assert len(engine.backend.splits) == 1  # eager steps of every size and the captures: one Dynamo graph
 
 
 def test_capture_idle_keeps_the_engine_within_graph_memory_budget(lazy_engine):

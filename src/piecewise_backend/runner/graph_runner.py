@@ -23,6 +23,7 @@ from ..inputs import mark_persistent
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..observability import logger
 from ..platforms.registry import effective_mode
+from ..shapes import mark_token_views
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
@@ -252,9 +253,16 @@ class GraphRunner:
             _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
         if mode == CUDAGraphMode.NONE:
             rows = self._request_rows
-            views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
             if wanted is None:
+                views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
                 return self._call(views, mode, desc, context)
+            # A step a graph will serve later runs on the buffers' first rows, marked as the capture's
+            # warm-ups mark them: Dynamo traces the one graph those use, not one per size (nor another
+            # for inference tensors), so neither later steps nor capture_idle compile again.
+            for name, t in batch.items():
+                fill(self.buffers[name], t, rows.get(name, n), self.inputs[name].pad)
+            views = self._views(n)
+            mark_token_views(views, self.inputs)
             began = time.perf_counter()
             out = self._call(views, mode, desc, context)
             self.lazy.note_eager(wanted, time.perf_counter() - began)
