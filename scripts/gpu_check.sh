@@ -17,6 +17,8 @@
 #   attnbench  benchmarks/bench_attention.py --device cuda --quick: decode step and memory vs max_model_len (90 s)
 #   hfbench    benchmarks/bench_hf_throughput.py --device cuda --quick: decode tokens/s of HFEngine FULL graphs vs
 #              transformers' generate_batch vs generate (120 s); both tables go to steps.log only
+#   servebench benchmarks/bench_serving.py --device cuda --quick: time to first token, lazy_capture vs up-front
+#              capture, and decode tokens/s after capture_idle vs a full capture (150 s); tables to steps.log
 #   bench   benchmarks/run.py --cuda (what time is left), written to $OUT/benchmarks.md
 # Each step prints "PASS|FAIL|TIMEOUT <step> (<seconds> s)"; a table of them ends the run and
 # $OUT/summary.txt; the exit status is 1 if any step did not pass. Files under $OUT (8 at most):
@@ -122,6 +124,7 @@ else
 fi
 step attnbench 90 "$PY" -m benchmarks.bench_attention --device cuda --quick
 step hfbench 120 "$PY" -m benchmarks.bench_hf_throughput --device cuda --quick
+step servebench 150 "$PY" -m benchmarks.bench_serving --device cuda --quick
 BENCH=$(( $(left) - 20 ))
 step bench "$BENCH" "$PY" benchmarks/run.py --cuda --budget "$(( BENCH > 60 ? BENCH - 40 : 20 ))" --out "$OUT/benchmarks.md"
 

@@ -377,6 +377,18 @@ def test_hf_generate_example_on_cuda(arch):
     assert "platform: cuda" in proc.stdout and "check: 5/5 requests match model.generate" in proc.stdout
 
 
+@pytest.mark.cuda
+def test_hf_generate_example_serves_lazily_and_samples_on_cuda():
+    """The twin of test_hf_generate_example_serves_lazily_samples_and_streams: on a GPU, idle-time CUDA graph
+    captures between batches serve the same tokens as the eager steps before them."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama", "--check", "--lazy", "--sample"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "platform: cuda" in proc.stdout and "lazy: the run on graphs equals the run before capture" in proc.stdout
+
+
 def test_hf_generate_example_exits_2_with_the_reason_for_a_refused_model():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama4_text", "--check"],

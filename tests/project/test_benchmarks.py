@@ -89,3 +89,14 @@ def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
     cb_row = re.search(r"^\| transformers generate_batch .*\| 32 ", out, re.M)
     assert cb_row or "transformers continuous batching" in out, out  # a row, or the line saying why there is none
     assert "the CUDA graphs are simulated" in out
+
+
+def test_serving_benchmark_splits_the_time_to_first_token():
+    """bench_serving's cold-start child (in this process here): its parts add up; a lazy engine captures nothing."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_serving
+
+    result = bench_serving.child("lazy", "cpu", quick=True)
+    assert result["graphs"] == 0 and result["capture_s"] < 0.05
+    assert abs(result["build_s"] + result["capture_s"] + result["first_step_s"] - result["ttft_s"]) < 1e-6
+    assert result["dynamo_s"] > 0 and len(result["tokens"]) == 4
