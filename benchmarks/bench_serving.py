@@ -20,7 +20,9 @@ is the third row. Tokens are checked equal across the three. On the CPU the grap
 replaying them costs host time like running the ops, so only the time-to-first-token split says
 something there; a GPU run (``--device cuda``) measures both.
 
-    python -m benchmarks.bench_serving [--quick] [--device cuda]
+    python -m benchmarks.bench_serving [--quick] [--device cuda] [--out FILE]
+
+Exit status 1 when the engines' tokens differ (lazy vs up-front, or after capture_idle vs a full capture).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,7 +44,9 @@ import torch
 
 import piecewise_backend as pb
 from benchmarks.bench_hf_throughput import SIZES, decode_window
-from benchmarks.common import Section, fmt_ratio, fmt_time, log, quiet_logs, raise_recompile_limits, spawn_child, table
+from benchmarks.common import (
+    Section, env_table, environment, fmt_ratio, fmt_time, log, quiet_logs, raise_recompile_limits, spawn_child, table,
+)
 
 MAX_CAPTURE = {"cpu": 64, "cuda": 256}  # the default ladder up to this: 11 sizes on the CPU, 35 on CUDA, per mode
 VARIANTS = ("up-front", "lazy")
@@ -203,19 +208,25 @@ def decode_table(device: str, quick: bool, deadline: float | None) -> Section:
                    {"rates": {k: statistics.median(v) for k, v in rates.items()}, "captured": len(captured)})
 
 
-def run(quick: bool = False, deadline: float | None = None, device: str = "cpu") -> list[Section]:
+def run(quick: bool = False, deadline: float | None = None, device: str = "cpu", out: Path | None = None) -> list[Section]:
     try:
         import transformers  # noqa: F401
     except ImportError as e:
         return [Section(f"Serve before capture ({device})", f"skipped: {e}")]
+    sections: list[Section] = []
     with quiet_logs():
-        return [ttft_table(device, quick, deadline), decode_table(device, quick, deadline)]
+        for make in (ttft_table, decode_table):
+            sections.append(make(device, quick, deadline))
+            if out is not None:  # a killed run keeps the tables it has
+                out.write_text(f"{env_table(environment(device))}\n\n" + "\n".join(s.markdown() for s in sections))
+    return sections
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smaller model, fewer tokens and repetitions")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--out", type=Path, help="markdown file to write the tables to (after each one)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -228,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device == "cpu":
         torch.set_num_threads(1)  # on a shared CPU, idle intra-op threads only add noise
-    for s in run(quick=args.quick, device=args.device):
+    try:
+        sections = run(quick=args.quick, device=args.device, out=args.out)
+    except AssertionError as e:  # tokens differ between the engines
+        print(f"FAILED: {e}", flush=True)
+        return 1
+    for s in sections:
         print(s.markdown(), flush=True)
     return 0
 

@@ -9,7 +9,8 @@ Without ``--cuda``, runs the CPU benchmarks (wrappers, replay, forward, compile,
 a GPU is present, the CUDA ones too. Every table is printed; with ``--out`` the results
 replace the lines between the ``cpu-results`` (or ``gpu-results``) BEGIN/END marker
 comments of that markdown file, rewritten after each benchmark so an interrupted run
-keeps what it measured. See docs/benchmarks.md.
+keeps what it measured. The exit status is 1 if a benchmark raised, or a section reports a variant of
+this library that failed or disagreed with its reference (``Section.data["failed"]``). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -148,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 failures += 1
                 new = [Section(f"{name}: error", f"`{type(e).__name__}: {e}`")]
+            failed = [f for s in new for f in s.data.get("failed", ())]
+            if failed:  # a variant of this library failed or disagreed (a section says which): the run fails
+                log(f"== {name}: FAILED {', '.join(map(str, failed))}")
+                failures += 1
             log(f"== {name} done in {time.perf_counter() - t0:.0f} s")
             for s in new:
                 print(s.markdown(), flush=True)

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lazy", action="store_true", help="serve before capturing, then capture_idle and serve again")
     parser.add_argument("--sample", action="store_true", help="also sample (seeded) twice and compare the draws")
     parser.add_argument("--stream", action="store_true", help="print each token as it is produced")
+    parser.add_argument("--compile-pieces", choices=("inductor", "eager"),
+                        help="how pieces are compiled (default: inductor on CUDA, eager on the simulator)")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         cudagraph_mode="FULL_AND_PIECEWISE",
         capture_sizes=[2, 4, 8, 16, 32],  # no size 1: Dynamo would specialize and trace the model a second time
         platform="cuda" if cuda else "simulated",
-        compile_pieces="inductor" if cuda else "eager",  # the simulator records ATen ops, not fused kernels
+        # the simulator records ATen ops, not fused kernels
+        compile_pieces=args.compile_pieces or ("inductor" if cuda else "eager"),
     )
     print(f"arch: {args.arch}, platform: {config.platform}" + ("" if cuda else " (no CUDA device: simulated on the CPU)"))
 

@@ -42,8 +42,9 @@ def test_dbo_benchmark_reports_both_variants_and_the_ratio():
     assert row and 0.2 < float(row.group(1)) < 5, proc.stdout  # a ratio was measured, whatever it is
 
 
-def test_attention_benchmark_tables_and_memory_tracker():
-    """bench_attention's op table (two sizes) and the live-bytes tracker its CPU memory column uses."""
+def test_attention_benchmark_tables_and_memory_tracker(monkeypatch):
+    """bench_attention's op table (two sizes, every output checked) and the live-bytes tracker its CPU memory
+    column uses."""
     import time
 
     from benchmarks import bench_attention
@@ -64,6 +65,17 @@ def test_attention_benchmark_tables_and_memory_tracker():
     memory = section.data["memory"]
     assert memory["reference", 1024] > 3 * memory["reference", 256]  # the reference grows with max_model_len
     assert memory["bounded (eager)", 1024] == memory["bounded (eager)", 256]
+    assert section.data["failed"] == []
+    real = bench_attention.op_variant
+
+    def skewed(backend, captured, *args):  # a captured path that computes something else
+        fn = real(backend, captured, *args)
+        return (lambda: fn() + 1) if captured else fn
+
+    monkeypatch.setattr(bench_attention, "op_variant", skewed)
+    with torch.inference_mode():
+        section = bench_attention.op_table(True, "cpu", time.monotonic() + 5, lens=(256,), reps=3)
+    assert section.data["failed"] == ["bounded (captured) @256"] and "differ from the reference" in section.body
 
 
 def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
@@ -89,6 +101,26 @@ def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
     cb_row = re.search(r"^\| transformers generate_batch .*\| 32 ", out, re.M)
     assert cb_row or "transformers continuous batching" in out, out  # a row, or the line saying why there is none
     assert "the CUDA graphs are simulated" in out
+
+
+def test_cuda_headline_checks_every_variant_and_fails_only_for_the_librarys_own(tmp_path, monkeypatch, capsys):
+    """bench_cuda --headline on the simulator: the table is written out, torch's own variant failing (here: no
+    CUDA) is a cell, not a failure; a library variant whose logits differ from eager's fails the benchmark."""
+    from benchmarks import bench_cuda
+
+    monkeypatch.setattr(bench_cuda, "HEADLINE_BATCHES", (1, 8))
+    out = tmp_path / "headline.md"
+    argv = ["--headline", "--quick", "--simulate", "--out", str(out)]
+    assert bench_cuda.main(argv) == 0
+    text = out.read_text()
+    assert all(name in text for name in bench_cuda.LIBRARY)
+    assert "not run: needs a CUDA device" in text and "measuring" not in text and torch.__version__ in text
+    assert re.search(r"^\| 8 +\| [\d.]+ +\| [\d.]+ ", text, re.M), text  # eager and FULL measured at batch 8
+    monkeypatch.setattr(bench_cuda, "agree", lambda got, ref: (False, 1.0))
+    capsys.readouterr()
+    assert bench_cuda.main(argv) == 1
+    assert "FAILED: FULL, breakable PIECEWISE, per-piece PIECEWISE" in capsys.readouterr().out
+    assert "logits differ from eager at batch 1" in out.read_text()
 
 
 def test_serving_benchmark_splits_the_time_to_first_token():

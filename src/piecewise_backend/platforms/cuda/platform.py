@@ -12,8 +12,10 @@ against tests/support/pbtest/cuda_double/fake.py, whose rule table tests/support
   bounded (given back when the generation ends, counted in :meth:`CudaPlatform.retired_pools`),
   and moves later captures to a new generation (recovery.py). If it cannot, it refuses every
   later capture with an error that says so.
-* Warm-ups run on the capture stream (cuBLAS workspaces are per stream), and a lazy capture
-  warms up first (Inductor/Triton autotuning syncs, which a capture forbids).
+* Warm-ups run on the capture stream (cuBLAS workspaces are per (handle, stream)), make this
+  thread's cuBLAS and cuBLASLt workspaces there (torch 2.11 keeps Lt's apart, made by the first Lt
+  GEMM: a FULL-only path would make it inside the capture), and a lazy capture warms up first
+  (Inductor/Triton autotuning syncs, which a capture forbids).
 * One capture at a time per process (streams.py): captures, warm-ups on the capture stream and
   ``memory()`` (a device sync) wait for an open capture of another thread.
 * Between the segments of a capture (while its eager breaks run) the capturing thread allocates
@@ -40,7 +42,7 @@ from ..base import gc_managed
 from .graphs import _EMPTY_WARNING, CudaGraphSegment, CudaRecorder, EmptyGraph  # noqa: F401 (re-exported)
 from .pools import Generations
 from .recovery import CaptureInvalidatedError  # noqa: F401 (re-exported: pb.CaptureInvalidatedError)
-from .streams import capture_open, captures_open, exclusive, on_stream
+from .streams import capture_open, captures_open, exclusive, on_stream, warm_blas, workspaces_cleared
 
 _platforms: dict[int, CudaPlatform] = {}
 _platforms_lock = threading.Lock()
@@ -124,6 +126,10 @@ class CudaPlatform:
                 self.generations.collect()  # the stream warmed up is the one the capture will use
             stream = self.stream
             with on_stream(stream):
+                blas = (threading.get_ident(), stream.cuda_stream, workspaces_cleared(stream))
+                if not captures_open() and getattr(self._local, "blas", None) != blas:
+                    warm_blas(stream)  # also a path the capture takes but this warm-up does not (FULL-only)
+                    self._local.blas = blas
                 yield
         self._local.warmed = stream  # consumed by the next capture on this thread, or by warmed_step's end
 

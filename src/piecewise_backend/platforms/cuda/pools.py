@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .streams import new_capture_stream
+from .streams import new_capture_stream, note_workspaces_cleared
 
 _PARK_LIMIT = 256  # dead graphs parked in the current generation before later captures move to a new one
 
@@ -55,6 +55,8 @@ class Generation:
         use and empties the pool; never call this while a capture routes: it would terminate)."""
         for graph in self.graphs:
             graph.reset()
+        if self.graphs:
+            note_workspaces_cleared(self.stream)  # reset() freed them (torch >= 2.12): a warm-up must redo them
         self.graphs.clear()
         for _ in range(self.leaked):
             torch._C._cuda_releasePool(self.device, self.id)

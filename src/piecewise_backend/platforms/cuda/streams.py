@@ -6,6 +6,11 @@ A capture, a warm-up on a capture stream and ``memory()``'s device sync each hol
 :func:`exclusive`, so another thread waits instead of joining or invalidating an open capture.
 One capture at a time is this library's policy: CUDA itself allows concurrent captures on
 different streams (each other's unsafe calls then invalidate both).
+
+``torch.cuda.Stream()`` hands out one of 32 streams per device and priority level, round robin: two
+"new" streams can be one stream. What is keyed by a stream (cuBLAS workspaces, a thread's warm-up)
+goes by its raw ``cuda_stream``, and :func:`workspaces_cleared` counts how often a stream's cuBLAS
+workspaces were freed (a generation ending resets its graphs), so "warmed on this stream" can expire.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 
 _device_lock = threading.RLock()
+_cleared: dict[int, int] = {}  # raw stream -> times its cuBLAS workspaces were freed (pools.py, Generation.end)
 _WAIT_S = 600.0
 _open = threading.local()  # .captures: captures open on this thread
 
@@ -93,3 +99,27 @@ def new_comm_stream(device: int, compute: Any) -> Any:
     raise RuntimeError(
         f"no CUDA stream of cuda:{device} other than the compute stream {compute} is free for communication"
     )
+
+
+def note_workspaces_cleared(stream: Any) -> None:
+    """``stream``'s cuBLAS workspaces were freed (torch >= 2.12 frees them when a graph captured on it is reset)."""
+    _cleared[stream.cuda_stream] = _cleared.get(stream.cuda_stream, 0) + 1
+
+
+def workspaces_cleared(stream: Any) -> int:
+    """How often ``stream``'s cuBLAS workspaces were freed in this process (keys what a warm-up made)."""
+    return _cleared.get(stream.cuda_stream, 0)
+
+
+def lt_gemm(device: int) -> None:
+    """One cuBLASLt GEMM on the current stream (addmm with a bias in bf16): makes this thread's Lt workspace
+    for the stream, which torch 2.11 keeps apart from the cuBLAS one and makes on the first Lt GEMM only."""
+    a = torch.ones(8, 8, device=f"cuda:{device}", dtype=torch.bfloat16)
+    torch.addmm(a[0], a, a)
+
+
+def warm_blas(stream: Any) -> None:
+    """This thread's cuBLAS handle and both its workspaces (cuBLAS and cuBLASLt) on ``stream``, outside any capture."""
+    with torch.cuda.stream(stream):
+        torch.cuda.current_blas_handle()  # the thread's handle (a pooled one or a new one) and its workspace here
+        lt_gemm(stream.device_index)
