@@ -207,10 +207,7 @@ class ServingLoop:
             decode = all(count == 1 for _, _, count in chunks)  # one query token per request: FULL-graph shaped
             meta = self.cache.step_inputs(layout)
             ids = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-            logits = self.runner.run(
-                uniform_decode=decode, num_reqs=len(chunks) if decode else None, input_ids=ids,
-                query_lens=[count for _, _, count in chunks], **meta,
-            )
+            logits = self.runner.run(uniform_decode=decode, num_reqs=len(chunks) if decode else None, input_ids=ids, **meta)
             ends = chunk_ends(chunks)
             emit = [(r, end) for (r, start, count), end in zip(chunks, ends) if start + count == r.length]
             for r, start, count in chunks:
