@@ -15,7 +15,7 @@ from piecewise_backend.capture.memory import fresh_pool
 from piecewise_backend.platforms import get_platform
 
 transformers = pytest.importorskip("transformers")
-from piecewise_backend import hf  # noqa: E402
+from piecewise_backend import hf
 
 M = pb.CUDAGraphMode
 SIZES = [1, 2, 4, 8]

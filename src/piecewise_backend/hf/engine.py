@@ -278,8 +278,7 @@ class HFEngine:
 
     def results(self) -> Iterator[RequestOutput]:
         """Step until every added request has finished, yielding each one as it finishes."""
-        for out in _inference(self._loop.results()):
-            yield out
+        yield from _inference(self._loop.results())
 
     def has_unfinished_requests(self) -> bool:
         return self._loop.has_unfinished()

@@ -186,8 +186,7 @@ class ServingLoop:
         """Step until no request is unfinished, yielding each request as it finishes (requests added
         meanwhile, from callbacks or other threads, are served too)."""
         while True:
-            for out in self.step():
-                yield out
+            yield from self.step()
             with self.lock:
                 if not self.scheduler.has_unfinished() and not self._done:
                     return
