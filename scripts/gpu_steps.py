@@ -63,7 +63,7 @@ GATE_S = 20
 STEPS: list[Step] = [
     Step("smoke", 35, "gpu_smoke.py: CUDA init ~3 s, ~10 cases on eager pieces < 1 s each; was capped at 60 s unmeasured",
          command=("{py}", "scripts/gpu_smoke.py")),
-    Step("headline", 100, "toy llama 8x512: 3 distinct Inductor pieces (~10 s each cold, Triton included) shared by "
+    Step("headline", 85, "toy llama 8x512: 3 distinct Inductor pieces (~10 s each cold, Triton included) shared by "
          "FULL and breakable PIECEWISE, per-piece ~10 s (FX graph cache warm), reduce-overhead one whole-graph "
          "compile ~30 s, 3 sizes captured per variant, timing ~5 s",
          command=("{py}", "-m", "benchmarks.bench_cuda", "--headline", "--quick", "--out", "{out}/headline.md")),
@@ -92,6 +92,9 @@ STEPS: list[Step] = [
          "generate, 32 new tokens, 3 repetitions",
          command=("{py}", "-m", "benchmarks.bench_hf_throughput", "--device", "cuda", "--quick",
                   "--out", "{out}/hf_throughput.md")),
+    Step("breaks", 15, "bench_breaks: no compile; 64-break capture through pb.breakable_graph vs one torch.cuda.graph "
+         "per segment, 5 repetitions of < 0.5 s each, CUDA init ~5 s; prints its table (no file)",
+         command=("{py}", "benchmarks/run.py", "--quick", "--only", "breaks")),
     Step("nccl", 150, "2+ GPUs only: tensor_parallel.py and moe_dbo.py --check, bench_dbo.py on NCCL", gpus=2,
          command=("bash", "-c", "{py} -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py "
                   "--check --steps 8 && {py} -m torch.distributed.run --standalone --nproc-per-node 2 "

@@ -23,6 +23,7 @@ from .engine import (
 )
 from .sampling import SamplingParams
 from .serving import RequestOutput, StepInfo
+from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
 from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
 __all__ = [
@@ -46,6 +47,10 @@ __all__ = [
     "refusal",
     "SERVED_LAYER_TYPES",
     "UNDERSTOOD_KWARGS",
+    "ModuleBreak",
+    "install_host_breaks",
+    "module_break",
+    "no_full_graphs",
     "MAX_PARAMS",
     "TINY",
     "TINY_IF_SET",
