@@ -226,9 +226,11 @@ def llama_engine():
     return engine, reference
 
 
-def test_engine_serves_every_mode_and_matches_generate(llama_engine):
-    """A prompt longer than the largest capture runs eagerly, prompts join mid-decode (PIECEWISE),
-    pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
+@pytest.mark.parametrize("budget", [None, 16])
+def test_engine_serves_every_mode_and_matches_generate(llama_engine, budget):
+    """A prompt longer than the largest capture is prefilled in chunks of at most that size (default
+    max_num_batched_tokens), or, with a larger budget, runs in one eager step; prompts join mid-decode
+    (PIECEWISE), pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
     engine, reference = llama_engine
     # each Dynamo graph (one per compile; size 1 specializes) holds the whole model, no graph break,
     # and splits at each layer's paged attention
@@ -240,10 +242,17 @@ def test_engine_serves_every_mode_and_matches_generate(llama_engine):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 11, 1, 4)]
     budgets = [5, 2, 6, 3]
     steps: list[hf.StepInfo] = []
-    with pb.expect(captures=0):  # everything was captured up front
-        outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    assert engine.max_num_batched_tokens == 8  # the largest capture size
+    engine.max_num_batched_tokens = budget or 8
+    try:
+        with pb.expect(captures=0):  # everything was captured up front
+            outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    finally:
+        engine.max_num_batched_tokens = 8
     modes = {s.mode for s in steps}
-    assert modes == {pb.CUDAGraphMode.NONE, pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}, steps
+    graphs = {pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}
+    assert modes == (graphs if budget is None else graphs | {pb.CUDAGraphMode.NONE}), steps
+    assert max(s.num_tokens for s in steps) <= (budget or 8) and (budget is None) == (max(s.num_tokens for s in steps) <= 8)
     assert all((s.mode == pb.CUDAGraphMode.FULL) == (s.uniform_decode and s.num_tokens <= 8) for s in steps), steps
     assert [len(o) for o in outputs] == budgets
     assert load_example().check(reference, prompts, outputs, budgets, eos=None) == []
@@ -420,6 +429,27 @@ def test_hf_generate_example_checks_against_generate(arch):
     assert "check: 5/5 requests match model.generate" in proc.stdout
 
 
+def test_hf_generate_example_serves_lazily_samples_and_streams():
+    """--lazy: served eagerly, captured in idle time, served again on graphs (the same tokens); --sample:
+    one seed, the same draws twice; --stream: every token printed as produced; --check: greedy vs generate."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama", "--check", "--lazy", "--sample",
+         "--stream"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    out = proc.stdout
+    assert "captured" not in out.split("capture_idle:")[0]  # nothing captured before the first run
+    modes = re.findall(r"^step +\d+:.* -> (\w+)$", out, re.M)
+    first, second = modes[: len(modes) // 2], modes[len(modes) // 2:]
+    assert set(first) == {"NONE"} and set(second) == {"PIECEWISE", "FULL"}, out
+    assert "lazy: the run on graphs equals the run before capture" in out
+    assert "sample: seed 0 drew the same tokens twice" in out and "check: 5/5 requests match model.generate" in out
+    streamed = re.findall(r"^  token: request (\d) -> (\d+)$", out, re.M)
+    greedy = {int(i): eval(toks) for i, toks in re.findall(r"^request (\d): prompt +\d+ tokens -> (\[.*\])$", out, re.M)}
+    first_run = streamed[: sum(len(t) for t in greedy.values())]  # the greedy run streams first, in order
+    assert {i: [int(t) for r, t in first_run if int(r) == i] for i in greedy} == greedy
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss", "gemma2", "gpt_bigcode"])
 def test_hf_generate_example_on_cuda(arch, capsys):
@@ -430,6 +460,18 @@ def test_hf_generate_example_on_cuda(arch, capsys):
     assert load_example().main(["--arch", arch, "--check", "--compile-pieces", "eager"]) == 0
     out = capsys.readouterr().out
     assert "platform: cuda" in out and "check: 5/5 requests match model.generate" in out
+
+
+@pytest.mark.cuda
+def test_hf_generate_example_serves_lazily_and_samples_on_cuda():
+    """The twin of test_hf_generate_example_serves_lazily_samples_and_streams: on a GPU, idle-time CUDA graph
+    captures between batches serve the same tokens as the eager steps before them."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama", "--check", "--lazy", "--sample"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "platform: cuda" in proc.stdout and "lazy: the run on graphs equals the run before capture" in proc.stdout
 
 
 def test_hf_generate_example_exits_2_with_the_reason_for_a_refused_model():

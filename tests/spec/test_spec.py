@@ -281,6 +281,23 @@ def test_engine_rejects_bad_arguments():
     assert engine.target.cache.tables == {} and engine.drafter.cache.tables == {}
 
 
+def test_spec_engine_streams_kept_tokens_and_refuses_sampling_and_a_batch_it_would_run_out_of_blocks_for():
+    """SpecEngine has streaming; it has no sampling (greedy acceptance) and no preemption: both refused up front."""
+    target = hf.tiny_random_model("llama", num_hidden_layers=2)
+    reference = copy.deepcopy(target)
+    config = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    engine = spec.SpecEngine(target, target, config, num_speculative_tokens=2, max_model_len=32, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="SpecEngine accepts drafts greedily .* so it cannot sample: sampling=SamplingParams"):
+        engine.generate([[1, 2]], 3, sampling=hf.SamplingParams(0.7))
+    with pytest.raises(ValueError, match="SpecEngine has no preemption: 3 of these requests running together may need "
+                                         "12 KV blocks, the caches have 8"):
+        engine.generate([[1] * 9] * 3, 4)
+    seen: list[tuple[int, int]] = []
+    out = engine.generate(PROMPTS[:2], 5, sampling=hf.SamplingParams(0), on_token=lambda i, t: seen.append((i, t)))
+    assert out == [greedy(reference, p, 5) for p in PROMPTS[:2]]
+    assert [[t for i, t in seen if i == r] for r in range(2)] == out
+
+
 def test_truncated_drafter_shares_the_targets_first_layers():
     target = hf.tiny_random_model("qwen2", num_hidden_layers=3)
     draft = spec.truncated_drafter(target, 1)

@@ -44,25 +44,26 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def prompt_ids(prompt: Any, index: int) -> list[int]:
-    """``prompt`` (token ids of prompt ``index``) as a list of ints; refuses text, 2-D batches and non-integer ids."""
+def prompt_ids(prompt: Any, where: str) -> list[int]:
+    """``prompt`` as a list of ints; refuses text, 2-D batches and non-integer ids (the error starts with ``where``,
+    e.g. ``"prompt 0"``)."""
     if isinstance(prompt, (str, bytes)):
-        raise TypeError(f"prompt {index} is text ({_show(prompt)}): generate takes token ids; tokenize it first")
+        raise TypeError(f"{where} is text ({_show(prompt)}): generate takes token ids; tokenize it first")
     if is_int(prompt):
-        raise TypeError(f"prompt {index} is an int ({prompt}), not a sequence of token ids: prompts is a list of "
+        raise TypeError(f"{where} is an int ({prompt}), not a sequence of token ids: prompts is a list of "
                         "prompts, so wrap a single prompt as [prompt]")
     if _is_array(prompt):
         if prompt.ndim != 1:
-            raise ValueError(f"prompt {index} is a {prompt.ndim}-D {type(prompt).__name__} of shape {tuple(prompt.shape)}; "
+            raise ValueError(f"{where} is a {prompt.ndim}-D {type(prompt).__name__} of shape {tuple(prompt.shape)}; "
                              f"a prompt is {PROMPT_KINDS} (a batch of prompts is a list of them, without padding)")
         ids = prompt.tolist()
     elif isinstance(prompt, Sequence):
         ids = list(prompt)
     else:
-        raise TypeError(f"prompt {index} is a {type(prompt).__name__} ({_show(prompt)}); a prompt is {PROMPT_KINDS}")
+        raise TypeError(f"{where} is a {type(prompt).__name__} ({_show(prompt)}); a prompt is {PROMPT_KINDS}")
     for position, t in enumerate(ids):
         if not is_int(t):
-            raise ValueError(f"prompt {index}: token id {_show(t)} ({type(t).__name__}) at position {position} is "
+            raise ValueError(f"{where}: token id {_show(t)} ({type(t).__name__}) at position {position} is "
                              "not an integer; token ids are ints (a float id is not rounded)")
     return [int(t) for t in ids]
 
@@ -127,7 +128,7 @@ def check_generate(
         raise TypeError(f"prompts must be a list or tuple of prompts (each {PROMPT_KINDS}), got "
                         f"{type(prompts).__name__} {_show(prompts)}" + (
                             "; a padded batch would serve its padding as prompt tokens" if _is_array(prompts) else ""))
-    ids = [prompt_ids(p, i) for i, p in enumerate(prompts)]
+    ids = [prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
     per_prompt = budgets(max_new_tokens, len(ids))
     extra = f" + {reserve} ({reserve_reason})" if reserve_reason else ""
     for i, p in enumerate(ids):
