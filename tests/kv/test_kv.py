@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import piecewise_backend as pb
 from piecewise_backend import attention, kv
-from pbtest.helpers import SIM, compile_model
+from pbtest.helpers import SIM, PagedTinyLM, compile_model, paged_cache
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 SCALE = DIM**-0.5
@@ -423,3 +423,68 @@ def test_is_a_splitting_op_and_splits_the_graph():
     with torch.no_grad(), pb.set_forward_context(attn_metadata=cache.metadata(meta)):
         compiled(x)
     assert [p.is_splitting for p in backend.splits[0].pieces] == [False, True, False, True, False]
+
+
+# --- micro-batching: each half sees only its own requests' block tables -----------------------
+
+
+def _ubatch_runner(mode: str, max_num_reqs: int, **kw) -> tuple[pb.GraphRunner, PagedTinyLM, kv.PagedKVCache]:
+    model = PagedTinyLM().eval()
+    cache = paged_cache(model)
+    config = pb.CompilationConfig(
+        platform="simulated", compile_pieces="eager", cudagraph_mode=mode, capture_sizes=[2, 4, 8],
+        use_ubatching=True, dbo_decode_token_threshold=2, **kw,
+    )
+    runner = pb.GraphRunner(
+        torch.compile(model, backend=pb.make_backend(config)), config,
+        [pb.StaticInput("input_ids"), *cache.static_inputs()], model_args=["input_ids"], context_fn=cache.context_fn,
+        max_num_reqs=max_num_reqs,
+    )
+    return runner, model, cache
+
+
+def _eager(model: PagedTinyLM, cache: kv.PagedKVCache, chunks: list, ids: torch.Tensor) -> torch.Tensor:
+    with pb.set_forward_context(attn_metadata=cache.metadata(cache.step_inputs(chunks))):
+        return model(ids)
+
+
+@pytest.mark.parametrize("max_num_reqs", [4, 8], ids=["max_num_reqs=running", "spare-rows"])
+@pytest.mark.parametrize("mode", ["FULL", "NONE"])
+def test_micro_batched_decode_steps_match_eager_for_both_halves(mode, max_num_reqs):
+    """A decode step of 4 requests split 2 + 2: the second half's tokens read their own block tables.
+
+    Before request_index was rebased per half, tokens 2 and 3 read the first half's rows (logits
+    off by ~0.8), or past the end of the second half's rows when max_num_reqs is the running count.
+    """
+    runner, model, cache = _ubatch_runner(mode, max_num_reqs)
+    ref_cache = paged_cache(model)
+    lens = [3, 2, 4, 1]
+    with torch.inference_mode():
+        runner.capture(progress=False)
+        chunks, ids = [(r, 0, n) for r, n in enumerate(lens)], torch.arange(sum(lens)) % 64
+        runner.run(input_ids=ids, query_lens=lens, **cache.step_inputs(chunks))  # 10 tokens: eager, not split
+        _eager(model, ref_cache, chunks, ids)
+        for step in range(2):
+            chunks, ids = [(r, n + step, 1) for r, n in enumerate(lens)], torch.tensor([1, 2, 3, 4]) + step
+            out = runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **cache.step_inputs(chunks))
+            assert runner.last_ubatched and runner.last_mode == pb.CUDAGraphMode[mode]
+            assert_close(out, _eager(model, ref_cache, chunks, ids), atol=1e-5, rtol=1e-5)
+    for c, rc in zip(cache.key_caches, ref_cache.key_caches):
+        assert_close(c[:-1], rc[:-1])
+
+
+def test_debug_checks_refuse_request_rows_outside_the_step_or_the_half():
+    runner, _, cache = _ubatch_runner("NONE", 4, debug_checks=True)
+    meta = cache.step_inputs([(r, 0, 1) for r in range(4)])
+    ids = torch.tensor([1, 2, 3, 4])
+    with torch.inference_mode():
+        bad = dict(meta, request_index=torch.tensor([0, 1, 2, 4]))
+        with pytest.raises(IndexError, match=r"'request_index' \(request_row=True\) holds request row 4 at token 3 "
+                                             r"\(the step has 4 requests\); valid rows are 0..3"):
+            runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **bad)
+        crossing = dict(meta, request_index=torch.tensor([0, 2, 2, 3]))  # token 1 is in the first half
+        with pytest.raises(IndexError, match=r"request row 2 at token 1 \(micro-batch 0: tokens 0..1, requests 0..1\); "
+                                             r"valid rows are 0..1"):
+            runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **crossing)
+        out = runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **meta)  # the right rows pass
+    assert runner.last_ubatched and out.shape == (4, 64)

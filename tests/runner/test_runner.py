@@ -400,6 +400,8 @@ def test_runner_construction_errors():
         pb.StaticInput("not a name")
     with pytest.raises(ValueError, match="positive ints"):
         pb.StaticInput("x", shape=(0,))
+    with pytest.raises(ValueError, match=r"request_row inputs \['r'\] hold rows of per-request inputs, but this runner has none"):
+        pb.GraphRunner(model, cfg(), [*x_input(), pb.StaticInput("r", request_row=True)])
 
 
 def test_padding_rows_hold_the_pad_value_not_the_previous_step():

@@ -351,6 +351,38 @@ def test_plain_full_mode_replays_split_decode_steps_and_runs_split_mixed_steps_e
     assert torch.equal(out, torch.arange(6.0) * 3)
 
 
+class RowScaled(torch.nn.Module):
+    """A user's own per-token index into a per-request input: ``scale[row_of_token]``."""
+
+    def forward(self, ids: torch.Tensor, row_of_token: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return ids.float() * scale[row_of_token]
+
+
+@pytest.mark.parametrize("mode", ["FULL", "NONE"])
+def test_request_row_inputs_are_rebased_for_each_half(mode):
+    """A per-token input declared request_row=True names whole-step request rows; each half gets
+    only its requests' rows of the per-request inputs, and the runner rebases the index to match.
+    Undeclared, the second half reads the first half's rows: the rule the declaration exists for."""
+    config = SIM_UB.replace(cudagraph_mode=mode, capture_sizes=[4, 8], dbo_decode_token_threshold=4,
+                            dbo_prefill_token_threshold=4)
+    outs = {}
+    for declared in (True, False):
+        inputs = [pb.StaticInput("ids"), pb.StaticInput("row_of_token", request_row=declared),
+                  pb.StaticInput("scale", dtype=torch.float, per="request", pad=-1.0)]
+        runner = pb.GraphRunner(RowScaled(), config, inputs, max_num_reqs=8)
+        runner.capture(progress=False)
+        ids, scale = torch.arange(1, 5), torch.tensor([10.0, 20.0, 30.0, 40.0])
+        decode = runner.run(ids=ids, row_of_token=torch.arange(4), scale=scale, uniform_decode=True)
+        assert runner.last_ubatched and runner.last_mode == pb.CUDAGraphMode[mode]
+        rows = torch.tensor([0, 0, 1, 2, 2, 2])  # mixed: 3 requests, split after the first two (3 + 3 tokens)
+        mixed = runner.run(ids=torch.arange(1, 7), row_of_token=rows, scale=scale[:3], query_lens=[2, 1, 3])
+        assert runner.last_ubatched
+        outs[declared] = decode, mixed
+    assert torch.equal(outs[True][0], torch.tensor([10.0, 40, 90, 160]))
+    assert torch.equal(outs[True][1], torch.arange(1.0, 7) * torch.tensor([10.0, 10, 20, 30, 30, 30]))
+    assert outs[False][0].tolist() == [10.0, 40, -3, -4]  # undeclared: the second half read its rows 2, 3 (padding)
+
+
 def test_query_lens_are_checked():
     runner, _ = _runner("NONE")
     with pytest.raises(ValueError, match="query_lens must be positive ints summing to the 3 tokens"):

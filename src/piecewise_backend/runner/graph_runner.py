@@ -28,6 +28,7 @@ from .orchestration import CaptureReport, capture_all, capture_one, estimate_mem
 from .static_inputs import (
     StaticInput,
     check_context,
+    check_request_rows,
     check_full_context,
     check_tensor,
     eager_tensor,
@@ -101,6 +102,12 @@ class GraphRunner:
             )
         self.max_num_reqs = max_num_reqs
         self._per_request = frozenset(per_request)
+        self._request_row = frozenset(i.name for i in inputs if i.request_row)  # rebased per micro-batch half
+        if self._request_row and not per_request:
+            raise ValueError(
+                f"request_row inputs {sorted(self._request_row)} hold rows of per-request inputs, but this runner "
+                "has none: add the per='request' inputs they index"
+            )
         self._request_rows = {name: max_num_reqs for name in per_request}  # other inputs: the step's token rows
         mode = resolve_cudagraph_mode(
             effective_mode(config), attention_support, attention_split=attention_split,
@@ -189,6 +196,9 @@ class GraphRunner:
             elif num_reqs != reqs:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
         context = {} if context is None else check_context(context, replays=self._replays)
+        if self.config.debug_checks:
+            for name in self._request_row:
+                check_request_rows(self.inputs[name], batch[name], 0, reqs, where=f" (the step has {reqs} requests)")
         if self._ubatching:
             lens = _ubatch.check_query_lens(query_lens, n, reqs)
             return _ubatch.run_step(self, batch, n, num_reqs, uniform_decode, context, fit, lens)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from ..context import BatchDescriptor, set_forward_context
 from ..modes import CUDAGraphMode
 from ..ubatch.wrapper import UBatchSlice
-from .static_inputs import StaticInput, check_full_context, eager_tensor, fill
+from .static_inputs import StaticInput, check_full_context, check_request_rows, eager_tensor, fill
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
 
@@ -156,9 +156,24 @@ def run_step(
     else:
         halves = canonical
     runner.last_mode = mode
+    if runner.config.debug_checks:
+        _check_half_rows(runner, batch, agreed.split, n, num_reqs)
     out = _run_halves(runner, batch, agreed, mode, desc, halves, context)
     cut = agreed.split[0]
     return tree_map(lambda o: _unsplit(o, cut, n, halves), out)
+
+
+def _check_half_rows(
+    runner: Any, batch: Mapping[str, torch.Tensor], split: tuple[int, int], n: int, num_reqs: int | None
+) -> None:
+    """Under ``debug_checks``: each half's ``request_row`` values name only that half's requests."""
+    cut, first_reqs = split
+    for name in runner._request_row:
+        t = batch[name]
+        check_request_rows(runner.inputs[name], t[:cut], 0, first_reqs,
+                           where=f" (micro-batch 0: tokens 0..{cut - 1}, requests 0..{first_reqs - 1})")
+        check_request_rows(runner.inputs[name], t[cut:], first_reqs, num_reqs, first=cut,
+                           where=f" (micro-batch 1: tokens {cut}..{n - 1}, requests {first_reqs}..{num_reqs - 1})")
 
 
 def request_rows(runner: Any, mode: CUDAGraphMode, halves: tuple[int, int], agreed: Agreement) -> int:
@@ -194,7 +209,10 @@ def _layout(
             dst = torch.empty((rows, *shape), dtype=spec.dtype, device=runner.device)
         cut = split[1] if per_request else split[0]
         second = rows0 if per_request else halves[0]  # where the second half's rows start
-        _place(dst, t.to(device=runner.device, dtype=spec.dtype), cut, (0, second), spec.pad)
+        value = t.to(device=runner.device, dtype=spec.dtype)
+        if name in runner._request_row:  # the second half's requests start at its own per-request row 0
+            value = torch.cat([value[:cut], value[cut:] - split[1]])
+        _place(dst, value, cut, (0, second), spec.pad)
         views[name] = dst
     return views
 
