@@ -236,6 +236,38 @@ def test_host_sync_inside_a_micro_batched_capture_fails_clearly_and_capture_work
     assert len(wrapper.ubatch_entries) == 1
 
 
+def test_a_failed_micro_batched_capture_leaves_no_split_behind():
+    """A half that raises during the capture of a descriptor records nothing: a later step of the same
+    descriptor split another way captures (before, it raised "was captured ... with halves of (2, 2)")."""
+
+    class FailsOnce(torch.nn.Module):
+        fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pb.dbo_yield()
+            if self.fail and pb.get_forward_context().ubatch_index == 1:
+                raise RuntimeError("half 1 fails")
+            return x * 2
+
+    model = FailsOnce()
+    wrapper = pb.wrap_model(model, SIM_UB)
+    x = torch.arange(4.0)
+    pb.mark_persistent(x)
+    with pytest.raises(RuntimeError, match="half 1 fails"):
+        with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 2)):
+            wrapper(x)
+    assert not wrapper.ubatch_entries
+    model.fail = False
+    with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 3)):
+        assert torch.equal(wrapper(x), x * 2)
+    assert list(wrapper.ubatch_entries) == [pb.BatchDescriptor(4)]
+    with pytest.raises(ValueError, match=r"halves of \(3, 1\) tokens, this step has \(2, 2\)"):
+        with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 2)):
+            wrapper(x)
+    with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 3)):
+        assert torch.equal(wrapper(x), x * 2)  # the refusal changed nothing: the (3, 1) graph replays
+
+
 def test_bad_slices_and_modes_are_refused():
     with pytest.raises(ValueError, match="NONE or FULL, got PIECEWISE"):
         pb.UBatchWrapper(torch.nn.Identity(), SIM_UB, "PIECEWISE")
