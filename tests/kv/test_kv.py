@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -488,3 +490,40 @@ def test_debug_checks_refuse_request_rows_outside_the_step_or_the_half():
             runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **crossing)
         out = runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **meta)  # the right rows pass
     assert runner.last_ubatched and out.shape == (4, 64)
+
+
+@pytest.mark.parametrize("ubatching", [False, True], ids=["plain", "micro-batched"])
+def test_a_cache_swapped_after_capture_is_refused_on_full_replays(ubatching):
+    """context_fn hands the attention a reallocated cache: PIECEWISE steps would read the new one, a
+    FULL replay the captured one (silently wrong before). Every FULL replay compares context_fn's
+    tensors with the capture's; after clear_graphs() and capture() the new cache serves."""
+    model = PagedTinyLM().eval()
+    cache, ref_cache = paged_cache(model), paged_cache(model)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8],
+                                  use_ubatching=ubatching, dbo_decode_token_threshold=2,
+                                  cudagraph_mode="FULL_DECODE_ONLY" if ubatching else "FULL_AND_PIECEWISE")
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config,
+                            [pb.StaticInput("input_ids"), *cache.static_inputs()], model_args=["input_ids"],
+                            context_fn=cache.context_fn, max_num_reqs=4)
+    lens = [3, 2]
+
+    def decode(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunks, ids = [(r, n + step, 1) for r, n in enumerate(lens)], torch.tensor([7, 9]) + step
+        out = runner.run(input_ids=ids, uniform_decode=True, num_reqs=2, **cache.step_inputs(chunks))
+        assert runner.last_mode == pb.CUDAGraphMode.FULL and runner.last_ubatched == ubatching
+        return out, _eager(model, ref_cache, chunks, ids)
+
+    with torch.inference_mode():
+        runner.capture(progress=False)
+        chunks, ids = [(r, 0, n) for r, n in enumerate(lens)], torch.arange(5)
+        runner.run(input_ids=ids, query_lens=lens, **cache.step_inputs(chunks))
+        _eager(model, ref_cache, chunks, ids)
+        assert_close(*decode(0))
+        cache.key_caches = [c.clone() for c in cache.key_caches]  # e.g. the cache grown or moved
+        where = "micro-batch 0: attn_metadata.key_caches[0]" if ubatching else "attn_metadata.key_caches[0]"
+        with pytest.raises(ValueError, match=rf"context_fn's '{re.escape(where)}' is not the tensor the FULL graph of "
+                                             r"BatchDescriptor\(num_tokens=2.* captured .*clear_graphs\(\) and capture\(\)"):
+            decode(1)
+        runner.clear_graphs()
+        runner.capture(progress=False)
+        assert_close(*decode(1))

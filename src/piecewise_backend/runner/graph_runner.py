@@ -14,12 +14,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from ..capture.wrappers import CUDAGraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor, set_forward_context
 from ..inputs import mark_persistent
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..observability import logger
 from ..platforms.registry import effective_mode
+from ..ubatch.wrapper import UBatchWrapper
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
@@ -27,8 +29,10 @@ from .dispatcher import CudagraphDispatcher
 from .orchestration import CaptureReport, capture_all, capture_one, estimate_memory
 from .static_inputs import (
     StaticInput,
+    check_captured_context,
     check_context,
     check_request_rows,
+    context_tensors,
     check_full_context,
     check_tensor,
     eager_tensor,
@@ -136,6 +140,7 @@ class GraphRunner:
         self.steps = 0  # steps run by a micro-batching runner (named in its errors)
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
+        self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
 
     @property
     def mode(self) -> CUDAGraphMode:
@@ -151,13 +156,42 @@ class GraphRunner:
         self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
         capturing: bool = False,
     ) -> Any:
-        attrs = dict(self.context_fn(dict(views)), **extra) if self.context_fn else dict(extra)
+        attrs = dict(self.context_fn(dict(views))) if self.context_fn else {}
+        guard = None
+        if mode == CUDAGraphMode.FULL and self.context_fn is not None:
+            guard = self._guard_context(("step", desc), desc, context_tensors(attrs), self._full_entries())
+        attrs.update(extra)
         if capturing:
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
         elif self.capture_closed:
             attrs.setdefault("allow_capture", False)
         with set_forward_context(mode, desc, **attrs):
-            return self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+            out = self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+        if guard is not None:
+            guard()
+        return out
+
+    def _full_entries(self) -> dict | None:
+        """The FULL entries of plain (not micro-batched) steps, by descriptor."""
+        m = self.model
+        if isinstance(m, UBatchWrapper) or isinstance(m, CUDAGraphWrapper) and m.runtime_mode == CUDAGraphMode.FULL:
+            return m.entries
+        return None
+
+    def _guard_context(
+        self, key: tuple, desc: BatchDescriptor, now: dict[str, tuple], entries: dict | None
+    ) -> Callable[[], Any] | None:
+        """Before a FULL call: refuse ``context_fn`` tensors (``now``: :func:`context_tensors`) other than
+        those the graph of ``desc`` captured. When this call may capture ``desc``, returns what records
+        them once it did (a failed capture records nothing)."""
+        if entries is None:
+            return None
+        if desc in entries:
+            known = self._captured_context.get(key)
+            if known is not None:
+                check_captured_context(known, now, desc)
+            return None
+        return lambda: desc in entries and self._captured_context.__setitem__(key, now)
 
     def run(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
@@ -229,6 +263,7 @@ class GraphRunner:
     def clear_graphs(self) -> None:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
         clear_graphs(self.model)
+        self._captured_context.clear()
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
         """Warm up and capture every descriptor the dispatcher can emit, largest first.

@@ -246,6 +246,30 @@ def check_full_context(context: Mapping[str, Any], buffer_storages: set[int]) ->
                 )
 
 
+def context_tensors(attrs: Mapping[str, Any], prefix: str = "") -> dict[str, tuple]:
+    """``path -> (address, shape, dtype)`` of every tensor among ``attrs``' leaves: what a FULL graph baked in."""
+    return {
+        prefix + path: (leaf.data_ptr(), tuple(leaf.shape), leaf.dtype)
+        for key, value in attrs.items()
+        for path, leaf in context_leaves(value, key)
+        if isinstance(leaf, torch.Tensor)
+    }
+
+
+def check_captured_context(captured: Mapping[str, tuple], now: Mapping[str, tuple], desc: Any) -> None:
+    """On a FULL replay: ``context_fn`` returned the tensors the graph of ``desc`` captured, or a clear error."""
+    if now == captured:
+        return
+    path = next((p for p in sorted(set(captured) | set(now)) if captured.get(p) != now.get(p)))
+    was, got = (f"0x{t[0]:x} {list(t[1])} {t[2]}" if t else "absent" for t in (captured.get(path), now.get(path)))
+    raise ValueError(
+        f"GraphRunner.run: context_fn's {path!r} is not the tensor the FULL graph of {desc} captured (captured: "
+        f"{was}; now: {got}); a FULL replay reads the capture-time tensor and would ignore the new one. Update "
+        "context tensors in place (a KV cache too), or call runner.clear_graphs() and capture() again after "
+        "replacing them"
+    )
+
+
 def input_names(field: str, given: Sequence[str] | None, names: list[str], default: list[str]) -> list[str]:
     """The input names a GraphRunner passes as ``field`` (model_args or model_kwargs), checked."""
     if given is None:

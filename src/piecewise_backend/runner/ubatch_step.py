@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from ..context import BatchDescriptor, set_forward_context
 from ..modes import CUDAGraphMode
 from ..ubatch.wrapper import UBatchSlice
-from .static_inputs import StaticInput, check_full_context, check_request_rows, eager_tensor, fill
+from .static_inputs import StaticInput, check_full_context, check_request_rows, context_tensors, eager_tensor, fill
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
 
@@ -224,12 +224,16 @@ def call_halves(
     """Run the wrapped model on a laid-out step: each half gets its views and its own context."""
     q = runner.dispatcher.uniform_decode_query_len
     slices = []
+    tensors: dict[str, tuple] = {}  # context_fn's tensors of both halves: what a FULL graph bakes in
     for i, (start, size) in enumerate(((0, halves[0]), (halves[0], halves[1]))):
         part = {
             k: (v[:rows0] if i == 0 else v[rows0:]) if k in runner._per_request else v[start:start + size]
             for k, v in views.items()
         }
-        attrs = dict(runner.context_fn(dict(part)), **context) if runner.context_fn else dict(context)
+        own = dict(runner.context_fn(dict(part))) if runner.context_fn else {}
+        if mode == _FULL and runner.context_fn:
+            tensors.update(context_tensors(own, prefix=f"micro-batch {i}: "))
+        attrs = dict(own, **context)
         half_desc = BatchDescriptor(size, size // q, True) if mode == _FULL else BatchDescriptor(size)
         args = tuple(part[a] for a in runner.model_args)
         slices.append(UBatchSlice(args, {k: part[k] for k in runner.model_kwargs}, half_desc, attrs, size))
@@ -238,8 +242,14 @@ def call_halves(
         extra["allow_capture"] = True
     elif runner.capture_closed:
         extra["allow_capture"] = False
+    guard = None
+    if mode == _FULL and runner.context_fn:
+        guard = runner._guard_context(("ubatch", desc), desc, tensors, runner.model.ubatch_entries)
     with set_forward_context(mode, desc, **extra):
-        return runner.model(*[views[a] for a in runner.model_args], **{k: views[k] for k in runner.model_kwargs})
+        out = runner.model(*[views[a] for a in runner.model_args], **{k: views[k] for k in runner.model_kwargs})
+    if guard is not None:
+        guard()
+    return out
 
 
 def _unpad(o: Any, n: int, padded: int) -> Any:
