@@ -360,14 +360,32 @@ def test_runner_captures_micro_batched_decode_graphs_and_replays_them():
     assert not runner.last_ubatched and runner.last_mode == FULL and torch.equal(out, torch.tensor([3.0, 6, 9]))
 
 
-def test_a_graph_whose_second_half_would_overflow_the_request_buffers_runs_eagerly():
+def test_a_graph_fills_its_first_half_first_so_the_second_half_fits_the_request_buffers():
+    """5 requests pad to 8, halves of 4 + 4 tokens: the first half takes 4 requests, the second 1, at
+    request row 4 of 6 (split 2 + 3 in the middle, the second half would need rows 4..6 and run eagerly)."""
     runner, model = _runner("FULL", max_num_reqs=6)
     runner.capture(progress=False)
-    # 5 requests pad to 8: the graph's second half starts at request row 4 and needs 3 rows, 6 exist
+    model.seen.clear()
     out = runner.run(ids=torch.arange(5), scale=torch.arange(5.0), uniform_decode=True)
-    assert runner.last_ubatched and runner.last_mode == NONE and torch.equal(out, torch.arange(5.0) * 3)
+    assert runner.last_ubatched and runner.last_mode == FULL and model.seen == []  # replayed
+    assert torch.equal(out, torch.arange(5.0) * 3)
+    runner, model = _runner("FULL", max_num_reqs=5)  # 5 running of 5: 4 requests + 1 at row 4 (was 2 + 3: eager)
+    runner.capture(progress=False)
+    out = runner.run(ids=torch.arange(5), scale=torch.arange(5.0), uniform_decode=True)
+    assert runner.last_ubatched and runner.last_mode == FULL and torch.equal(out, torch.arange(5.0) * 3)
+
+
+def test_a_graph_whose_second_half_would_overflow_the_request_buffers_runs_eagerly():
+    model = Recorder()
+    config = SIM_UB.replace(cudagraph_mode="FULL", capture_sizes=[8], dbo_decode_token_threshold=2)
+    inputs = [pb.StaticInput("ids"), pb.StaticInput("scale", dtype=torch.float, per="request", pad=-1.0)]
+    runner = pb.GraphRunner(model, config, inputs, max_num_reqs=3, context_fn=lambda v: {"rows": len(v["ids"])})
+    runner.capture(progress=False)
+    assert not runner.model.ubatch_entries  # halves of 4 + 4 tokens: the second would start at request row 4 of 3
+    out = runner.run(ids=torch.arange(3), scale=torch.arange(3.0), uniform_decode=True)
+    assert runner.last_ubatched and runner.last_mode == NONE and torch.equal(out, torch.arange(3.0) * 3)
     second = [s for s in model.seen if s["index"] == 1][-1]
-    assert second["scale"].tolist() == [2.0, 3.0, 4.0, -1.0]  # eagerly the requests stay in place
+    assert second["scale"].tolist() == [1.0, 2.0]  # eagerly the requests stay in place
 
 
 def test_plain_full_mode_replays_split_decode_steps_and_runs_split_mixed_steps_eagerly():

@@ -149,8 +149,16 @@ def run_step(
         return tree_map(lambda o: _unpad(o, n, padded), out)
     # a uniform decode batch splits the same way every step of a descriptor (plain FULL mode keys it relaxed)
     canonical = canonical_rows(desc.num_tokens, q) if mode == _FULL and uniform else None
-    if canonical is not None and runner._per_request and canonical[0] // q + agreed.rows[1] // q > runner.max_num_reqs:
-        canonical = None  # the second half's requests would not fit the per-request buffers at the graph's offset
+    if canonical is not None:
+        # Fill the graph's first half before its second: the second half's requests then start at request
+        # row canonical[0] // q and need at most max(n - canonical[0], q) // q rows after it, which fits
+        # max_num_reqs whenever the step does. Every rank derives its split the same way from its n.
+        first = min(canonical[0], n - q)
+        largest_second = max(agreed.num_tokens - canonical[0], q)  # of any rank: the same check on every rank
+        if runner._per_request and (canonical[0] + largest_second) // q > runner.max_num_reqs:
+            canonical = None  # the second half's requests would not fit the per-request buffers at the graph's offset
+        else:
+            agreed = dataclasses.replace(agreed, split=(first, first // q))
     if canonical is None:  # only uniform decode splits the same way every step: the rest runs eagerly
         mode, halves = _NONE, agreed.rows
     else:
