@@ -113,13 +113,39 @@ class GraphRunner:
                 "has none: add the per='request' inputs they index"
             )
         self._request_rows = {name: max_num_reqs for name in per_request}  # other inputs: the step's token rows
+        downgrades = []  # what this runner does not do of what config asked, in words
+        effective = effective_mode(config)
+        if effective != config.cudagraph_mode:
+            downgrades.append(
+                f"platform {config.platform!r} finds no GPU: cudagraph_mode {config.cudagraph_mode.name} -> NONE"
+            )
         mode = resolve_cudagraph_mode(
-            effective_mode(config), attention_support, attention_split=attention_split,
+            effective, attention_support, attention_split=attention_split,
             uniform_decode_query_len=uniform_decode_query_len,
         )
+        if mode != effective:
+            downgrades.append(
+                f"attention support {AttentionGraphSupport(attention_support).name}: cudagraph_mode {effective.name} -> "
+                f"{mode.name}"
+            )
         self._ubatching = config.use_ubatching and not drafter
-        if self._ubatching and config.use_breakable:
-            mode = without_piecewise(mode)
+        if config.use_ubatching and drafter:
+            downgrades.append("use_ubatching: a drafter's steps are never micro-batched")
+        if self._ubatching and config.use_breakable and mode.has_piecewise_cudagraphs():
+            resolved = without_piecewise(mode)
+            downgrades.append(
+                f"use_ubatching with use_breakable=True: cudagraph_mode {mode.name} -> {resolved.name} (no breakable "
+                "wrapper captures PIECEWISE graphs; use_breakable=False keeps per-piece graphs)"
+            )
+            mode = resolved
+        if self._ubatching:
+            eager = eager_halves(mode, config)
+            if eager:
+                logger.warning("use_ubatching: %s", eager)
+                downgrades.append(f"use_ubatching: {eager}")
+        #: Each way this runner falls short of ``config`` (a mode lowered, a feature dropped), in words;
+        #: empty when it does all that was asked. Micro-batching's also log a warning.
+        self.downgrades: tuple[str, ...] = tuple(downgrades)
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.attention_backend = attention_backend
@@ -294,9 +320,32 @@ def without_piecewise(mode: CUDAGraphMode) -> CUDAGraphMode:
     """Micro-batching replaces the breakable wrapper: PIECEWISE graphs have no capturer then."""
     if mode.has_piecewise_cudagraphs():
         resolved = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full_cudagraphs() else CUDAGraphMode.NONE
-        logger.info("use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper)", mode.name, resolved.name)
+        logger.warning(
+            "use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper captures PIECEWISE graphs; "
+            "use_breakable=False keeps per-piece graphs)", mode.name, resolved.name,
+        )
         return resolved
     return mode
+
+
+def eager_halves(mode: CUDAGraphMode, config: CompilationConfig) -> str:
+    """Which graph steps micro-batching runs eagerly instead (in two threads), in words; "" for none.
+
+    Only a uniform decode step dispatched FULL has a micro-batched graph; any other step that
+    reaches its threshold within the capture sizes loses its graph.
+    """
+    largest = config.sizes[-1] if config.sizes else 0
+    lost = []
+    if mode.decode_mode() == CUDAGraphMode.PIECEWISE and config.dbo_decode_token_threshold <= largest:
+        lost.append(f"decode steps of {config.dbo_decode_token_threshold}+ tokens (PIECEWISE)")
+    if mode.mixed_mode() != CUDAGraphMode.NONE and config.dbo_prefill_token_threshold <= largest:
+        lost.append(f"steps with a prompt of {config.dbo_prefill_token_threshold}+ tokens ({mode.mixed_mode().name})")
+    if not lost:
+        return ""
+    return (
+        f"micro-batched {' and '.join(lost)} run eagerly in two threads, without a graph (only uniform decode "
+        "steps dispatched FULL replay micro-batched graphs)"
+    )
 
 
 def _drafter_mode(mode: CUDAGraphMode) -> CUDAGraphMode:
