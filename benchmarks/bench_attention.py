@@ -12,9 +12,12 @@ Two tables, every variant timed side by side (interleaved repetitions):
   NONE and PIECEWISE modes (simulated platform on the CPU), ``max_model_len`` 8192 against 256,
   per backend; tokens are checked identical across every variant. Goal: <= 1.3x. With
   ``--device cuda``: FULL_AND_PIECEWISE on CUDA graphs, a bf16 model in blocks of 256 (what
-  ``varlen`` takes), token agreement reported rather than required (bf16 kernels round differently).
+  ``varlen`` takes); every variant must still produce the same tokens.
 
-    python -m benchmarks.bench_attention [--quick] [--device cuda]
+On CUDA the captured row is a real CUDA graph, timed by its replay. Every op output is checked
+against the reference; the exit status is 1 if one differs, or the engine variants' tokens do.
+
+    python -m benchmarks.bench_attention [--quick] [--device cuda] [--tables op,engine] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import statistics
 import sys
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
@@ -35,7 +39,8 @@ from torch.utils._pytree import tree_leaves
 
 import piecewise_backend as pb
 from benchmarks.common import (
-    Section, Variant, fmt_ratio, fmt_time, log, measure, quiet_logs, raise_recompile_limits, table, verdict,
+    Section, Variant, env_table, environment, fmt_ratio, fmt_time, log, measure, quiet_logs, raise_recompile_limits,
+    table, verdict,
 )
 from piecewise_backend import attention, kv
 
@@ -101,6 +106,27 @@ def op_variant(backend: str, captured: bool, cache: kv.PagedKVCache, meta: Any, 
     return step
 
 
+def graph_replay(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any, int]:
+    """``fn`` captured in a CUDA graph: (its replay, the graph's output tensor, bytes the capture allocated).
+
+    Warmed up on the capture stream first (kernels selected outside the capture); the graph is kept alive by
+    the returned replay (a bound method)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph.replay, out, torch.cuda.max_memory_allocated() - start
+
+
 def op_table(
     quick: bool, device: str, deadline: float | None, lens: tuple[int, ...] | None = None, reps: int | None = None
 ) -> Section:
@@ -114,23 +140,32 @@ def op_table(
     if cuda and attention.get_attention_backend("varlen").available(torch.device("cuda"), block) is None:
         kinds.append(("varlen", "varlen", False))
     lens = lens or ((256, 8192) if quick else LENS)
-    variants, memory = [], {}
+    variants, memory, wrong = [], {}, {}
     sync = torch.cuda.synchronize if cuda else None
+    tol = 2e-2 if cuda else 1e-5  # bf16 kernels round differently; float32 on the CPU must agree
     for n in lens:
         cache, meta, q = decode_step(n, device, dtype, block)
+        expected = op_variant("reference", False, cache, meta, q)().float()
         for label, backend, captured in kinds:
             fn = op_variant(backend, captured, cache, meta, q)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 start = torch.cuda.memory_allocated()
-                fn()
-                torch.cuda.synchronize()
-                memory[label, n] = torch.cuda.max_memory_allocated() - start
-            else:
-                with LiveBytes() as live:
+                if captured:  # a real graph, timed by its replay (its memory: what the capture allocated)
+                    fn, out, memory[label, n] = graph_replay(fn)
                     fn()
+                else:
+                    out = fn()
+                    memory[label, n] = torch.cuda.max_memory_allocated() - start
+                torch.cuda.synchronize()
+            else:  # no graphs on the CPU: the captured row runs the path a FULL graph records, eagerly
+                with LiveBytes() as live:
+                    out = fn()
                 memory[label, n] = live.peak
+            diff = float((out.float() - expected).abs().max())
+            if not diff <= tol * max(float(expected.abs().max()), 1.0):
+                wrong[label, n] = diff
             variants.append(Variant(f"{label} @{n}", fn, sync=sync, clock="wall" if cuda else "thread"))
     samples = measure(variants, reps=reps or (5 if quick else 15), deadline=deadline)
     rows = []
@@ -142,8 +177,15 @@ def op_table(
                          f"{memory[label, n] / MIB:.2f}"])
     body = table(["backend", "max_model_len", "decode step", f"vs max_model_len {lens[0]}", "peak MiB"], rows)
     body += (f"\n\n8 decode tokens, 200 cached tokens each, 8 query heads / 2 KV heads of 64, block {block}, {dtype}, "
-             f"{device}. Captured = the path a FULL graph records (no host read).\n")
-    return Section(f"Attention decode step vs max_model_len ({device})", body, {"memory": memory})
+             f"{device}. Captured: " + ("a CUDA graph of the FULL path, timed by its replay; its memory is what the "
+                                        "capture allocated." if cuda else "the path a FULL graph records (no host "
+                                        "read), run eagerly: the CPU has no graphs.")
+             + f" Every output is checked against the reference (within {tol:g} of its max).\n")
+    if wrong:
+        body += "\n**Outputs that differ from the reference:** " + ", ".join(
+            f"{label} @{n} (max |diff| {d:.3g})" for (label, n), d in wrong.items()) + "\n"
+    return Section(f"Attention decode step vs max_model_len ({device})", body,
+                   {"memory": memory, "failed": [f"{label} @{n}" for label, n in wrong]})
 
 
 def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
@@ -193,21 +235,31 @@ def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
              f"{device}; tokens identical across every row: {'yes' if same else 'NO'}.\n")
     if not same and not cuda:  # float32 on the CPU: the backends must agree token for token
         raise AssertionError(f"tokens differ between variants: {tokens}")
-    return Section(f"HFEngine generation vs max_model_len ({device})", body, {"ratios": data})
+    return Section(f"HFEngine generation vs max_model_len ({device})", body,
+                   {"ratios": data, "failed": [] if same else ["engine tokens differ between variants"]})
 
 
-def run(quick: bool = False, deadline: float | None = None, device: str = "cpu", threads: int = 1) -> list[Section]:
+TABLES = ("op", "engine")
+
+
+def run(quick: bool = False, deadline: float | None = None, device: str = "cpu", threads: int = 1,
+        tables: tuple[str, ...] = TABLES, on_update: Callable[[list[Section]], None] | None = None) -> list[Section]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # on a shared CPU, idle intra-op threads only add noise
+    sections: list[Section] = []
     try:
         with quiet_logs(), torch.inference_mode():
-            log("attention: op table")
-            sections = [op_table(quick, device, deadline)]
-            log("attention: engine table")
-            try:
-                sections.append(engine_table(quick, device, deadline))
-            except ImportError as e:  # a bare GPU box without transformers still gets the op table
-                sections.append(Section(f"HFEngine generation vs max_model_len ({device})", f"skipped: {e}"))
+            if "op" in tables:
+                log("attention: op table")
+                sections.append(op_table(quick, device, deadline))
+                if on_update is not None:
+                    on_update(sections)
+            if "engine" in tables:
+                log("attention: engine table")
+                try:
+                    sections.append(engine_table(quick, device, deadline))
+                except ImportError as e:  # a bare GPU box without transformers still gets the op table
+                    sections.append(Section(f"HFEngine generation vs max_model_len ({device})", f"skipped: {e}"))
     finally:
         torch.set_num_threads(before)
     return sections
@@ -218,10 +270,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated subset of {','.join(TABLES)}")
+    ap.add_argument("--out", type=Path, help="markdown file rewritten with the tables as each one is done")
     args = ap.parse_args(argv)
-    for s in run(quick=args.quick, device=args.device, threads=args.threads):
+    tables = tuple(t.strip() for t in args.tables.split(",") if t.strip())
+    if not tables or set(tables) - set(TABLES):
+        ap.error(f"--tables takes a comma-separated subset of {','.join(TABLES)}, got {args.tables!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False here; use --device cpu")
+
+    def write(sections: list[Section]) -> None:
+        if args.out is not None:
+            body = "\n".join(s.markdown() for s in sections)
+            args.out.write_text(f"{env_table(environment(args.device))}\n\n{body}")
+
+    sections = run(quick=args.quick, device=args.device, threads=args.threads, tables=tables, on_update=write)
+    write(sections)
+    for s in sections:
         print(s.markdown(), flush=True)
-    return 0
+    failed = [f for s in sections for f in s.data.get("failed", ())]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -15,9 +15,17 @@ the forward context's ``attn_metadata``), batch 1..64, one token per request:
 
 Every variant reads its inputs from the same static buffers, and the non-runner variants
 do the same per-step input copies that ``GraphRunner.run`` does, so the comparison is
-step for step. Each variant is set up inside ``try``: a failure becomes a table cell, not
-a crash. Written for torch 2.11+ on one GPU; ``--simulate`` runs the ``pb`` variants on the
-CPU simulator to check the script itself without a GPU (timings meaningless there).
+step for step. Every variant's logits are checked against eager's at every batch. Each variant is
+set up inside ``try``: a failure becomes a table cell, not a crash; the exit status is 1 when a
+variant of this library (FULL, breakable and per-piece PIECEWISE) failed or disagreed, while
+torch's own variants failing on the installed torch are only reported in their cells.
+``--headline`` measures batch 1, 8 and 32 against eager and ``reduce-overhead`` only (the first
+benchmark of scripts/gpu_check.sh); ``--out FILE`` rewrites FILE with the tables after every batch,
+so a run killed at its time limit keeps what it measured. Written for torch 2.11+ on one GPU;
+``--simulate`` runs the ``pb`` variants on the CPU simulator to check the script itself without a
+GPU (timings meaningless there).
+
+    python -m benchmarks.bench_cuda [--quick] [--headline] [--out FILE] [--simulate]
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
@@ -38,7 +48,9 @@ if __package__ in (None, ""):
 import torch
 
 import piecewise_backend as pb
-from benchmarks.common import Section, Variant, fmt_ratio, log, measure, quiet_logs, raise_recompile_limits, table
+from benchmarks.common import (
+    Section, Variant, env_table, environment, fmt_ratio, log, measure, quiet_logs, raise_recompile_limits, table,
+)
 from piecewise_backend.toy_llama import AttnMetadata, make_model
 
 MODEL = dict(num_layers=8, hidden_size=512, num_heads=8, intermediate_size=1024, vocab_size=4096)
@@ -142,13 +154,21 @@ def _mark_dynamic_static(setup: Setup) -> None:
         torch._dynamo.maybe_mark_dynamic(v, 0)
 
 
-def build_variants(setup: Setup, deadline: float | None) -> tuple[dict[str, Callable[[int], Callable[[], Any]]], dict[str, str]]:
+LIBRARY = ("FULL", "breakable PIECEWISE", "per-piece PIECEWISE")  # this library's: a failure fails the benchmark
+FOREIGN = ("reduce-overhead", "cudagraphs")  # torch's own: failing on the installed torch is a result (its cell)
+HEADLINE_BATCHES = (1, 8, 32)
+RTOL = 1e-2  # of max |eager logits|: Inductor reorders fp32 sums; a stale or misplaced replay is off by O(1)
+
+
+def build_variants(
+    setup: Setup, deadline: float | None, batches: tuple[int, ...] = BATCHES, foreign: tuple[str, ...] = FOREIGN
+) -> tuple[dict[str, Callable[[int], Callable[[], Any]]], dict[str, str]]:
     """name -> (batch -> step); name -> error for the variants that could not be set up."""
     makers: dict[str, Callable[[int], Callable[[], Any]]] = {}
     errors: dict[str, str] = {}
     model = setup.model
     makers["eager"] = lambda b: setup.plain_step(model, b)
-    capture_sizes = list(BATCHES)
+    capture_sizes = list(batches)
 
     def add(name: str, build: Callable[[], Callable[[int], Callable[[], Any]]]) -> None:
         if deadline is not None and time.monotonic() > deadline:
@@ -190,7 +210,7 @@ def build_variants(setup: Setup, deadline: float | None) -> tuple[dict[str, Call
         def build() -> Callable[[int], Callable[[], Any]]:
             compiled = torch.compile(model, **compile_kw)
             _mark_dynamic_static(setup)
-            for b in sorted(BATCHES, reverse=True):  # compile, warm up and record every size
+            for b in sorted(batches, reverse=True):  # compile, warm up and record every size
                 step = setup.plain_step(compiled, b, mark_step=True)
                 for _ in range(3):
                     step()
@@ -198,71 +218,93 @@ def build_variants(setup: Setup, deadline: float | None) -> tuple[dict[str, Call
 
         return build
 
-    if setup.simulate:
-        errors["reduce-overhead"] = errors["cudagraphs"] = "not run: needs a CUDA device"
-    else:
-        add("reduce-overhead", torch_variant(mode="reduce-overhead"))
-        add("cudagraphs", torch_variant(backend="cudagraphs"))
+    kinds = {"reduce-overhead": dict(mode="reduce-overhead"), "cudagraphs": dict(backend="cudagraphs")}
+    for name in foreign:
+        if setup.simulate:
+            errors[name] = "not run: needs a CUDA device"
+        else:
+            add(name, torch_variant(**kinds[name]))
     return makers, errors
 
 
-def check(setup: Setup, makers: dict[str, Callable[[int], Callable[[], Any]]], errors: dict[str, str]) -> dict[str, float]:
-    """Max |variant - eager| of the logits at the largest batch; a failing variant moves to errors."""
-    b = max(BATCHES)
-    ref = makers["eager"](b)()
-    ref = ref.clone() if isinstance(ref, torch.Tensor) else ref
-    diffs = {}
-    for name in list(makers):
-        if name == "eager":
-            continue
-        try:
-            out = makers[name](b)()
-            diffs[name] = float((out.float() - ref.float()).abs().max())
-        except Exception as e:
-            traceback.print_exc()
-            errors[name] = _err(e)
-            del makers[name]
-    return diffs
+def agree(out: Any, ref: torch.Tensor) -> tuple[bool, float]:
+    """(close enough, max |out - ref|): within RTOL of max |ref|, same shape, finite."""
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return False, float("nan")
+    diff = float((out.float() - ref.float()).abs().max())
+    return diff <= RTOL * max(float(ref.float().abs().max()), 1.0), diff
 
 
-def latency(setup: Setup, quick: bool, deadline: float | None) -> Section:
-    makers, errors = build_variants(setup, deadline)
-    diffs = check(setup, makers, errors)
+def latency(
+    setup: Setup, quick: bool, deadline: float | None, batches: tuple[int, ...] = BATCHES,
+    foreign: tuple[str, ...] = FOREIGN, on_row: Callable[[Section], None] | None = None,
+) -> Section:
+    """The decode-step table; every variant's logits are checked against eager's at every batch.
+
+    ``data["failed"]``: this library's variants that failed or disagreed (the benchmark then fails);
+    a foreign variant's failure is only reported. ``on_row``: called with the table so far after each batch.
+    """
+    makers, errors = build_variants(setup, deadline, batches, foreign)
     sync = torch.cuda.synchronize if setup.device == "cuda" else None
     names = list(makers)
-    rows, ratio_rows = [], []
-    for b in BATCHES:
+    rows: list[list[Any]] = []
+    ratio_rows: list[list[Any]] = []
+    diffs: dict[str, float] = {}
+    wrong: dict[str, str] = {}
+
+    def section(final: bool) -> Section:
+        shown = names + [n for n in errors if n not in names]
+        body = (
+            "Decode step (one token per request), latency per step in us (median over interleaved repetitions, "
+            "wall clock, synchronized per block). Model: "
+            + ", ".join(f"{k}={v}" for k, v in setup.dims.items())
+            + f", fp32, KV cache of {MAX_LEN} positions. Every variant's logits are checked against eager's at "
+            f"every batch (within {RTOL:g} of max |logits|).\n\n"
+            + table(["batch"] + shown, [r + [errors.get(n, "failed") for n in shown[len(r) - 1:]] for r in rows])
+            + "\n\nRatio to eager, paired per repetition (median [p25, p75]; below 1 is faster):\n\n"
+            + table(["batch"] + shown[1:], ratio_rows)
+            + "\n\nmax |logits - eager| over the batches: "
+            + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items())
+        )
+        problems = {**errors, **wrong}
+        if problems:
+            body += "\n\nVariants that failed, disagreed or were skipped:\n\n" + table(["variant", "error"], list(problems.items()))
+        failed = sorted(n for n in LIBRARY if n in problems)
+        if not final:
+            body += "\n\n_(measuring: more batches follow)_"
+        return Section("Decode-step latency (CUDA)", body, {"failed": failed, "foreign_failed": sorted(
+            n for n in foreign if n in problems), "diffs": diffs})
+
+    for b in batches:
         if deadline is not None and time.monotonic() > deadline:
             rows.append([b] + ["skipped (time budget)"] * len(names))
             continue
-        vs = []
+        vs, got = [], set()
+        ref = makers["eager"](b)()
+        ref = ref.clone()
         for name in names:
             try:
                 step = makers[name](b)
-                step()
+                ok, diff = agree(step(), ref)
+                diffs[name] = diff if math.isnan(diff) else max(diffs.get(name, 0.0), diff)
+                if not ok:
+                    wrong.setdefault(name, f"logits differ from eager at batch {b}: max |diff| {diff:.3g}")
+                    continue
                 vs.append(Variant(name, step, sync=sync, clock="wall"))
+                got.add(name)
             except Exception as e:
+                traceback.print_exc()
                 errors.setdefault(name, _err(e))
         s = measure(vs, reps=5 if quick else 15, target_s=0.01 if quick else 0.02, deadline=deadline)
-        got = {v.name for v in vs}
-        rows.append([b] + [f"{s.median(n) * 1e6:.1f}" if n in got else "failed" for n in names])
+        rows.append([b] + [f"{s.median(n) * 1e6:.1f}" if n in got else ("wrong" if n in wrong else "failed")
+                           for n in names])
         if "eager" in got:
-            ratio_rows.append([b] + [fmt_ratio(s.ratios(n, "eager")) if n in got else "-" for n in names[1:]])
-    body = (
-        "Decode step (one token per request), latency per step in us (median over interleaved repetitions, "
-        "wall clock, synchronized per block). Model: "
-        + ", ".join(f"{k}={v}" for k, v in setup.dims.items())
-        + f", fp32, KV cache of {MAX_LEN} positions.\n\n"
-        + table(["batch"] + names, rows)
-        + "\n\nRatio to eager, paired per repetition (median [p25, p75]; below 1 is faster):\n\n"
-        + table(["batch"] + names[1:], ratio_rows)
-        + "\n\nmax |logits - eager| at batch "
-        + f"{max(BATCHES)}: "
-        + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items())
-    )
-    if errors:
-        body += "\n\nVariants that failed or were skipped:\n\n" + table(["variant", "error"], list(errors.items()))
-    return Section("Decode-step latency (CUDA)", body)
+            ratio_rows.append([b] + [fmt_ratio(s.ratios(n, "eager")) if n in got else "-" for n in names[1:]]
+                              + ["-"] * len([n for n in errors if n not in names]))
+        if on_row is not None:
+            on_row(section(final=False))
+    diffs.pop("eager", None)
+    return section(final=True)
 
 
 def capture_report(setup: Setup, deadline: float | None) -> Section:
@@ -316,42 +358,77 @@ PARTS = ("latency", "capture")
 
 
 def run(
-    quick: bool = False, deadline: float | None = None, simulate: bool = False, parts: tuple[str, ...] = PARTS
+    quick: bool = False, deadline: float | None = None, simulate: bool = False, parts: tuple[str, ...] = PARTS,
+    headline: bool = False, on_update: Callable[[list[Section]], None] | None = None,
 ) -> list[Section]:
+    """The CUDA sections. ``headline``: only the decode-latency table at batch 1, 8 and 32 against eager and
+    ``reduce-overhead`` (scripts/gpu_check.sh's first benchmark). ``on_update``: called with the sections so far
+    whenever a batch was measured (to write them out at once)."""
     if not torch.cuda.is_available() and not simulate:
-        return [Section("CUDA benchmarks", "not run: no CUDA device")]
+        return [Section("CUDA benchmarks", "not run: no CUDA device", {"failed": ["no CUDA device"]})]
     raise_recompile_limits()
     device = "cpu" if simulate else "cuda"
-    if simulate:
-        global BATCHES, MAX_TOKENS
+    global BATCHES, MAX_TOKENS
+    if headline:
+        BATCHES, parts = HEADLINE_BATCHES, ("latency",)
+    elif simulate:
         BATCHES, MAX_TOKENS = (1, 4, 8), 16  # the simulator is slow: a smoke test of the script
+    if simulate:
         torch.set_num_threads(1)
-    sections = []
+    sections: list[Section] = []
+    foreign = ("reduce-overhead",) if headline else FOREIGN
+
+    def partial(section: Section) -> None:
+        if on_update is not None:
+            on_update(sections + [section])
+
     with torch.inference_mode():
         setup = Setup(device, simulate)
-        jobs = {"latency": lambda: latency(setup, quick, deadline), "capture": lambda: capture_report(setup, deadline)}
+        jobs = {"latency": lambda: latency(setup, quick, deadline, BATCHES, foreign, on_row=partial),
+                "capture": lambda: capture_report(setup, deadline)}
         for name in parts:
             try:
                 sections.append(jobs[name]())
             except Exception as e:  # never lose the other sections
                 traceback.print_exc()
-                sections.append(Section("CUDA benchmark error", _err(e)))
+                sections.append(Section("CUDA benchmark error", _err(e), {"failed": [name]}))
             with contextlib.suppress(Exception):
                 pb.set_capture_enabled(True)
+            if on_update is not None:
+                on_update(sections)
     if simulate:
         for s in sections:
             s.title += " [simulated on CPU: timings meaningless]"
     return sections
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def failures(sections: list[Section]) -> list[str]:
+    """This library's variants (or parts) that failed or disagreed with eager, over ``sections``."""
+    return [name for s in sections for name in s.data.get("failed", ())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--simulate", action="store_true", help="check the script on the CPU simulator")
-    args = ap.parse_args()
-    for s in run(quick=args.quick, simulate=args.simulate):
-        print(s.markdown())
+    ap.add_argument("--headline", action="store_true", help="decode latency at batch 1, 8, 32 only (vs reduce-overhead)")
+    ap.add_argument("--out", type=Path, help="markdown file rewritten with the tables as soon as each batch is measured")
+    args = ap.parse_args(argv)
+
+    def write(sections: list[Section]) -> None:
+        if args.out is not None:
+            text = "\n".join(s.markdown() for s in sections)
+            args.out.write_text(f"{env_table(environment('cpu' if args.simulate else 'cuda'))}\n\n{text}")
+
+    sections = run(quick=args.quick, simulate=args.simulate, headline=args.headline, on_update=write)
+    write(sections)
+    for s in sections:
+        print(s.markdown(), flush=True)
+    failed = failures(sections)
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (a variant of this library failed or disagreed with eager)", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,11 +5,13 @@
     python benchmarks/run.py --cuda --out docs/benchmarks.md        # GPU only (scripts/gpu_check.sh)
     .venv/bin/python benchmarks/run.py --quick --only hf_throughput  # by name only: a CPU smoke of a GPU comparison
 
-Without ``--cuda``, runs the CPU benchmarks (wrappers, replay, forward, compile, memory, spec) and, when
-a GPU is present, the CUDA ones too. Every table is printed; with ``--out`` the results
+Without ``--cuda``, runs the CPU benchmarks (wrappers, replay, forward, compile, memory, attention, spec,
+dbo, breaks) and, when a GPU is present, the CUDA ones too (``breaks`` adds its GPU comparison itself:
+``--only breaks`` on a GPU machine measures it). Every table is printed; with ``--out`` the results
 replace the lines between the ``cpu-results`` (or ``gpu-results``) BEGIN/END marker
 comments of that markdown file, rewritten after each benchmark so an interrupted run
-keeps what it measured. See docs/benchmarks.md.
+keeps what it measured. The exit status is 1 if a benchmark raised, or a section reports a variant of
+this library that failed or disagreed with its reference (``Section.data["failed"]``). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import Section, env_table, environment, log
 
-CPU_BENCHMARKS = ("wrappers", "replay", "forward", "compile", "memory", "attention", "spec", "dbo")
+CPU_BENCHMARKS = ("wrappers", "replay", "forward", "compile", "memory", "attention", "spec", "dbo", "breaks")
 # By name only (--only): their CPU numbers mean little (simulated graphs); scripts/gpu_check.sh runs them on a GPU
 BY_NAME = ("hf_throughput",)
 QUICK_SKIPS = {"compile": "skipped in --quick (every row is a fresh process with a cold or warm Inductor cache)"}
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
                 failures += 1
                 new = [Section(f"{name}: error", f"`{type(e).__name__}: {e}`")]
+            failed = [f for s in new for f in s.data.get("failed", ())]
+            if failed:  # a variant of this library failed or disagreed (a section says which): the run fails
+                log(f"== {name}: FAILED {', '.join(map(str, failed))}")
+                failures += 1
             log(f"== {name} done in {time.perf_counter() - t0:.0f} s")
             for s in new:
                 print(s.markdown(), flush=True)

@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="llama", help="transformers model type (llama, qwen2, mistral, ...)")
     parser.add_argument("--check", action="store_true", help="compare with model.generate(do_sample=False)")
+    parser.add_argument("--compile-pieces", choices=("inductor", "eager"),
+                        help="how pieces are compiled (default: inductor on CUDA, eager on the simulator)")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         cudagraph_mode="FULL_AND_PIECEWISE",
         capture_sizes=[2, 4, 8, 16, 32],  # no size 1: Dynamo would specialize and trace the model a second time
         platform="cuda" if cuda else "simulated",
-        compile_pieces="inductor" if cuda else "eager",  # the simulator records ATen ops, not fused kernels
+        # the simulator records ATen ops, not fused kernels
+        compile_pieces=args.compile_pieces or ("inductor" if cuda else "eager"),
     )
     print(f"arch: {args.arch}, platform: {config.platform}" + ("" if cuda else " (no CUDA device: simulated on the CPU)"))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ import torch
 from piecewise_backend.platforms.cuda import platform as cuda_platform
 from pbtest import cuda_double
 from pbtest.cuda_double.rules import RULES, holds
+from pbtest.helpers import end_failed_capture
 
 RELEASES = [(2, 11), (2, 13)]
 BIG = 16 << 20  # on a GPU every allocation of this size is a segment of its own (CCA rounds >= 10 MiB to 2 MiB)
@@ -34,6 +36,8 @@ class Device:
         if fake is None:
             self.x = torch.randn(8, device="cuda")
             self.a = torch.randn(256, 256, device="cuda")
+            self.b16 = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+            self.bias = torch.randn(64, device="cuda", dtype=torch.bfloat16)
 
     def alloc(self, n: int) -> torch.Tensor:
         return self.fake.empty(n, dtype=torch.uint8) if self.fake else torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -44,8 +48,32 @@ class Device:
     def sync(self) -> None:
         self.fake.host_sync() if self.fake else self.x.sum().item()
 
-    def gemm(self) -> None:
-        self.fake.gemm() if self.fake else self.a @ self.a
+    def gemm(self, lt: bool = False) -> None:
+        """A GEMM; ``lt``: one that runs cuBLASLt (addmm with a bias in bf16)."""
+        if self.fake:
+            self.fake.gemm(lt=lt)
+        elif lt:
+            torch.addmm(self.bias, self.b16, self.b16)
+        else:
+            self.a @ self.a
+
+    def gemm_into(self, out: torch.Tensor | None) -> None:
+        """A cuBLAS GEMM into preallocated memory (no allocation, so no cudaMalloc)."""
+        self.fake.gemm() if self.fake else torch.mm(self.a, self.a, out=out)
+
+    def pool_allocated(self, pool_id) -> int:
+        """Bytes allocated (not merely cached) in the private pool ``pool_id``."""
+        if self.fake:
+            return self.fake.allocated_bytes(tuple(pool_id))
+        torch.cuda.synchronize()
+        return sum(b["size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool_id)
+                   for b in s["blocks"] if b["state"] == "active_allocated")
+
+    def default_reserved(self) -> int:
+        """Bytes the default pool holds from the driver."""
+        if self.fake:
+            return self.fake.pool_bytes((0, 0))
+        return pool_bytes((0, 0))
 
     def allocated(self) -> int:
         if self.fake:
@@ -245,6 +273,112 @@ def rule_legacy_stream_cannot_wait_on_a_capture(dev: Device) -> None:
     g.reset()
 
 
+def rule_new_streams_come_from_a_pool_of_32_per_priority(dev: Device) -> None:
+    low = [torch.cuda.Stream() for _ in range(33)]
+    assert len({s.cuda_stream for s in low[:32]}) == 32 and low[32].cuda_stream == low[0].cuda_stream
+    high = [torch.cuda.Stream(priority=-1) for _ in range(32)]
+    assert not {s.cuda_stream for s in high} & {s.cuda_stream for s in low}  # one pool per priority level
+    with pytest.raises(RuntimeError, match="priority to be less than or equal to 0"):
+        torch.cuda.Stream(priority=1)
+
+
+def rule_cublaslt_workspace_is_the_cublas_one_from_2_12(dev: Device) -> None:
+    # On a stream no Lt GEMM ran on yet (this step's own priority level), with its cuBLAS workspace made:
+    # a captured Lt GEMM makes a workspace inside the capture (into the graph's pool) only where Lt has its own.
+    s, g, pool = torch.cuda.Stream(priority=-2), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    with torch.cuda.stream(s):
+        torch.cuda.current_blas_handle()
+        with closed(g, s):
+            g.capture_begin(pool=pool)
+            dev.gemm(lt=True)
+            g.capture_end()
+    made = dev.pool_allocated(pool)
+    unified = holds("cublaslt_unified_workspace")
+    assert (made >= 1 << 20) != unified, f"the capture left {made} bytes allocated in its pool"
+    g.replay()
+
+
+def rule_a_pooled_handle_keeps_its_workspaces_for_the_next_thread(dev: Device) -> None:
+    # A thread that ended gave its handle (and the workspaces keyed by it) back: another thread's first GEMM
+    # on that stream reserves it and creates nothing, so it runs during another stream's global capture
+    # without invalidating it. The second thread is alive before the first ends (a thread of its own).
+    s, s2, g = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    out = None if dev.fake else torch.empty(256, 256, device="cuda")
+    errors: list[BaseException] = []
+    go = threading.Event()
+
+    def gemm_on_s(wait: bool) -> None:
+        try:
+            if wait:
+                assert go.wait(60)
+            with torch.cuda.stream(s):
+                dev.gemm_into(out)
+        except BaseException as e:  # noqa: BLE001 - reported by the step
+            errors.append(e)
+
+    second = threading.Thread(target=gemm_on_s, args=(True,))
+    second.start()
+    first = threading.Thread(target=gemm_on_s, args=(False,))  # its handle is made and warmed on s
+    first.start()
+    first.join(60)
+    torch.cuda.synchronize()
+    time.sleep(0.2)  # the ended thread's thread-local PoolWindow gives its handle back
+    with torch.cuda.stream(s2), closed(g, s2):
+        g.capture_begin(pool=torch.cuda.graph_pool_handle())
+        dev.work()
+        go.set()  # outside the capture, on s: legal if it creates nothing
+        second.join(60)
+        g.capture_end()
+    assert not errors, errors
+    g.replay()
+
+
+def rule_empty_cache_frees_the_default_pool_under_a_mempool_routing_from_2_13(dev: Device) -> None:
+    torch.cuda.empty_cache()
+    t = dev.alloc(BIG)
+    del t  # a cached block of the default pool
+    before = dev.default_reserved()
+    with torch.cuda.use_mem_pool(torch.cuda.MemPool()):
+        torch.cuda.empty_cache()
+        freed = before - dev.default_reserved()
+    assert (freed >= BIG) == holds("empty_cache_default_pools_only_outside_capture"), f"freed {freed} bytes"
+    torch.cuda.empty_cache()  # outside any routing: freed on every release
+    assert dev.default_reserved() <= before - BIG
+
+
+def rule_event_and_stream_queries_from_another_thread_during_a_global_capture(dev: Device) -> None:
+    other = torch.cuda.Stream()
+    event = torch.cuda.Event()
+    event.record(other)
+    for mode in ("global", "thread_local"):
+        s, g, pool = torch.cuda.Stream(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        errors: list[str] = []
+
+        def query() -> None:
+            for q in (event.query, other.query):
+                try:
+                    q()
+                except RuntimeError as e:
+                    errors.append(str(e))
+
+        with torch.cuda.stream(s), closed(g, s):
+            g.capture_begin(pool=pool, capture_error_mode=mode)
+            dev.work()
+            t = threading.Thread(target=query)
+            t.start()
+            t.join(60)
+            failed = False
+            try:
+                g.capture_end()
+            except RuntimeError:
+                failed = True
+        if failed:
+            end_failed_capture(g, pool)
+        assert bool(errors) == failed == (mode == "global"), (mode, errors, failed)
+        if not failed:
+            g.replay()
+
+
 STEPS = [
     rule_dead_pool_cannot_be_captured_into,
     rule_host_pool_use_reaches_zero_when_the_last_graph_is_reset,
@@ -256,6 +390,11 @@ STEPS = [
     rule_concurrent_captures_on_two_streams,
     rule_free_blocks_of_a_private_pool_are_per_stream,
     rule_legacy_stream_cannot_wait_on_a_capture,
+    rule_new_streams_come_from_a_pool_of_32_per_priority,
+    rule_cublaslt_workspace_is_the_cublas_one_from_2_12,
+    rule_a_pooled_handle_keeps_its_workspaces_for_the_next_thread,
+    rule_empty_cache_frees_the_default_pool_under_a_mempool_routing_from_2_13,
+    rule_event_and_stream_queries_from_another_thread_during_a_global_capture,
 ]
 
 
@@ -285,7 +424,7 @@ def test_double_rule_mempool_dropped_while_a_capture_routes_is_fatal():
 
 def test_every_rule_cites_its_source():
     for name, rule in RULES.items():
-        assert any(tag in rule.source for tag in ("CG ", "CCA ", "CHA ", "CTX", "PR ")), name
+        assert any(tag in rule.source for tag in ("CG ", "CCA ", "CHA ", "CTX", "PR ", "c10/", "ATen/", "CUDA runtime")), name
 
 
 # ---------------------------------------------------------------- on a real GPU (the installed torch)

@@ -18,6 +18,7 @@ import torch
 import piecewise_backend as pb
 from piecewise_backend.platforms import base as platforms_base
 from piecewise_backend.platforms.cuda import platform as cuda_platform
+from piecewise_backend.platforms.cuda.streams import new_capture_stream, new_comm_stream
 from piecewise_backend.capture.memory import fresh_pool
 from piecewise_backend.platforms import get_platform, warmup_scope
 from pbtest import cuda_double
@@ -248,3 +249,19 @@ def test_parked_graphs_are_bounded(fake, monkeypatch):
     gc.collect()
     p.release_cached()
     assert first not in {g.id for g in p.generations.all()}
+
+
+def test_generations_never_share_a_pooled_stream_and_say_when_the_pool_is_taken(fake):
+    # torch.cuda.Stream() hands out 32 streams per priority level round robin (stream_pool_of_32): a new
+    # generation skips the raw streams live ones hold, whatever else drew streams in between.
+    taken: set[int] = set()
+    for i in range(32):
+        if i == 10:
+            [torch.cuda.Stream() for _ in range(7)]  # other code's streams move the round robin on
+        stream = new_capture_stream(0, taken)
+        assert stream.cuda_stream not in taken
+        taken.add(stream.cuda_stream)
+    comm = new_comm_stream(0, stream)
+    assert comm.cuda_stream not in taken  # another priority level: never a capture stream
+    with pytest.raises(RuntimeError, match="every pooled CUDA stream of cuda:0 already carries a live generation"):
+        new_capture_stream(0, taken)

@@ -399,3 +399,23 @@ def test_the_platform_layer_imports_nothing_above_it():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 2:
                 assert (node.module or "").split(".")[0] not in above, f"{path.name} imports ..{node.module}"
+
+
+def test_a_capture_only_cublaslt_gemm_finds_its_workspace_made_on_torch_2_11(monkeypatch):
+    # torch 2.11 keeps cuBLASLt's workspace apart from cuBLAS's, made by the first Lt GEMM on the stream
+    # (cublaslt_unified_workspace): a path only the capture takes would make it inside, in the graph's pool.
+    class FullOnly(torch.nn.Module):
+        def forward(self, x):
+            if torch.cuda.is_current_stream_capturing():
+                cuda_double.current().gemm(lt=True)
+            return x * 2
+
+    monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: True])
+    with cuda_double.installed((2, 11)) as fake:
+        w = pb.CUDAGraphWrapper(FullOnly(), M.FULL, config=CFG)
+        x = torch.ones(8)
+        pb.mark_persistent(x)
+        with pb.set_forward_context(M.FULL, pb.BatchDescriptor(8)):
+            w(x)
+        assert fake.lt_workspaces and {seg.pool for seg in fake.lt_workspaces.values()} == {(0, 0)}
+        cuda_double.check_clean(fake)

@@ -42,8 +42,9 @@ def test_dbo_benchmark_reports_both_variants_and_the_ratio():
     assert row and 0.2 < float(row.group(1)) < 5, proc.stdout  # a ratio was measured, whatever it is
 
 
-def test_attention_benchmark_tables_and_memory_tracker():
-    """bench_attention's op table (two sizes) and the live-bytes tracker its CPU memory column uses."""
+def test_attention_benchmark_tables_and_memory_tracker(monkeypatch):
+    """bench_attention's op table (two sizes, every output checked) and the live-bytes tracker its CPU memory
+    column uses."""
     import time
 
     from benchmarks import bench_attention
@@ -64,6 +65,17 @@ def test_attention_benchmark_tables_and_memory_tracker():
     memory = section.data["memory"]
     assert memory["reference", 1024] > 3 * memory["reference", 256]  # the reference grows with max_model_len
     assert memory["bounded (eager)", 1024] == memory["bounded (eager)", 256]
+    assert section.data["failed"] == []
+    real = bench_attention.op_variant
+
+    def skewed(backend, captured, *args):  # a captured path that computes something else
+        fn = real(backend, captured, *args)
+        return (lambda: fn() + 1) if captured else fn
+
+    monkeypatch.setattr(bench_attention, "op_variant", skewed)
+    with torch.inference_mode():
+        section = bench_attention.op_table(True, "cpu", time.monotonic() + 5, lens=(256,), reps=3)
+    assert section.data["failed"] == ["bounded (captured) @256"] and "differ from the reference" in section.body
 
 
 def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
@@ -89,3 +101,50 @@ def test_hf_throughput_smoke_compares_three_engines_on_equal_tokens():
     cb_row = re.search(r"^\| transformers generate_batch .*\| 32 ", out, re.M)
     assert cb_row or "transformers continuous batching" in out, out  # a row, or the line saying why there is none
     assert "the CUDA graphs are simulated" in out
+
+
+def test_breaks_benchmark_reports_the_machinery_cost_per_segment():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "breaks"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Breaks anywhere: capture cost per segment (CPU)" in proc.stdout
+    for row in ("eager (no capture)", "null platform", "simulated"):
+        assert re.search(rf"^\| {re.escape(row)} +\| [\d.]+ ", proc.stdout, re.M), proc.stdout
+
+
+def test_breaks_benchmark_gpu_part_runs_on_the_cuda_double():
+    """The GPU comparison's control flow (both captures, both replays) on the CPU double of torch.cuda, so the
+    GPU step cannot fail for a reason the CPU could have shown (its timings mean nothing here)."""
+    import warnings
+
+    from benchmarks import bench_breaks
+    from pbtest import cuda_double
+
+    with cuda_double.installed() as fake, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the double's kernels-free segments are "empty graphs"
+        section = bench_breaks.gpu_section(True, None, device="cpu")
+        cuda_double.check_clean(fake)
+    assert "| breakable_graph " in section.body and "| per-segment torch.cuda.graph " in section.body
+    assert section.body.count("ms per replay") == 1 and len(section.data["times"]["breakable_graph"]) == 3
+
+
+def test_cuda_headline_checks_every_variant_and_fails_only_for_the_librarys_own(tmp_path, monkeypatch, capsys):
+    """bench_cuda --headline on the simulator: the table is written out, torch's own variant failing (here: no
+    CUDA) is a cell, not a failure; a library variant whose logits differ from eager's fails the benchmark."""
+    from benchmarks import bench_cuda
+
+    monkeypatch.setattr(bench_cuda, "HEADLINE_BATCHES", (1, 8))
+    out = tmp_path / "headline.md"
+    argv = ["--headline", "--quick", "--simulate", "--out", str(out)]
+    assert bench_cuda.main(argv) == 0
+    text = out.read_text()
+    assert all(name in text for name in bench_cuda.LIBRARY)
+    assert "not run: needs a CUDA device" in text and "measuring" not in text and torch.__version__ in text
+    assert re.search(r"^\| 8 +\| [\d.]+ +\| [\d.]+ ", text, re.M), text  # eager and FULL measured at batch 8
+    monkeypatch.setattr(bench_cuda, "agree", lambda got, ref: (False, 1.0))
+    capsys.readouterr()
+    assert bench_cuda.main(argv) == 1
+    assert "FAILED: FULL, breakable PIECEWISE, per-piece PIECEWISE" in capsys.readouterr().out
+    assert "logits differ from eager at batch 1" in out.read_text()

@@ -22,6 +22,7 @@ from .engine import (
     paged_attention_forward,
     register_attention,
 )
+from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
 from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
 __all__ = [
@@ -43,6 +44,10 @@ __all__ = [
     "refusal",
     "SERVED_LAYER_TYPES",
     "UNDERSTOOD_KWARGS",
+    "ModuleBreak",
+    "install_host_breaks",
+    "module_break",
+    "no_full_graphs",
     "MAX_PARAMS",
     "TINY",
     "TINY_IF_SET",

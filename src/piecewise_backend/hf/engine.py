@@ -33,6 +33,7 @@ from ..kv import cache as kv
 from ..modes import CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
 from .adapter import graph_safe_experts, layout_refusal, probe, refusal
+from .host_breaks import install_host_breaks, no_full_graphs
 from .tiny import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 
 ATTN_IMPLEMENTATION = "pb_paged"
@@ -81,11 +82,13 @@ def register_attention() -> str:
 class TokensFirst(torch.nn.Module):
     """``(input_ids (tokens,), position_ids (tokens,)) -> logits (tokens, vocab)`` around a HF causal LM."""
 
-    def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None):
+    def __init__(self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None, host_breaks: list[str] | None = None):
         super().__init__()
         self.model = model
         #: (layers, kv_heads, head_dim) of the cache the model needs (set by :func:`adapt`)
         self.kv_shape = kv_shape
+        #: modules that read the host, run as break points (:mod:`~piecewise_backend.hf.host_breaks`)
+        self.host_breaks = host_breaks or []
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
@@ -113,6 +116,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
             result = probe(model.eval())
         except Exception as e:  # e.g. a forward that needs more than token ids (embeddings, shared K/V states)
             raise ValueError(f"{name} fails on a plain token-id forward ({type(e).__name__}: {e}); adapt() gives it nothing else") from e
+        breaks = install_host_breaks(model, result) if result.layers else []  # a host read: a break, not a refusal
         reason = layout_refusal(name, result)
     if reason is not None:
         raise ValueError(reason)
@@ -120,7 +124,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
         layout.module.pb_head_dim = result.head_dim
         layout.module.pb_kv_repeat = result.kv_shape()[1] // layout.kv_heads
     model.set_attn_implementation(register_attention())
-    return TokensFirst(model.eval(), result.kv_shape())
+    return TokensFirst(model.eval(), result.kv_shape(), breaks)
 
 
 def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
@@ -178,6 +182,7 @@ class HFEngine:
             )
         self.vocab_size: int = model.config.get_text_config().vocab_size
         adapted = adapt(model)
+        config = no_full_graphs(config, adapted.host_breaks)
         layers, kv_heads, head_dim = kv_shape(adapted)
         param = next(model.parameters())
         self.cache = kv.PagedKVCache(

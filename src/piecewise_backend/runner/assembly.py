@@ -60,6 +60,17 @@ def resolve_cudagraph_mode(
     return resolved
 
 
+def drop_full_graphs(mode: CUDAGraphMode | str, reason: str) -> CUDAGraphMode:
+    """``mode`` without FULL graphs, for a model no FULL graph can hold (``reason``, logged): FULL and
+    FULL_AND_PIECEWISE become PIECEWISE, FULL_DECODE_ONLY becomes NONE; the rest is unchanged."""
+    mode = CUDAGraphMode.parse(mode)
+    if not mode.has_full_cudagraphs():
+        return mode
+    resolved = _NONE if mode == CUDAGraphMode.FULL_DECODE_ONLY else _PIECEWISE
+    logger.info("cudagraph_mode %s -> %s (no FULL graph can hold it: %s)", mode.name, resolved.name, reason)
+    return resolved
+
+
 def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) -> Any:
     """Stack the wrappers ``config`` asks for around ``model``.
 

@@ -27,6 +27,7 @@ import torch
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
 from ..hf.engine import adapt, kv_shape
+from ..hf.host_breaks import no_full_graphs
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
@@ -48,9 +49,11 @@ class _Side:
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size), dtype=param.dtype, device=param.device,
         )
+        adapted = adapt(model)
+        config = no_full_graphs(config, adapted.host_breaks)  # a break point: no FULL graph holds it
         self.backend = make_backend(config)
         self.runner = GraphRunner(
-            torch.compile(adapt(model), backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
+            torch.compile(adapted, backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
             model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn, max_num_reqs=max_num_reqs,
             attention_support=min(support, self.cache.attention_graph_support), attention_backend=self.cache.attention_backend,
             uniform_decode_query_len=query_len, drafter=drafter, device=param.device,

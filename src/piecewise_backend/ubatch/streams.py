@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..platforms.cuda.streams import new_comm_stream
+from ..platforms.cuda.streams import new_comm_stream, warm_blas, workspaces_cleared
 
 
 class StepStreams:
@@ -70,14 +71,20 @@ class CommStreams:
 
     Under a capture in global mode (the platform's, kept on purpose) a thread's first cuBLAS call
     creates its handle with a plain cudaMalloc, which CUDA refuses and which invalidates the capture;
-    the first gemm on a stream allocates that (handle, stream)'s workspace, which inside a capture
-    lands in the graph pool. :meth:`prepare` does both on each thread, for both streams, whenever a
-    step runs eagerly (the warm-ups before a capture), so the capture finds them made.
+    the first GEMM on a stream allocates that (handle, stream)'s workspace, which inside a capture
+    lands in the graph pool, and on torch 2.11 the first cuBLASLt GEMM (addmm with a bias, bf16) makes
+    a second workspace of its own. :meth:`prepare` makes all of them on each thread, for both streams,
+    whenever a step runs eagerly (the warm-ups before a capture), so the capture finds them made.
+
+    What is ready is keyed by the thread object (a thread that replaced a timed-out one is not ready,
+    even under a reused ident), the raw streams (pooled: two stream objects can be one stream), and how
+    often each stream's workspaces were freed since (a generation of graphs ending frees them on
+    torch >= 2.12, and its stream can come back as a later generation's).
     """
 
     def __init__(self) -> None:
         self._streams: dict[int, Any] = {}
-        self._ready: set[tuple[int, int, int]] = set()  # (thread ident, compute stream, comm stream)
+        self._ready: weakref.WeakKeyDictionary[threading.Thread, set[tuple[int, ...]]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def for_step(self, compute: Any, num_ubatches: int) -> StepStreams:
@@ -87,26 +94,32 @@ class CommStreams:
             comm = self._streams[device] = new_comm_stream(device, compute)
         return StepStreams(compute, comm, num_ubatches)
 
-    def _key(self, streams: StepStreams) -> tuple[int, int, int]:
-        return threading.get_ident(), streams.compute.cuda_stream, streams.comm.cuda_stream
+    @staticmethod
+    def _key(streams: StepStreams) -> tuple[int, ...]:
+        c, m = streams.compute, streams.comm
+        return c.cuda_stream, m.cuda_stream, workspaces_cleared(c), workspaces_cleared(m)
 
     def prepare(self, streams: StepStreams) -> None:
-        """On a micro-batch thread, outside any capture: its cuBLAS handle and its workspaces on both streams."""
-        key = self._key(streams)
-        if key in self._ready:
-            return
-        for stream in (streams.compute, streams.comm):
-            with torch.cuda.stream(stream):
-                torch.cuda.current_blas_handle()  # creates the thread's handle and its workspace for this stream
+        """On a micro-batch thread, outside any capture: its cuBLAS handle and its cuBLAS and cuBLASLt
+        workspaces on both streams."""
+        key, me = self._key(streams), threading.current_thread()
         with self._lock:
-            self._ready.add(key)
+            if key in self._ready.get(me, ()):
+                return
+        for stream in (streams.compute, streams.comm):
+            warm_blas(stream)
+        with self._lock:
+            self._ready.setdefault(me, set()).add(key)
 
-    def check_ready(self, streams: StepStreams, idents: list[int]) -> None:
+    def check_ready(self, streams: StepStreams, threads: list[threading.Thread]) -> None:
         """Before a captured step: every thread prepared for these streams, else a clear error."""
-        missing = [i for i, ident in enumerate(idents) if (ident, *self._key(streams)[1:]) not in self._ready]
+        key = self._key(streams)
+        with self._lock:
+            missing = [i for i, t in enumerate(threads) if key not in self._ready.get(t, ())]
         if missing:
             raise RuntimeError(
-                f"micro-batch thread(s) {missing} never ran a step eagerly on the capture stream {streams.compute}: "
-                "their cuBLAS handles and workspaces would be created inside the capture, which CUDA refuses. "
-                "Capture micro-batched steps with num_warmups >= 1 (the default)"
+                f"micro-batch thread(s) {missing} never ran a step eagerly on the capture stream {streams.compute} "
+                "since their cuBLAS workspaces there were made (or freed with a generation of graphs): they would be "
+                "created inside the capture, which CUDA refuses. Capture micro-batched steps with num_warmups >= 1 "
+                "(the default)"
             )

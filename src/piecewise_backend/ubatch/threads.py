@@ -158,7 +158,7 @@ class UBatchThreads:
             step_streams = self.comm.for_step(state["stream"], NUM_UBATCHES)
             state["prepare"] = not torch.cuda.is_current_stream_capturing()
             if not state["prepare"]:
-                self.comm.check_ready(step_streams, [t.ident for t, _ in self._threads])
+                self.comm.check_ready(step_streams, [t for t, _ in self._threads])
         self.steps += 1
         handover = Handover(self.steps, timeout_s, step_streams)
         for i, (_, q) in enumerate(self._threads):

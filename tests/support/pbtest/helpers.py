@@ -338,3 +338,23 @@ def paged_cache(model: PagedTinyLM, **kw) -> "pb.kv.PagedKVCache":
 
     kw = dict(dict(num_blocks=16, block_size=4, max_model_len=16), **kw)
     return kv.PagedKVCache(len(model.qkv), model.kv_heads, model.head_dim, **kw)
+
+
+_FAILED_GRAPHS: list[torch.cuda.CUDAGraph] = []
+
+
+def end_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], device: int = 0) -> bool:
+    """After a capture a test made fail on purpose: what the CUDA platform's recovery does.
+
+    torch 2.11's failed ``capture_end`` leaves the device allocator routing to ``pool`` on (2.12+ ends it):
+    end it where it is on, or a later ``~MemPool`` asserts in a destructor and the process aborts. No
+    binding ends the host allocator's routing, whose filter points at ``graph``: keep it alive for the
+    process. Returns whether the device routing was still on. Works on the CPU double too."""
+    _FAILED_GRAPHS.append(graph)
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError as e:
+        if "not currently recording" not in str(e):
+            raise
+        return False
+    return True

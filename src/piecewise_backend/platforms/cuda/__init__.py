@@ -4,7 +4,18 @@ from .graphs import CudaGraphSegment, CudaRecorder, EmptyGraph, graph_of
 from .platform import CudaPlatform, platform_for
 from .pools import Generation, Generations
 from .recovery import RULES, CaptureInvalidatedError
-from .streams import capture_open, captures_open, exclusive, new_capture_stream, new_comm_stream, on_stream
+from .streams import (
+    capture_open,
+    captures_open,
+    exclusive,
+    lt_gemm,
+    new_capture_stream,
+    new_comm_stream,
+    note_workspaces_cleared,
+    on_stream,
+    warm_blas,
+    workspaces_cleared,
+)
 
 __all__ = [
     "CudaPlatform",
@@ -20,7 +31,11 @@ __all__ = [
     "capture_open",
     "captures_open",
     "exclusive",
+    "lt_gemm",
     "new_capture_stream",
     "new_comm_stream",
+    "note_workspaces_cleared",
     "on_stream",
+    "warm_blas",
+    "workspaces_cleared",
 ]

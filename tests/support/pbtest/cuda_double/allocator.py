@@ -153,7 +153,14 @@ class CachingAllocator:
         # they are not freeable anyway); before that rule CCA asserted captures_underway.empty().
         if self.routing and not holds("empty_cache_skips_routed_pools"):
             raise RuntimeError("INTERNAL ASSERT FAILED: captures_underway.empty()")
-        self._free_unused({(0, 0)} | {p for p, pool in self.pools.items() if pool.use_count == 0})
+        # empty_cache_default_pools_only_outside_capture: the default pools are left alone while anything
+        # routes (2.11) or only while the caller's current stream captures (2.13).
+        if holds("empty_cache_default_pools_only_outside_capture"):
+            skip_default = bool(self.captures) and self.current_stream().capture is not None
+        else:
+            skip_default = bool(self.routing)
+        freeable = {p for p, pool in self.pools.items() if pool.use_count == 0}
+        self._free_unused(freeable if skip_default else {(0, 0)} | freeable)
 
     def empty_pool(self, pool_id: tuple[int, int]) -> None:
         """CCA emptyCache(pool), what ~MemPool runs: synchronize_and_free_events asserts no capture routes."""

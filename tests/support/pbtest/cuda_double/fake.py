@@ -38,6 +38,7 @@ from pbtest.cuda_double.allocator import NOT_PERMITTED, CachingAllocator, HostAl
 from pbtest.cuda_double.graph import (  # noqa: F401 (re-exported)
     IMPLICIT,
     INVALIDATED,
+    LT_WORKSPACE,
     WORKSPACE,
     Capture,
     FakeCUDAGraph,
@@ -60,14 +61,22 @@ class FakeCuda(CachingAllocator):
         self.captures: dict[int, Capture] = {}
         CachingAllocator.__init__(self)
         self.host = HostAllocator()
-        # CTX cublas_handle_stream_to_workspace: process-wide, keyed by (handle, stream); a handle per thread
+        # CTX cublas_handle_stream_to_workspace: process-wide, keyed by (handle, stream); cuBLASLt's own map
+        # (cublaslt_handle_stream_to_workspace) where its workspace is not the unified one
         self.workspaces: dict[tuple[int, FakeStream], Segment] = {}
+        self.lt_workspaces: dict[tuple[int, FakeStream], Segment] = {}
+        self.stream_pools: dict[tuple[int, int], list[FakeStream]] = {}  # (device, priority level) -> its 32 streams
+        self.stream_draws: dict[tuple[int, int], int] = {}
         self.fatal: list[str] = []  # what would have terminated the process (a destructor that threw)
         self.autotuned: set[Any] = set()
         self.max_concurrent = self.replays = 0
         self.invalidations: list[str] = []
         self._defaults: dict[int, FakeStream] = {}
-        self.handles: set[int] = set()  # threads with a cuBLAS handle (CTX getCurrentCUDABlasHandle: one per thread)
+        # blas_handles_pooled: live thread ident -> the cuBLAS handle it reserved; handles of ended threads
+        # wait in free_handles (last released first) with their workspaces, for the next thread
+        self.handles: dict[int, int] = {}
+        self._owners: dict[int, threading.Thread] = {}
+        self.free_handles: list[int] = []
         self.unjoined: list[FakeStream] = []  # streams a capture_end found not joined back
         self.stray: list[tuple[str, FakeStream]] = []  # launches outside every capture while one was underway
         self.races: list[str] = []  # reads of a value whose producing launch the reading stream did not wait for
@@ -149,43 +158,75 @@ class FakeCuda(CachingAllocator):
         """``.item()``, ``nonzero``...: a sync of the current stream (illegal while it captures)."""
         self.current_stream().synchronize(what)
 
-    def gemm(self) -> None:
-        # A captured gemm bakes the address of its (handle, stream) workspace into the graph.
+    def gemm(self, lt: bool = False) -> None:
+        """A GEMM on the current stream; ``lt``: one cuBLASLt runs (addmm with a bias, most bf16 GEMMs).
+        A captured GEMM bakes the address of its workspace into the graph."""
         stream = self.current_stream()
-        workspace = self.workspaces[self.blas_handle()]
+        workspace = self.lt_workspace() if lt else self.workspaces[(self.blas_handle(), stream)]
         if stream.capture is not None:
             stream.capture.workspaces.append(workspace)
         self.launch()
 
-    def blas_handle(self) -> tuple[int, FakeStream]:
+    def _handle(self) -> int:
+        """This thread's cuBLAS handle (DeviceThreadHandlePool, blas_handles_pooled): reserved on its first
+        use from the handles ended threads gave back, else created (cublasCreate: a plain cudaMalloc,
+        unsafe during a capture, see _unsafe)."""
+        me = threading.current_thread()
+        with self.lock:
+            for h, owner in list(self._owners.items()):  # an ended thread's PoolWindow gave its handle back
+                if not owner.is_alive():
+                    del self._owners[h]
+                    self.handles = {i: k for i, k in self.handles.items() if k != h}
+                    self.free_handles.append(h)
+            h = self.handles.get(me.ident)
+            if h is None or self._owners.get(h) is not me:
+                if self.free_handles:
+                    h = self.free_handles.pop()
+                else:
+                    self._unsafe("cublasCreate")
+                    h = next(self._ids)
+                self.handles[me.ident], self._owners[h] = h, me
+            return h
+
+    def blas_handle(self) -> int:
         """torch.cuda.current_blas_handle(): this thread's handle, set up for the current stream.
 
         cuBLAS keeps one workspace per (handle, stream): the first use on a stream allocates
         it, inside the capture (so into the pool) when that stream is capturing."""
         stream = self.current_stream()
-        me = threading.get_ident()
-        if me not in self.handles:
-            # CTX getCurrentCUDABlasHandle creates this thread's handle on its first use: cublasCreate
-            # allocates device memory with a plain cudaMalloc, unsafe during a capture (see _unsafe)
-            self._unsafe("cublasCreate")
-            self.handles.add(me)
-        key = (me, stream)
-        if key not in self.workspaces:
-            self.workspaces[key] = self.malloc(WORKSPACE)
-        return key
+        handle = self._handle()
+        if (handle, stream) not in self.workspaces:
+            self.workspaces[(handle, stream)] = self.malloc(WORKSPACE)
+        return handle
+
+    def lt_workspace(self) -> Segment:
+        """The workspace a cuBLASLt GEMM uses (cublaslt_unified_workspace): torch >= 2.12 the cuBLAS one of
+        (handle, stream), made if missing; 2.11 its own 1 MiB one per (handle, stream), made by the first Lt
+        GEMM there (torch.cuda.current_blas_handle() does not make it)."""
+        stream = self.current_stream()
+        handle = self._handle()
+        key = (handle, stream)
+        if holds("cublaslt_unified_workspace"):
+            if key not in self.workspaces:
+                self.workspaces[key] = self.malloc(WORKSPACE)
+            return self.workspaces[key]
+        if key not in self.lt_workspaces:
+            self.lt_workspaces[key] = self.malloc(LT_WORKSPACE)
+        return self.lt_workspaces[key]
 
     def workspace(self, stream: FakeStream) -> Segment | None:
         """This thread's cuBLAS workspace on ``stream``."""
-        return self.workspaces.get((threading.get_ident(), stream))
+        return self.workspaces.get((self.handles.get(threading.get_ident()), stream))
 
     def is_workspace(self, seg: Segment) -> bool:
-        return seg.allocated and any(w is seg for w in self.workspaces.values())
+        return seg.allocated and any(w is seg for m in (self.workspaces, self.lt_workspaces) for w in m.values())
 
     def clear_workspaces_for_stream(self, stream: FakeStream | None) -> None:
-        # CTX clearCublasWorkspacesForStream: every handle's workspace on that stream goes back to the allocator
+        # CTX clearCublasWorkspacesForStream: every handle's workspaces on that stream (both maps) go back
         with self.lock:
-            for key in [k for k in self.workspaces if k[1] is stream]:
-                self.free(self.workspaces.pop(key))
+            for m in (self.workspaces, self.lt_workspaces):
+                for key in [k for k in m if k[1] is stream]:
+                    self.free(m.pop(key))
 
     def autotune(self, key: Any) -> None:
         # Triton/Inductor autotuning benchmarks configs and syncs on the first call of a shape.
@@ -251,8 +292,12 @@ def install(monkeypatch: pytest.MonkeyPatch, num_devices: int = 2) -> FakeCuda:
     monkeypatch.setattr(memory, "_cuda_releasePool", lambda device, pool: fake._release(tuple(pool)))
     from piecewise_backend import platforms
     from piecewise_backend.platforms.cuda import platform as cuda_platform
+    from piecewise_backend.platforms.cuda import streams as cuda_streams
 
     monkeypatch.setattr(cuda_platform, "_platforms", {}, raising=False)  # a fresh platform per install
+    # the one device op the platform issues itself: a cuBLASLt GEMM that makes a thread's Lt workspace
+    monkeypatch.setattr(cuda_streams, "lt_gemm", lambda device: fake.gemm(lt=True))
+    monkeypatch.setattr(cuda_streams, "_cleared", {})  # raw stream ids restart with each double
     getattr(platforms.get_platform, "cache_clear", lambda: None)()  # platform code that caches by name only
     return fake
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
 IMPLICIT = "CUDA error: operation would make the legacy stream depend on a capturing blocking stream"
 WORKSPACE = 32 << 20  # a cuBLAS workspace on Hopper (CTX getChosenWorkspaceSize)
+LT_WORKSPACE = 1 << 20  # cuBLASLt's own workspace where it is not unified (CUBLASLT_WORKSPACE_SIZE default)
 _CURRENT: FakeCuda | None = None
 
 
@@ -42,19 +43,64 @@ class Capture:
         self.workspaces: list[Segment] = []
 
 
+STREAMS_PER_POOL = 32  # c10/cuda/CUDAStream.cpp kStreamsPerPool
+PRIORITY_LEVELS = 4  # c10 max_compile_time_stream_priorities (a Hopper GPU has more levels than that)
+
+
 class FakeStream:
     """A stream with a vector clock: ``clock[s.id]`` is how far this stream's next work depends on
-    stream ``s``'s work (its own entry: the ops it ran). Events carry a copy; waiting merges it."""
+    stream ``s``'s work (its own entry: the ops it ran). Events carry a copy; waiting merges it.
+
+    ``torch.cuda.Stream()`` hands out one of 32 streams per (device, priority level), round robin
+    (stream_pool_of_32): the 33rd "new" stream is the first one again, the same object here."""
+
+    def __new__(cls, device: int | None = None, priority: int = 0, *, _default: bool = False) -> FakeStream:
+        fake = current()
+        if _default:
+            return super().__new__(cls)
+        if priority > 0:  # c10 getStreamFromPool: TORCH_CHECK(priority <= 0)
+            raise RuntimeError(f"Expected cuda stream priority to be less than or equal to 0, got {priority}")
+        index = fake.current_device() if device is None else int(getattr(device, "index", device) or 0)
+        level = min(-priority, PRIORITY_LEVELS - 1)
+        with fake.lock:
+            pool = fake.stream_pools.setdefault((index, level), [])
+            count = fake.stream_draws.get((index, level), 0)
+            fake.stream_draws[(index, level)] = count + 1
+            if len(pool) < STREAMS_PER_POOL:
+                stream = super().__new__(cls)
+                stream._setup(index, -level, False)
+                pool.append(stream)
+                return stream
+            return pool[count % STREAMS_PER_POOL]
 
     def __init__(self, device: int | None = None, priority: int = 0, *, _default: bool = False):
-        fake = current()
-        self.device_index = fake.current_device() if device is None else int(device)
-        self.id = next(fake._ids)
+        if _default:
+            self._setup(current().current_device() if device is None else int(device), 0, True)
+
+    def _setup(self, device: int, priority: int, default: bool) -> None:
+        self.device_index = device
+        self.id = next(current()._ids)
         self.priority = priority
         self.capture: Capture | None = None
-        self.is_default = _default
+        self.is_default = default
         self.seq = 0
         self.clock: dict[int, int] = {}
+
+    def __eq__(self, other: object) -> bool:  # torch.cuda.Stream compares the stream it wraps
+        return isinstance(other, FakeStream) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def query(self) -> bool:
+        """cudaStreamQuery: illegal on a capturing stream; a potentially unsafe call during a capture
+        (event_query_unsafe_in_global_capture). Work on the double is done at once: True."""
+        fake = current()
+        if self.capture is not None:
+            fake._invalidate(self.capture, "cudaStreamQuery of a capturing stream")
+            raise RuntimeError(NOT_PERMITTED)
+        fake._unsafe("cudaStreamQuery")
+        return True
 
     @property
     def device(self) -> torch.device:
@@ -80,6 +126,9 @@ class FakeStream:
         return event
 
     def wait_event(self, event: FakeEvent) -> None:
+        event.wait(self)  # torch.cuda.Stream.wait_event is event.wait(self)
+
+    def _wait(self, event: FakeEvent) -> None:
         # CUDA cudaStreamWaitEvent: an event recorded in a capture makes the waiting stream join
         # that capture (a fork); the legacy default stream cannot (cudaErrorStreamCaptureImplicit).
         fake = current()
@@ -123,7 +172,17 @@ class FakeEvent:
             self.clock[stream.id] = stream.seq
 
     def wait(self, stream: FakeStream | None = None) -> None:
-        (current().current_stream() if stream is None else stream).wait_event(self)
+        (current().current_stream() if stream is None else stream)._wait(self)
+
+    def query(self) -> bool:
+        """cudaEventQuery: illegal on an event recorded in an open capture; a potentially unsafe call while
+        a capture is underway (event_query_unsafe_in_global_capture). The double's work is done: True."""
+        fake = current()
+        if self.capture is not None and self.capture.id in fake.captures:
+            fake._invalidate(self.capture, "cudaEventQuery of an event recorded in the capture")
+            raise RuntimeError(NOT_PERMITTED)
+        fake._unsafe("cudaEventQuery")
+        return True
 
     def synchronize(self) -> None:
         if self.capture is not None and self.capture.id in current().captures:  # CUDA: cudaEventSynchronize
@@ -142,7 +201,9 @@ class FakeCUDAGraph:
         self.replays = 0
         self.workspaces: list[Segment] = []  # cuBLAS workspaces the captured kernels address
 
-    def capture_begin(self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global") -> None:
+    def capture_begin(
+        self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global", check_input_liveness: bool = False
+    ) -> None:  # check_input_liveness: torch 2.13 torch.cuda.graph passes it (debug checks the double does not model)
         fake = self.fake
         # CG capture_begin: one graph per instance, never on the default stream.
         if self.has_graph_exec:
