@@ -526,3 +526,22 @@ def test_adapt_refuses_a_model_whose_forward_needs_more_than_ids():
     (the same in transformers 5.17 and 5.24)."""
     with pytest.raises(ValueError, match=r"fails on a plain token-id forward \(ValueError: Input language unknown"):
         hf.adapt(hf.tiny_random_model("xmod"))
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "NONE"])
+def test_micro_batched_engine_matches_generate(mode):
+    """Decode steps of 4 requests split 2 + 2 (max_num_reqs is the running count): the second
+    half's requests read their own block tables (before: other requests' tokens, or an IndexError)."""
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8], cudagraph_mode=mode,
+                                  use_ubatching=True, dbo_decode_token_threshold=2)
+    model = hf.tiny_random_model("llama")
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, config, max_num_reqs=4, max_model_len=32, block_size=4)
+    engine.capture()
+    prompts = [[5, 6], [8], [10, 11, 12], [14]]  # one prompt step, then decode steps of all 4
+    steps: list[tuple[hf.StepInfo, bool]] = []
+    outputs = engine.generate(prompts, 4, on_step=lambda info: steps.append((info, engine.runner.last_ubatched)))
+    assert [(info.num_reqs, ubatched) for info, ubatched in steps] == [(4, False)] + [(4, True)] * 3, steps
+    expected = pb.CUDAGraphMode.FULL if mode != "NONE" else pb.CUDAGraphMode.NONE
+    assert engine.runner.last_mode == expected
+    assert load_example().check(reference, prompts, outputs, [4] * 4, eos=None) == []

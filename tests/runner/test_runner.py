@@ -12,6 +12,7 @@ from torch.testing import assert_close
 import piecewise_backend as pb
 from piecewise_backend.capture import gc_managed
 from piecewise_backend.inputs import is_persistent
+from piecewise_backend.platforms import registry
 from pbtest.helpers import SIM, make_model, token_ids, torch_threads
 
 M = pb.CUDAGraphMode
@@ -372,6 +373,29 @@ def test_runner_resolves_mode_for_attention_support():
         pb.GraphRunner(model, cfg(M.FULL), x_input(), attention_support=pb.AttentionGraphSupport.NEVER)
 
 
+def test_runner_says_what_it_does_not_do_of_its_config(caplog, monkeypatch):
+    """Every downgrade is visible: .mode plus one sentence per dropped feature in .downgrades."""
+    model = LoggingModel()
+    assert pb.GraphRunner(model, cfg(), x_input()).downgrades == ()
+    with caplog.at_level("WARNING", logger="piecewise_backend"):
+        r = pb.GraphRunner(model, cfg(use_ubatching=True), x_input())
+    assert r.mode is M.FULL_DECODE_ONLY
+    assert r.downgrades == ("use_ubatching with use_breakable=True: cudagraph_mode FULL_AND_PIECEWISE -> FULL_DECODE_ONLY "
+                            "(no breakable wrapper captures PIECEWISE graphs; use_breakable=False keeps per-piece graphs)",)
+    assert "FULL_AND_PIECEWISE -> FULL_DECODE_ONLY" in caplog.text
+    r = pb.GraphRunner(model, cfg(M.FULL), x_input(), attention_support=pb.AttentionGraphSupport.UNIFORM_BATCH)
+    assert r.downgrades == ("attention support UNIFORM_BATCH: cudagraph_mode FULL -> FULL_AND_PIECEWISE",)
+    r = pb.GraphRunner(model, cfg(M.FULL, use_ubatching=True, dbo_prefill_token_threshold=4), x_input())
+    assert r.mode is M.FULL and r.downgrades == (
+        "use_ubatching: micro-batched steps with a prompt of 4+ tokens (FULL) run eagerly in two threads, without a "
+        "graph (only uniform decode steps dispatched FULL replay micro-batched graphs)",)
+    r = pb.GraphRunner(model, cfg(use_ubatching=True), x_input(), drafter=True)
+    assert r.downgrades == ("use_ubatching: a drafter's steps are never micro-batched",)
+    monkeypatch.setattr(registry, "resolve_platform_name", lambda name: None)  # "auto" on a machine without a GPU
+    r = pb.GraphRunner(model, cfg(platform="auto"), x_input())
+    assert r.mode is M.NONE and r.downgrades == ("platform 'auto' finds no GPU: cudagraph_mode FULL_AND_PIECEWISE -> NONE",)
+
+
 def test_drafter_runner_only_dispatches_piecewise():
     model = LoggingModel()
     r = pb.GraphRunner(model, cfg(M.FULL), x_input(), drafter=True)
@@ -400,6 +424,8 @@ def test_runner_construction_errors():
         pb.StaticInput("not a name")
     with pytest.raises(ValueError, match="positive ints"):
         pb.StaticInput("x", shape=(0,))
+    with pytest.raises(ValueError, match=r"request_row inputs \['r'\] hold rows of per-request inputs, but this runner has none"):
+        pb.GraphRunner(model, cfg(), [*x_input(), pb.StaticInput("r", request_row=True)])
 
 
 def test_padding_rows_hold_the_pad_value_not_the_previous_step():

@@ -252,6 +252,22 @@ def test_late_upgrade_full_to_full_and_piecewise_serves_every_key():
         assert_rollback_exact(engine, reference, [5, 4, 6, 3])
 
 
+@pytest.mark.parametrize("mode", ["FULL", "NONE"])
+def test_micro_batched_target_matches_generate(mode):
+    """Verify steps of 3 requests (max_num_reqs) split 1 + 2: the second half's requests read their own
+    block tables (before: an IndexError, or another request's keys with spare request rows)."""
+    engine, reference, _ = captured(2, mode, draft_layers=1,
+                                    config=dict(use_ubatching=True, dbo_decode_token_threshold=2))
+    prompts, budgets = PROMPTS[:3], [6, 4, 7]
+    rounds: list[spec.RoundInfo] = []
+    split: list[bool] = []
+    outputs = engine.generate(prompts, budgets, on_round=lambda r: (rounds.append(r), split.append(
+        engine.target.runner.last_ubatched)))
+    assert outputs == [greedy(reference, p, n) for p, n in zip(prompts, budgets)]
+    full_split = [r for r, u in zip(rounds, split) if u and len(r.requests) == 3 and r.verify_only]
+    assert full_split and all(r.target_mode == pb.CUDAGraphMode[mode] for r in full_split), list(zip(rounds, split))
+
+
 def test_engine_rejects_bad_arguments():
     target = hf.tiny_random_model("llama", num_hidden_layers=2)
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])

@@ -207,11 +207,13 @@ class PagedKVCache:
         """The metadata inputs for a GraphRunner, with pads that never touch a real request.
 
         Padding tokens write K/V to the scratch slot and read (and discard) request row 0.
+        ``request_index`` holds rows of ``block_tables`` (``request_row=True``): a micro-batching
+        runner rebases it for each half, which gets only its own requests' block tables.
         """
         return [
             StaticInput(POSITIONS, pad=0),
             StaticInput(SLOT_MAPPING, pad=PAD_SLOT),
-            StaticInput(REQUEST_INDEX, pad=0),
+            StaticInput(REQUEST_INDEX, pad=0, request_row=True),
             StaticInput(BLOCK_TABLES, shape=(self.max_blocks_per_req,), pad=0, per="request"),
         ]
 

@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..capture.memory import graphs_created
+from ..capture.wrappers import CUDAGraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor, set_forward_context
 from ..inputs import mark_persistent
@@ -24,6 +25,7 @@ from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..observability import logger
 from ..platforms.registry import effective_mode
 from ..shapes import mark_token_views
+from ..ubatch.wrapper import UBatchWrapper
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
@@ -32,9 +34,12 @@ from .lazy import Key, LazyCapture, capture_within
 from .orchestration import CaptureReport, capture_all, capture_one, estimate_memory
 from .static_inputs import (
     StaticInput,
+    check_captured_context,
     check_context,
     check_full_context,
+    check_request_rows,
     check_tensor,
+    context_tensors,
     eager_tensor,
     fill,
     fits,
@@ -113,14 +118,46 @@ class GraphRunner:
             )
         self.max_num_reqs = max_num_reqs
         self._per_request = frozenset(per_request)
+        self._request_row = frozenset(i.name for i in inputs if i.request_row)  # rebased per micro-batch half
+        if self._request_row and not per_request:
+            raise ValueError(
+                f"request_row inputs {sorted(self._request_row)} hold rows of per-request inputs, but this runner "
+                "has none: add the per='request' inputs they index"
+            )
         self._request_rows = {name: max_num_reqs for name in per_request}  # other inputs: the step's token rows
+        downgrades = []  # what this runner does not do of what config asked, in words
+        effective = effective_mode(config)
+        if effective != config.cudagraph_mode:
+            downgrades.append(
+                f"platform {config.platform!r} finds no GPU: cudagraph_mode {config.cudagraph_mode.name} -> NONE"
+            )
         mode = resolve_cudagraph_mode(
-            effective_mode(config), attention_support, attention_split=attention_split,
+            effective, attention_support, attention_split=attention_split,
             uniform_decode_query_len=uniform_decode_query_len,
         )
+        if mode != effective:
+            downgrades.append(
+                f"attention support {AttentionGraphSupport(attention_support).name}: cudagraph_mode {effective.name} -> "
+                f"{mode.name}"
+            )
         self._ubatching = config.use_ubatching and not drafter
-        if self._ubatching and config.use_breakable:
-            mode = without_piecewise(mode)
+        if config.use_ubatching and drafter:
+            downgrades.append("use_ubatching: a drafter's steps are never micro-batched")
+        if self._ubatching and config.use_breakable and mode.has_piecewise_cudagraphs():
+            resolved = without_piecewise(mode)
+            downgrades.append(
+                f"use_ubatching with use_breakable=True: cudagraph_mode {mode.name} -> {resolved.name} (no breakable "
+                "wrapper captures PIECEWISE graphs; use_breakable=False keeps per-piece graphs)"
+            )
+            mode = resolved
+        if self._ubatching:
+            eager = eager_halves(mode, config)
+            if eager:
+                logger.warning("use_ubatching: %s", eager)
+                downgrades.append(f"use_ubatching: {eager}")
+        #: Each way this runner falls short of ``config`` (a mode lowered, a feature dropped), in words;
+        #: empty when it does all that was asked. Micro-batching's also log a warning.
+        self.downgrades: tuple[str, ...] = tuple(downgrades)
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.attention_backend = attention_backend
@@ -174,6 +211,7 @@ class GraphRunner:
     def demand(self) -> dict[Key, int]:
         """Steps that ran without the graph they dispatched to, per ``(mode, descriptor)`` not captured."""
         return {k: d.steps for k, d in self.lazy.demand.items()}
+        self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
 
     @property
     def mode(self) -> CUDAGraphMode:
@@ -189,13 +227,42 @@ class GraphRunner:
         self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
         capturing: bool = False,
     ) -> Any:
-        attrs = dict(self.context_fn(dict(views)), **extra) if self.context_fn else dict(extra)
+        attrs = dict(self.context_fn(dict(views))) if self.context_fn else {}
+        guard = None
+        if mode == CUDAGraphMode.FULL and self.context_fn is not None:
+            guard = self._guard_context(("step", desc), desc, context_tensors(attrs), self._full_entries())
+        attrs.update(extra)
         if capturing:
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
         elif self.capture_closed or self._route_lazily:
             attrs.setdefault("allow_capture", False)
         with set_forward_context(mode, desc, **attrs):
-            return self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+            out = self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+        if guard is not None:
+            guard()
+        return out
+
+    def _full_entries(self) -> dict | None:
+        """The FULL entries of plain (not micro-batched) steps, by descriptor."""
+        m = self.model
+        if isinstance(m, UBatchWrapper) or isinstance(m, CUDAGraphWrapper) and m.runtime_mode == CUDAGraphMode.FULL:
+            return m.entries
+        return None
+
+    def _guard_context(
+        self, key: tuple, desc: BatchDescriptor, now: dict[str, tuple], entries: dict | None
+    ) -> Callable[[], Any] | None:
+        """Before a FULL call: refuse ``context_fn`` tensors (``now``: :func:`context_tensors`) other than
+        those the graph of ``desc`` captured. When this call may capture ``desc``, returns what records
+        them once it did (a failed capture records nothing)."""
+        if entries is None:
+            return None
+        if desc in entries:
+            known = self._captured_context.get(key)
+            if known is not None:
+                check_captured_context(known, now, desc)
+            return None
+        return lambda: desc in entries and self._captured_context.__setitem__(key, now)
 
     def run(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
@@ -234,6 +301,9 @@ class GraphRunner:
             elif num_reqs != reqs:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
         context = {} if context is None else check_context(context, replays=self._replays)
+        if self.config.debug_checks:
+            for name in self._request_row:
+                check_request_rows(self.inputs[name], batch[name], 0, reqs, where=f" (the step has {reqs} requests)")
         if self._ubatching:
             lens = _ubatch.check_query_lens(query_lens, n, reqs)
             return _ubatch.run_step(self, batch, n, num_reqs, uniform_decode, context, fit, lens)
@@ -280,6 +350,7 @@ class GraphRunner:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
         clear_graphs(self.model)
         self.lazy.forget()
+        self._captured_context.clear()
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
         """Warm up and capture every descriptor the dispatcher can emit, largest first.
@@ -335,9 +406,32 @@ def without_piecewise(mode: CUDAGraphMode) -> CUDAGraphMode:
     """Micro-batching replaces the breakable wrapper: PIECEWISE graphs have no capturer then."""
     if mode.has_piecewise_cudagraphs():
         resolved = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full_cudagraphs() else CUDAGraphMode.NONE
-        logger.info("use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper)", mode.name, resolved.name)
+        logger.warning(
+            "use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper captures PIECEWISE graphs; "
+            "use_breakable=False keeps per-piece graphs)", mode.name, resolved.name,
+        )
         return resolved
     return mode
+
+
+def eager_halves(mode: CUDAGraphMode, config: CompilationConfig) -> str:
+    """Which graph steps micro-batching runs eagerly instead (in two threads), in words; "" for none.
+
+    Only a uniform decode step dispatched FULL has a micro-batched graph; any other step that
+    reaches its threshold within the capture sizes loses its graph.
+    """
+    largest = config.sizes[-1] if config.sizes else 0
+    lost = []
+    if mode.decode_mode() == CUDAGraphMode.PIECEWISE and config.dbo_decode_token_threshold <= largest:
+        lost.append(f"decode steps of {config.dbo_decode_token_threshold}+ tokens (PIECEWISE)")
+    if mode.mixed_mode() != CUDAGraphMode.NONE and config.dbo_prefill_token_threshold <= largest:
+        lost.append(f"steps with a prompt of {config.dbo_prefill_token_threshold}+ tokens ({mode.mixed_mode().name})")
+    if not lost:
+        return ""
+    return (
+        f"micro-batched {' and '.join(lost)} run eagerly in two threads, without a graph (only uniform decode "
+        "steps dispatched FULL replay micro-batched graphs)"
+    )
 
 
 def _drafter_mode(mode: CUDAGraphMode) -> CUDAGraphMode:

@@ -327,6 +327,45 @@ class NoGradAttention(torch.nn.Module):
         return self.l2(h)
 
 
+# --- a toy LM on the library's paged KV cache (kv tests, the composition matrix) ---
+
+PAGED_LM = dict(heads=4, kv_heads=2, head_dim=8, layers=2, vocab=64)
+
+
+class PagedTinyLM(torch.nn.Module):
+    """docs/engine.md's TinyLM: input_ids (tokens,) -> logits (tokens, vocab); attention is pb_kv::paged_attention."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 2, vocab: int = 64):
+        super().__init__()
+        from piecewise_backend import kv  # noqa: F401  (registers pb_kv::paged_attention)
+
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        width = heads * head_dim
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, (heads + 2 * kv_heads) * head_dim) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        x, n = self.embed(input_ids), input_ids.shape[0]
+        for layer, qkv in enumerate(self.qkv):
+            q, k, v = qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
+            out = torch.empty(n, h, d, device=x.device)
+            torch.ops.pb_kv.paged_attention(q.reshape(n, h, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d), out, layer,
+                                            d**-0.5, -1)
+            x = x + out.reshape(n, h * d)
+        return self.head(x)
+
+
+def paged_cache(model: PagedTinyLM, **kw) -> "pb.kv.PagedKVCache":
+    """A PagedKVCache laid out for ``model`` (16 blocks of 4 tokens, 16 tokens per request unless given)."""
+    from piecewise_backend import kv
+
+    kw = dict(dict(num_blocks=16, block_size=4, max_model_len=16), **kw)
+    return kv.PagedKVCache(len(model.qkv), model.kv_heads, model.head_dim, **kw)
+
+
 _FAILED_GRAPHS: list[torch.cuda.CUDAGraph] = []
 
 
