@@ -178,6 +178,7 @@ class GraphRunner:
         self.steps = 0  # steps run by a micro-batching runner (named in its errors)
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
+        self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
         self.lazy = LazyCapture()  # captured keys, demand for the others, capture measurements
         self._lazy_capture = self._budget = None
         self.lazy_capture = lazy_capture
@@ -211,7 +212,6 @@ class GraphRunner:
     def demand(self) -> dict[Key, int]:
         """Steps that ran without the graph they dispatched to, per ``(mode, descriptor)`` not captured."""
         return {k: d.steps for k, d in self.lazy.demand.items()}
-        self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
 
     @property
     def mode(self) -> CUDAGraphMode:
