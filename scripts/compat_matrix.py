@@ -205,7 +205,8 @@ def _hf_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str |
 
     def workload(steps: _Steps) -> str | None:
         engine.capture()
-        outputs = engine.generate(prompts, GEN_TOKENS, on_step=lambda info: steps.add(engine.runner))
+        # eos_token_id=[]: no stop token, as the reference (the default would stop at the model's eos)
+        outputs = engine.generate(prompts, GEN_TOKENS, eos_token_id=[], on_step=lambda info: steps.add(engine.runner))
         return _compare(outputs, _generate("llama", 2, prompts, GEN_TOKENS))
 
     return [engine.runner], workload
@@ -223,7 +224,8 @@ def _spec_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str
 
     def workload(steps: _Steps) -> str | None:
         engine.capture()
-        outputs = engine.generate(prompts, GEN_TOKENS, on_round=lambda info: steps.add(engine.target.runner))
+        outputs = engine.generate(prompts, GEN_TOKENS, eos_token_id=[],  # no stop token, as the reference
+                                  on_round=lambda info: steps.add(engine.target.runner))
         return _compare(outputs, _generate("llama", 2, prompts, GEN_TOKENS))
 
     return [engine.target.runner, engine.drafter.runner], workload
