@@ -79,9 +79,10 @@ STEPS: list[Step] = [
          workers=2),
     Step("hf", 35, "5 architectures in one process on eager pieces (capture of 5 sizes, generate, reference generate: "
          "~5 s each)", tests=("tests/hf/test_hf.py",)),
-    Step("example", 40, "hf_generate.py llama --check: one cold Inductor compile of a 2-layer llama (3 pieces, ~25 s) "
-         "and its capture; the one HF subprocess of the check",
-         command=("{py}", "examples/hf_generate.py", "--arch", "llama", "--check")),
+    Step("example", 40, "hf_generate.py llama --check --lazy --sample: one cold Inductor compile of a 2-layer llama "
+         "(3 pieces, ~25 s), 10 eager steps, capture_idle of the ~4 graphs they asked for, two more generate calls "
+         "(< 1 s each); the one HF subprocess of the check",
+         command=("{py}", "examples/hf_generate.py", "--arch", "llama", "--check", "--lazy", "--sample")),
     Step("spec", 40, "3 speculative engines with Inductor pieces (target and drafter, ~25 s each cold); 3 workers",
          tests=("tests/spec/test_spec.py",), workers=3),
     Step("attnbench", 20, "attention op table only: no compile, 4 variants x 2 lengths x 5 reps of ~0.1 ms",

@@ -113,6 +113,18 @@ def test_cache_reserves_slots_and_frees_blocks():
         kv.PagedKVCache(1, 2, 0, num_blocks=4, max_model_len=8)
 
 
+def test_cache_says_what_a_request_still_needs_before_reserving():
+    """What a scheduler asks before a step (to preempt in time, not fail mid-step)."""
+    cache = make_cache(num_blocks=4, max_model_len=16)
+    assert cache.blocks_for(9) == 3 and cache.blocks_for(0) == 0
+    assert cache.blocks_needed("a", 5) == 2 and cache.num_free_blocks == 4
+    cache.reserve("a", 5)
+    assert cache.blocks_needed("a", 8) == 0 and cache.blocks_needed("a", 9) == 1
+    assert cache.num_free_blocks == 2 and "a" in cache.tables  # asking reserved nothing more
+    with pytest.raises(ValueError, match="needs 17 tokens, more than max_model_len=16"):
+        cache.blocks_needed("a", 17)
+
+
 def test_allocator_refuses_double_and_foreign_frees():
     """Taking back a block twice would put it twice in the free list: two requests would share it."""
     alloc = kv.BlockAllocator(3)

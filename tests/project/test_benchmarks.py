@@ -148,3 +148,14 @@ def test_cuda_headline_checks_every_variant_and_fails_only_for_the_librarys_own(
     assert bench_cuda.main(argv) == 1
     assert "FAILED: FULL, breakable PIECEWISE, per-piece PIECEWISE" in capsys.readouterr().out
     assert "logits differ from eager at batch 1" in out.read_text()
+
+
+def test_serving_benchmark_splits_the_time_to_first_token():
+    """bench_serving's cold-start child (in this process here): its parts add up; a lazy engine captures nothing."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_serving
+
+    result = bench_serving.child("lazy", "cpu", quick=True)
+    assert result["graphs"] == 0 and result["capture_s"] < 0.05
+    assert abs(result["build_s"] + result["capture_s"] + result["first_step_s"] - result["ttft_s"]) < 1e-6
+    assert result["dynamo_s"] > 0 and len(result["tokens"]) == 4

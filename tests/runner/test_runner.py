@@ -731,3 +731,41 @@ def test_runner_config_none_is_the_default_config_and_other_types_raise():
         pb.GraphRunner(LoggingModel(), {"cudagraph_mode": "NONE"}, x_input())
     with pytest.raises(TypeError, match="inputs must be StaticInputs, got 'x'"):
         pb.GraphRunner(LoggingModel(), None, ["x"])
+
+
+def test_host_read_in_a_splitting_op_under_full_names_the_mode_the_key_and_the_fix():
+    """A splitting op that reads the host runs eagerly between PIECEWISE segments but inline in a
+    FULL graph: the FULL capture's error names the mode, the descriptor, the op and the fix
+    (declare its graph support), not "move it out of the captured region". The fix works."""
+    from pbtest.helpers import HostReading
+
+    config = SIM.replace(splitting_ops=["pb_test::host_scale"], capture_sizes=[2, 4])
+    model = HostReading()
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config, [pb.StaticInput("input_ids")])
+    with torch.inference_mode(), pytest.raises(RuntimeError) as info:
+        runner.capture()
+    message = str(info.value)
+    for part in ("capturing BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True) in mode FULL",
+                 "inside the break point submod_1 (pb_test::host_scale)", "aten.item.default needs the host",
+                 "attention_support=AttentionGraphSupport.NEVER"):
+        assert part in message, message
+    assert "move it out of the captured region" not in message
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config,
+                            [pb.StaticInput("input_ids")], attention_support=pb.AttentionGraphSupport.NEVER)
+    ids = torch.tensor([3, 5, 7])
+    with torch.inference_mode():
+        runner.capture()
+        assert_close(runner.run(input_ids=ids, uniform_decode=True), model(ids))
+        assert runner.last_mode == M.PIECEWISE
+
+
+def test_host_read_outside_splitting_ops_keeps_its_fix_and_gains_the_mode_and_key():
+    from pbtest.helpers import HostReading
+
+    config = SIM.replace(splitting_ops=["pb_test::host_scale"], capture_sizes=[2])
+    compiled = torch.compile(HostReading(outside=True), backend=pb.make_backend(config))
+    runner = pb.GraphRunner(compiled, config, [pb.StaticInput("input_ids")], attention_support=pb.AttentionGraphSupport.NEVER)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="move it out of the captured region") as info:
+        runner.capture()
+    assert any("while capturing BatchDescriptor(num_tokens=2, num_reqs=None, uniform=False) in mode PIECEWISE" in n
+               for n in info.value.__notes__), info.value.__notes__

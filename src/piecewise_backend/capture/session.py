@@ -117,6 +117,8 @@ class CaptureSession:
         self._recorder: Recorder | None = None
         self.start_grad = torch.is_grad_enabled()
         self.grad_touched = False  # a break changes grad mode on replay: later breaks may enter in another mode
+        #: the break point an error escaped from while it ran inline (a FULL capture): for the error message
+        self.failed_in: str | None = None
 
     def begin(self) -> None:
         self._recorder = self.platform.begin()
@@ -201,13 +203,25 @@ def run_session(session: CaptureSession, fn: Callable[..., Any], args: tuple, kw
     return out
 
 
-def call_break(fn: Callable[..., Any], args: tuple, kwargs: dict, capture_stub: Callable[..., Any] | None = None) -> Any:
+def call_break(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, capture_stub: Callable[..., Any] | None = None, name: str = ""
+) -> Any:
     """Run ``fn`` as a break point: a break inside a breakable capture, plain call elsewhere.
 
-    ``capture_stub`` replaces ``fn``'s body during a breakable capture only (replays run ``fn``)."""
+    ``capture_stub`` replaces ``fn``'s body during a breakable capture only (replays run ``fn``).
+    Inside a capture that does not break (FULL), an error escaping ``fn`` records ``name`` on the
+    session: the wrapper's error then says the failing code is a break point the graph holds inline.
+    """
     session = _state.session
-    if session is None or not session.breakable or _state.in_break:
+    if session is None or _state.in_break:
         return fn(*args, **kwargs)
+    if not session.breakable:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            if session.failed_in is None:
+                session.failed_in = name or getattr(fn, "__qualname__", None) or repr(fn)
+            raise
     return session.run_break(fn, args, kwargs, capture_stub)
 
 
@@ -235,7 +249,7 @@ class BreakPoint:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _state.session is None:  # hot path: serving replays never get here, eager runs do
             return self.fn(*args, **kwargs)
-        return call_break(self.fn, args, kwargs)
+        return call_break(self.fn, args, kwargs, name=self.name)
 
     def __repr__(self) -> str:
         return f"BreakPoint({self.name or self.fn!r})"
@@ -273,7 +287,7 @@ def eager_break(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _state.session is None:
                 return fn(*args, **kwargs)
-            return call_break(fn, args, kwargs, capture_stub)
+            return call_break(fn, args, kwargs, capture_stub, fn.__qualname__)
 
         wrapper.__pb_break_point__ = fn  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]

@@ -1,4 +1,4 @@
-"""Serve stock Hugging Face decoder models: adapter probe, engine, and tiny random models for tests."""
+"""Serve stock Hugging Face decoder models: adapter probe, engine, serving loop, sampling, tiny random models."""
 
 from .adapter import (
     PROBE_IMPLEMENTATION,
@@ -15,13 +15,14 @@ from .adapter import (
 from .engine import (
     ATTN_IMPLEMENTATION,
     HFEngine,
-    StepInfo,
     TokensFirst,
     adapt,
     kv_shape,
     paged_attention_forward,
     register_attention,
 )
+from .sampling import SamplingParams
+from .serving import RequestOutput, StepInfo
 from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
 from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
@@ -32,8 +33,10 @@ __all__ = [
     "kv_shape",
     "paged_attention_forward",
     "register_attention",
-    "StepInfo",
     "TokensFirst",
+    "SamplingParams",
+    "RequestOutput",
+    "StepInfo",
     "graph_safe_experts",
     "LayerLayout",
     "layout_refusal",

@@ -139,6 +139,20 @@ class PagedKVCache:
         """
         self._reserve_all([(request, num_tokens)])
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds."""
+        return self.allocator.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def blocks_needed(self, request: Hashable, num_tokens: int) -> int:
+        """Blocks ``request`` must still get to hold ``num_tokens`` tokens (0 when it holds them;
+        a scheduler compares it with :attr:`num_free_blocks` before a step, to preempt in time)."""
+        return self._missing(request, num_tokens)
+
     def _missing(self, request: Hashable, num_tokens: int) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise ValueError(f"request {request!r}: num_tokens must be an int >= 0, got {num_tokens!r}")

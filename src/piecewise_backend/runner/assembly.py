@@ -138,6 +138,23 @@ def clear_graphs(model: Any) -> None:
         backend.clear_graphs()
 
 
+def drop_graph(model: Any, mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+    """Drop the graphs of one ``(mode, desc)`` of ``model`` (wrapper stack, micro-batched and per-piece
+    entries); the pool memory they used is given back by the next ``release_cached``."""
+    for wrapper in _wrappers(model):
+        if isinstance(wrapper, UBatchWrapper):
+            for inner in (wrapper.full, wrapper.split):
+                if inner is not None:
+                    inner._by_mode[mode.value].pop(desc, None)
+            wrapper._split_rows.pop(desc, None)
+        elif wrapper._matches(mode):
+            wrapper._by_mode[mode.value].pop(desc, None)
+    backend = find_backend(model)
+    if backend is not None:
+        for piece in backend.piece_wrappers:
+            piece._by_mode[mode.value].pop(desc, None)
+
+
 def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> None:
     """Raise ValueError if some (mode, descriptor) the dispatcher can emit reaches no capturer."""
     stack = _wrappers(model)

@@ -8,12 +8,15 @@ the progress bar) is in :mod:`.orchestration`.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
+from ..capture.memory import graphs_created
 from ..capture.wrappers import CUDAGraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor, set_forward_context
@@ -21,20 +24,22 @@ from ..inputs import mark_persistent
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..observability import logger
 from ..platforms.registry import effective_mode
+from ..shapes import mark_token_views
 from ..ubatch.wrapper import UBatchWrapper
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .dispatcher import CudagraphDispatcher
+from .lazy import Key, LazyCapture, capture_within
 from .orchestration import CaptureReport, capture_all, capture_one, estimate_memory
 from .static_inputs import (
     StaticInput,
     check_captured_context,
     check_context,
-    check_request_rows,
-    context_tensors,
     check_full_context,
+    check_request_rows,
     check_tensor,
+    context_tensors,
     eager_tensor,
     fill,
     fits,
@@ -52,6 +57,11 @@ class GraphRunner:
     forward-context attributes such as attention metadata, during capture as on every step.
     ``attention_backend`` names the attention the model runs (reported, e.g. in the capture log);
     ``attention_support`` is what that attention lets a FULL graph hold.
+
+    ``lazy_capture=True`` serves before any capture: a step whose descriptor has no graph runs
+    eagerly and counts as demand, and :meth:`capture_idle` captures what was asked for in the
+    time it is given (:mod:`.lazy`). ``graph_memory_budget`` (bytes this runner's graphs may add
+    to the pool) bounds :meth:`capture` and :meth:`capture_idle`; with it, too, no step captures.
     """
 
     def __init__(
@@ -70,6 +80,8 @@ class GraphRunner:
         drafter: bool = False,
         device: torch.device | str | None = None,
         attention_backend: str | None = None,
+        lazy_capture: bool = False,
+        graph_memory_budget: int | None = None,
     ):
         if config is None:
             config = CompilationConfig()
@@ -167,6 +179,39 @@ class GraphRunner:
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
         self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
+        self.lazy = LazyCapture()  # captured keys, demand for the others, capture measurements
+        self._lazy_capture = self._budget = None
+        self.lazy_capture = lazy_capture
+        self.graph_memory_budget = graph_memory_budget
+
+    @property
+    def lazy_capture(self) -> bool:
+        """Steps never capture: one without a graph runs eagerly and counts as demand (``capture_idle``)."""
+        return self._lazy_capture
+
+    @lazy_capture.setter
+    def lazy_capture(self, value: bool) -> None:
+        if value is not True and value is not False:
+            raise ValueError(f"lazy_capture must be a bool, got {value!r}")
+        self._lazy_capture = value
+        self._route_lazily = value or self._budget is not None
+
+    @property
+    def graph_memory_budget(self) -> int | None:
+        """Bytes this runner's graphs may add to the graph pool (None: no limit)."""
+        return self._budget
+
+    @graph_memory_budget.setter
+    def graph_memory_budget(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {value!r}")
+        self._budget = value
+        self._route_lazily = bool(self._lazy_capture) or value is not None
+
+    @property
+    def demand(self) -> dict[Key, int]:
+        """Steps that ran without the graph they dispatched to, per ``(mode, descriptor)`` not captured."""
+        return {k: d.steps for k, d in self.lazy.demand.items()}
 
     @property
     def mode(self) -> CUDAGraphMode:
@@ -189,7 +234,7 @@ class GraphRunner:
         attrs.update(extra)
         if capturing:
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
-        elif self.capture_closed:
+        elif self.capture_closed or self._route_lazily:
             attrs.setdefault("allow_capture", False)
         with set_forward_context(mode, desc, **attrs):
             out = self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
@@ -268,6 +313,9 @@ class GraphRunner:
         if mode != CUDAGraphMode.NONE and not fit:
             logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
             mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
+        wanted = None
+        if self._route_lazily and mode != CUDAGraphMode.NONE:
+            mode, desc, wanted = self.lazy.route(self.dispatcher, mode, desc, n)
         if mode == CUDAGraphMode.FULL and context:
             check_full_context(context, self._buffer_storages)
         self.last_mode = mode
@@ -275,8 +323,20 @@ class GraphRunner:
             _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
         if mode == CUDAGraphMode.NONE:
             rows = self._request_rows
-            views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
-            return self._call(views, mode, desc, context)
+            if wanted is None:
+                views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
+                return self._call(views, mode, desc, context)
+            # A step a graph will serve later runs on the buffers' first rows, marked as the capture's
+            # warm-ups mark them: Dynamo traces the one graph those use, not one per size (nor another
+            # for inference tensors), so neither later steps nor capture_idle compile again.
+            for name, t in batch.items():
+                fill(self.buffers[name], t, rows.get(name, n), self.inputs[name].pad)
+            views = self._views(n)
+            mark_token_views(views, self.inputs)
+            began = time.perf_counter()
+            out = self._call(views, mode, desc, context)
+            self.lazy.note_eager(wanted, time.perf_counter() - began)
+            return out
         padded = desc.num_tokens
         rows = self._request_rows
         for name, t in batch.items():
@@ -289,6 +349,7 @@ class GraphRunner:
     def clear_graphs(self) -> None:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
         clear_graphs(self.model)
+        self.lazy.forget()
         self._captured_context.clear()
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
@@ -298,8 +359,33 @@ class GraphRunner:
         previous step's data, and ``context_fn`` gets the same padded views as on a step.
         With ``disable_after`` (default) later steps of this runner never capture: an
         unseen descriptor raises :class:`CaptureDisabledError` instead of capturing mid-serving.
+        With a ``graph_memory_budget`` the descriptors are captured by the lazy policy (no
+        time limit): none predicted past the budget, and those left out run eagerly.
         """
-        return capture_all(self, disable_after, progress)
+        if self._budget is None:
+            return capture_all(self, disable_after, progress)
+        keys = [(mode, d) for mode, descs in self.dispatcher.capture_descriptors() for d in descs]
+        began, segments = time.perf_counter(), graphs_created()
+        before = self.lazy.grown
+        captured = capture_within(self, keys, math.inf, self._budget)
+        added = self.lazy.grown - before
+        self.report = CaptureReport(
+            len(captured), time.perf_counter() - began,
+            f"{len(captured)} of {len(keys)} descriptors within graph_memory_budget={self._budget}", added,
+            graphs_created() - segments,
+        )
+        self.capture_closed = disable_after
+        return self.report
+
+    def capture_idle(
+        self, max_seconds: float, *, clock: Callable[[], float] = time.perf_counter
+    ) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """Capture descriptors that steps asked for (largest first) within ``max_seconds`` and ``graph_memory_budget``; returns the ``(mode, descriptor)`` pairs
+        captured. Starts no capture predicted to overrun either (:mod:`.lazy`). Call it between
+        steps, on the thread that runs them."""
+        if not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool) or not max_seconds >= 0:
+            raise ValueError(f"capture_idle: max_seconds must be a number of seconds >= 0, got {max_seconds!r}")
+        return capture_within(self, list(self.lazy.demand), float(max_seconds), self._budget, clock)
 
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
         """Warm up (on the capture stream) and capture one descriptor with the step's own views."""

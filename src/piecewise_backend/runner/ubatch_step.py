@@ -131,6 +131,8 @@ def run_step(
     mode, desc = runner.dispatcher.dispatch(total, uniform_decode=uniform, num_reqs=num_reqs if total == n else None)
     if mode != _NONE and not agreed.fit:  # one rank's inputs are too wide for the buffers: every rank eagerly
         mode, desc = _NONE, BatchDescriptor(total)
+    if runner._route_lazily and mode != _NONE:  # lazy capture: no graph yet runs eagerly
+        mode, desc, _ = runner.lazy.route(runner.dispatcher, mode, desc, total)
     if mode == _FULL and context:
         check_full_context(context, runner._buffer_storages)
     runner.last_ubatched = agreed.ubatch
@@ -248,7 +250,7 @@ def call_halves(
     extra: dict[str, Any] = {"ubatch_slices": slices}
     if capturing:
         extra["allow_capture"] = True
-    elif runner.capture_closed:
+    elif runner.capture_closed or runner._route_lazily:
         extra["allow_capture"] = False
     guard = None
     if mode == _FULL and runner.context_fn:

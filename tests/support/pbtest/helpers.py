@@ -26,6 +26,32 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("pb_test::host_scale", mutates_args=())
+def host_scale(x: torch.Tensor) -> torch.Tensor:
+    """An op that reads device data on the host (``float(t)``), as an attention with host metadata does."""
+    return x * float(x.abs().max())
+
+
+@host_scale.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class HostReading(torch.nn.Module):
+    """embedding -> ``pb_test::host_scale`` -> linear; ``outside=True`` reads the host outside the op too."""
+
+    def __init__(self, outside: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin, self.outside = torch.nn.Embedding(16, 4), torch.nn.Linear(4, 4), outside
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        if self.outside:
+            h = h * h.sum().item()
+        return self.lin(torch.ops.pb_test.host_scale(h))
+
+
 def compile_model(model: torch.nn.Module, config: pb.CompilationConfig = SIM) -> tuple[torch.nn.Module, pb.PiecewiseBackend]:
     backend = pb.make_backend(config)
     return torch.compile(model, backend=backend), backend
