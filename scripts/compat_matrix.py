@@ -54,6 +54,10 @@ def cpu_backends() -> list[str]:
     return sorted(n for n, b in attention.attention_backends().items() if b.available(cpu, BLOCK, torch.float32) is None)
 
 
+#: The library's CPU backends, read when this module loads (before a user or a test registers its own).
+BACKENDS = tuple(cpu_backends())
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     engine: str
@@ -86,10 +90,9 @@ class Result:
 
 
 def all_cells(engines: Sequence[str] = ENGINES) -> list[Cell]:
-    backends = cpu_backends()
     return [
         Cell(e, m, u, b, a)
-        for e, m, u, b, a in itertools.product(engines, MODES, (False, True), (True, False), backends)
+        for e, m, u, b, a in itertools.product(engines, MODES, (False, True), (True, False), BACKENDS)
     ]
 
 
