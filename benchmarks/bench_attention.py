@@ -217,7 +217,7 @@ def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
                     engine.capture()
                 key = (mode, backend, n)
                 engines[key], names[backend] = engine, engine.attention_backend
-                tokens[key] = engine.generate(prompts, new_tokens)
+                tokens[key] = engine.generate(prompts, new_tokens, eos_token_id=[])  # []: a fixed token count
                 variants.append(Variant(f"{mode} {backend} @{n}", engine.generate, (prompts, new_tokens), number=1,
                                         clock="wall" if cuda else "thread"))
     same = len({str(t) for t in tokens.values()}) == 1

@@ -108,7 +108,7 @@ def hfengine(model: torch.nn.Module, prompts: list[list[int]], new: int, cuda: b
             infos.append(info)
 
         t0 = time.perf_counter()
-        tokens = engine.generate(prompts, new, on_step=on_step)
+        tokens = engine.generate(prompts, new, eos_token_id=[], on_step=on_step)  # []: every prompt its `new` tokens, as the reference
         total_s = time.perf_counter() - t0
         admitted = max(i for i, info in enumerate(infos) if not info.uniform_decode)  # the last step with a prompt
         n, s = decode_window(events, events[admitted][0])

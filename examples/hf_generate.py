@@ -8,7 +8,13 @@ reference's best logit within LOGIT_TOL given the same prefix; see ``check``).
 Exit status: 0 served (and checked), 2 refused up front with the reason, 1 wrong tokens or a crash.
 Without CUDA it runs on the simulated graph platform and says so.
 
-Run: python examples/hf_generate.py --arch llama --check
+``--lazy`` serves before capturing (``lazy_capture=True``: the first steps run eagerly), then captures
+what that traffic asked for (``capture_idle``) and serves the same prompts again on graphs (with
+``--check`` both runs are checked). ``--sample`` also samples the prompts twice with one seed (temperature 0.8, top-k 50, top-p
+0.95): both draws must agree. ``--stream`` prints each token as it is produced. ``--check`` always
+compares the greedy run with ``generate``.
+
+Run: python examples/hf_generate.py --arch llama --check [--lazy] [--sample] [--stream]
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 import piecewise_backend as pb
-from piecewise_backend.hf import HFEngine, StepInfo, tiny_random_model
+from piecewise_backend.hf import HFEngine, SamplingParams, StepInfo, tiny_random_model
 
 PROMPT_LENS = (5, 12, 3, 9, 7)
 NEW_TOKENS = (6, 3, 9, 4, 7)  # per request: they finish at different steps
@@ -35,9 +41,12 @@ LOGIT_TOL = 1e-3
 
 def check(
     reference: torch.nn.Module, prompts: list[list[int]], outputs: list[list[int]], new_tokens: Sequence[int],
-    eos: int | None, ties: list[int] | None = None,
+    eos: int | list[int] | None, ties: list[int] | None = None,
 ) -> list[int]:
     """Indices of the requests the engine served wrongly, compared with ``reference``.
+
+    ``eos`` is what the engine was given: an int or a list of stop tokens, or None for the model's
+    own (``generation_config.eos_token_id``), which ``generate`` then uses too.
 
     A request passes if its tokens equal ``reference.generate(do_sample=False)``, or if every token
     the engine picked is within ``LOGIT_TOL`` of the reference's best logit given the engine's own
@@ -51,9 +60,11 @@ def check(
     device = next(reference.parameters()).device
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         ids = torch.tensor([prompt], device=device)
+        stop = {} if eos is None else {"eos_token_id": eos}  # generate without it: the model's generation_config
+        pad = eos if isinstance(eos, int) else reference.generation_config.pad_token_id
         with torch.no_grad():
             full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new_tokens[i], eos_token_id=eos, pad_token_id=eos, **PLAIN_GREEDY)
+                                      max_new_tokens=new_tokens[i], pad_token_id=pad, **stop, **PLAIN_GREEDY)
         expected = full[0, len(prompt):].tolist()
         if out == expected:
             continue
@@ -85,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="llama", help="transformers model type (llama, qwen2, mistral, ...)")
     parser.add_argument("--check", action="store_true", help="compare with model.generate(do_sample=False)")
+    parser.add_argument("--lazy", action="store_true", help="serve before capturing, then capture_idle and serve again")
+    parser.add_argument("--sample", action="store_true", help="also sample (seeded) twice and compare the draws")
+    parser.add_argument("--stream", action="store_true", help="print each token as it is produced")
     parser.add_argument("--compile-pieces", choices=("inductor", "eager"),
                         help="how pieces are compiled (default: inductor on CUDA, eager on the simulator)")
     args = parser.parse_args(argv)
@@ -106,31 +120,54 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     reference = copy.deepcopy(model) if args.check else None  # keeps HF's own SDPA attention
     try:
-        engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8)
+        engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8, lazy_capture=args.lazy)
     except ValueError as e:  # an architecture the paged attention cannot serve, and why
         parser.error(str(e))
-    report = engine.capture()
-    print(f"captured {report.graphs} graphs in {report.seconds:.2f} s ({report.stats})")
+    if not args.lazy:
+        report = engine.capture()
+        print(f"captured {report.graphs} graphs in {report.seconds:.2f} s ({report.stats})")
 
     gen = torch.Generator().manual_seed(1)
     text = model.config.get_text_config()  # a multimodal model's language part
     prompts = [torch.randint(3, text.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    eos = text.eos_token_id if isinstance(text.eos_token_id, int) else None
+    eos = None  # the model's generation_config.eos_token_id (an int or a list), for the engine and generate alike
 
     def show(info: StepInfo) -> None:
         kind = "decode" if info.uniform_decode else "mixed "
         print(f"step {info.step:2d}: {info.num_tokens:2d} tokens, {info.num_reqs} reqs, {kind} -> {info.mode.name}")
 
-    outputs = engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, on_step=show)
+    def stream(request: int, token: int) -> None:
+        print(f"  token: request {request} -> {token}")
+
+    on_token = stream if args.stream else None
+    outputs = engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, on_step=show, on_token=on_token)
     for i, out in enumerate(outputs):
         print(f"request {i}: prompt {len(prompts[i]):2d} tokens -> {out}")
+    failed = 0
+    if args.lazy:
+        captured = engine.capture_idle(max_seconds=120.0)
+        print(f"capture_idle: {len(captured)} graphs captured: "
+              + ", ".join(f"{mode.name} {desc.num_tokens}" for mode, desc in captured))
+        again = engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, on_step=show)
+        # eager and captured attention may round differently (a near-tie can flip): --check judges both runs
+        print(f"lazy: the run on graphs {'equals' if again == outputs else 'differs from'} the run before capture")
+        if args.check:
+            failed += len(check(reference, prompts, again, NEW_TOKENS, eos))
+    if args.sample:
+        params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=0)
+        drawn = [engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, sampling=params, on_token=on_token) for _ in range(2)]
+        for i, out in enumerate(drawn[0]):
+            print(f"sampled {i}: {out}")
+        same = drawn[0] == drawn[1]
+        failed += not same
+        print(f"sample: seed 0 drew {'the same' if same else 'DIFFERENT'} tokens twice")
     if not args.check:
-        return 0
+        return 1 if failed else 0
     ties: list[int] = []
     bad = len(check(reference, prompts, outputs, NEW_TOKENS, eos, ties))
     tied = f" ({len(ties)} of them only within {LOGIT_TOL} of the forward's best logit: see TIE/FORWARD)" if ties else ""
     print(f"check: {len(prompts) - bad}/{len(prompts)} requests match model.generate{tied}")
-    return 1 if bad else 0
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":

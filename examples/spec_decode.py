@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, target.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    eos = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else None
+    eos = None  # the target's generation_config.eos_token_id (an int or a list), for the engine and generate alike
 
     def show(info: RoundInfo) -> None:
         kind = "verify" if info.verify_only else "mixed "

@@ -63,7 +63,7 @@ GATE_S = 20
 STEPS: list[Step] = [
     Step("smoke", 35, "gpu_smoke.py: CUDA init ~3 s, ~10 cases on eager pieces < 1 s each; was capped at 60 s unmeasured",
          command=("{py}", "scripts/gpu_smoke.py")),
-    Step("headline", 100, "toy llama 8x512: 3 distinct Inductor pieces (~10 s each cold, Triton included) shared by "
+    Step("headline", 85, "toy llama 8x512: 3 distinct Inductor pieces (~10 s each cold, Triton included) shared by "
          "FULL and breakable PIECEWISE, per-piece ~10 s (FX graph cache warm), reduce-overhead one whole-graph "
          "compile ~30 s, 3 sizes captured per variant, timing ~5 s",
          command=("{py}", "-m", "benchmarks.bench_cuda", "--headline", "--quick", "--out", "{out}/headline.md")),
@@ -79,9 +79,10 @@ STEPS: list[Step] = [
          workers=2),
     Step("hf", 35, "5 architectures in one process on eager pieces (capture of 5 sizes, generate, reference generate: "
          "~5 s each)", tests=("tests/hf/test_hf.py",)),
-    Step("example", 40, "hf_generate.py llama --check: one cold Inductor compile of a 2-layer llama (3 pieces, ~25 s) "
-         "and its capture; the one HF subprocess of the check",
-         command=("{py}", "examples/hf_generate.py", "--arch", "llama", "--check")),
+    Step("example", 40, "hf_generate.py llama --check --lazy --sample: one cold Inductor compile of a 2-layer llama "
+         "(3 pieces, ~25 s), 10 eager steps, capture_idle of the ~4 graphs they asked for, two more generate calls "
+         "(< 1 s each); the one HF subprocess of the check",
+         command=("{py}", "examples/hf_generate.py", "--arch", "llama", "--check", "--lazy", "--sample")),
     Step("spec", 40, "3 speculative engines with Inductor pieces (target and drafter, ~25 s each cold); 3 workers",
          tests=("tests/spec/test_spec.py",), workers=3),
     Step("attnbench", 20, "attention op table only: no compile, 4 variants x 2 lengths x 5 reps of ~0.1 ms",
@@ -91,6 +92,9 @@ STEPS: list[Step] = [
          "generate, 32 new tokens, 3 repetitions",
          command=("{py}", "-m", "benchmarks.bench_hf_throughput", "--device", "cuda", "--quick",
                   "--out", "{out}/hf_throughput.md")),
+    Step("breaks", 15, "bench_breaks: no compile; 64-break capture through pb.breakable_graph vs one torch.cuda.graph "
+         "per segment, 5 repetitions of < 0.5 s each, CUDA init ~5 s; prints its table (no file)",
+         command=("{py}", "benchmarks/run.py", "--quick", "--only", "breaks")),
     Step("nccl", 150, "2+ GPUs only: tensor_parallel.py and moe_dbo.py --check, bench_dbo.py on NCCL", gpus=2,
          command=("bash", "-c", "{py} -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py "
                   "--check --steps 8 && {py} -m torch.distributed.run --standalone --nproc-per-node 2 "

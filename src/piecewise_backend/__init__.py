@@ -30,7 +30,16 @@ from .platforms.registry import effective_mode
 
 # capture: sessions, break points, entries, wrappers
 from .capture.entry import GraphEntry
-from .capture.session import BreakPoint, CaptureDisabledError, capture_enabled, eager_break, set_capture_enabled
+from .capture.graph import BreakableCUDAGraph, BreakableGraph, GraphPool, breakable_graph
+from .capture.session import (
+    BreakPoint,
+    CaptureDisabledError,
+    capture_enabled,
+    eager_break,
+    force_break,
+    is_in_breakable_graph,
+    set_capture_enabled,
+)
 from .capture.wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, unwrap_model
 
 # backend: split, compile, AOT
@@ -59,7 +68,9 @@ __all__ = [
     # platforms
     "CaptureInvalidatedError", "effective_mode",
     # capture
-    "GraphEntry", "BreakPoint", "CaptureDisabledError", "capture_enabled", "eager_break", "set_capture_enabled",
+    "GraphEntry", "BreakableCUDAGraph", "BreakableGraph", "GraphPool", "breakable_graph", "BreakPoint",
+    "CaptureDisabledError", "capture_enabled", "eager_break", "force_break", "is_in_breakable_graph",
+    "set_capture_enabled",
     "BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "unwrap_model",
     # backend
     "CompiledModel", "aot_compile", "load_compiled", "PiecewiseBackend", "make_backend", "piecewise_breakable",

@@ -1,4 +1,4 @@
-"""``python -m piecewise_backend inspect MODULE:FACTORY [--tokens N] [--dump DIR]``."""
+"""``python -m piecewise_backend inspect MODULE:FACTORY [--tokens N] [--dump DIR] [--context MODULE:FUNC]``."""
 
 import sys
 

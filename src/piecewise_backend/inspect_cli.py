@@ -7,8 +7,12 @@ Without example inputs the model runs once on random token ids of ``vocab`` =
 (a ``config`` and a ``forward(input_ids=...)``) gets ``input_ids`` of shape ``(1, tokens)`` as
 a keyword (and ``use_cache=False`` when it takes one), any other model ``(tokens,)``
 positionally. Pieces are compiled eagerly (no Inductor), so inspecting is fast; ``--dump DIR``
-writes the split graph and every piece as readable Python. A factory or model that raises
-ends the command with a one-line error (exit 1), not a traceback.
+writes the split graph and every piece as readable Python. A model that reads the forward
+context (``pb.get_forward_context()``: attention metadata, ...) gets one with ``--context
+MODULE:FUNC``: ``FUNC`` returns a dict of attributes (called with the model's inputs, or with
+none if it takes none), and both runs are inside ``pb.set_forward_context(**attrs)``. A graph
+that Dynamo cut at a graph break says so. A factory or model that raises ends the command with a
+one-line error (exit 1), not a traceback.
 
 Table columns: ``nodes`` counts a piece's operations (placeholders and the output node
 excluded), ``inputs`` its placeholders, ``outputs`` the values it returns; ``splitting op``
@@ -18,6 +22,7 @@ names the registered op a splitting piece holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect as pyinspect
 import sys
@@ -64,14 +69,24 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"number of input token ids when the factory gives no example inputs (default {DEFAULT_TOKENS})",
     )
     inspect.add_argument("--dump", metavar="DIR", default=None, help="write the split graph and pieces as Python here")
+    inspect.add_argument(
+        "--context",
+        metavar="MODULE:FUNC",
+        default=None,
+        help="for a model that reads the forward context (attention metadata...): FUNC returns a dict of its "
+        "attributes; it is called with the model's inputs (or with none if it takes none), and the model runs "
+        "inside pb.set_forward_context(**that dict)",
+    )
     inspect.set_defaults(parser=inspect)
     return parser
 
 
-def _load_factory(parser: argparse.ArgumentParser, target: str) -> Any:
+def _load_callable(parser: argparse.ArgumentParser, target: str, form: str = "MODULE:FACTORY") -> Any:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
-        parser.error(f"expected MODULE:FACTORY (e.g. piecewise_backend.toy_llama:make_model), got {target!r}")
+        example = "piecewise_backend.toy_llama:make_model" if form == "MODULE:FACTORY" else "mymodels:step_context"
+        prefix = "" if form == "MODULE:FACTORY" else "argument --context: "
+        parser.error(f"{prefix}expected {form} (e.g. {example}), got {target!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -83,6 +98,18 @@ def _load_factory(parser: argparse.ArgumentParser, target: str) -> Any:
         obj = getattr(obj, part)
     if not callable(obj):
         parser.error(f"{target!r} is not callable (got {type(obj).__name__})")
+    return obj
+
+
+def _takes_arguments(fn: Any) -> bool:
+    try:
+        return bool(pyinspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # no signature: give it the inputs
+        return True
+
+
+def _load_factory(parser: argparse.ArgumentParser, target: str) -> Any:
+    obj = _load_callable(parser, target)
     try:
         required = [
             p.name for p in pyinspect.signature(obj).parameters.values()
@@ -114,7 +141,14 @@ def _attempt(what: str, fn: Any, *args: Any, hint: str = "", **kwargs: Any) -> A
         return fn(*args, **kwargs)
     except Exception as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "no forward context is set" in message:  # the model reads the context (pb.get_forward_context)
+            hint = "; the model reads the forward context: pass --context MODULE:FUNC returning its attributes"
         raise CommandError(f"{what} raised {type(e).__name__}: {message}{_where(e)}{hint}") from e
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _takes(model: Any, name: str) -> bool:
@@ -215,14 +249,26 @@ def run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     else:
         source = "example inputs from the factory" + (" (--tokens ignored)" if args.tokens else "")
 
+    attrs: dict[str, Any] = {}
+    if args.context is not None:
+        context_fn = _load_callable(parser, args.context, "MODULE:FUNC")
+        inputs = (ex_args, ex_kwargs) if _takes_arguments(context_fn) else ((), {})
+        attrs = _attempt(f"the context function {args.context}", context_fn, *inputs[0], **inputs[1])
+        if not isinstance(attrs, dict) or not all(isinstance(k, str) for k in attrs):
+            parser.error(f"argument --context: {args.context} returned {type(attrs).__name__}; expected a dict of "
+                         "forward-context attributes (names to values), e.g. {'attn_metadata': ...}")
+
     ops = pb.registered_splitting_ops()
     config = pb.CompilationConfig(compile_pieces="eager", debug_dump_dir=args.dump)
     backend = pb.make_backend(config)
+    context = (lambda: pb.set_forward_context(**attrs)) if args.context is not None else contextlib.nullcontext
     with torch.no_grad():
         hint = "" if source.startswith("example") else "; return (model, example_inputs) from the factory"
-        expected = _attempt(f"the model on {source}", model, *ex_args, hint=hint, **ex_kwargs)
+        with context():
+            expected = _attempt(f"the model on {source}", model, *ex_args, hint=hint, **ex_kwargs)
         compiled = torch.compile(model, backend=backend)
-        got = _attempt("the model compiled with piecewise_breakable", compiled, *ex_args, **ex_kwargs)
+        with context():
+            got = _attempt("the model compiled with piecewise_breakable", compiled, *ex_args, **ex_kwargs)
     try:
         torch.testing.assert_close(got, expected)
         check, status = "compiled output matches eager", 0
@@ -233,20 +279,28 @@ def run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
     print(f"model: {args.target} ({type(model).__name__})")
     print(f"inputs: {source}")
+    if args.context is not None:
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in attrs.items())
+        print(f"forward context: {args.context} ({shown})")
     print(f"graphs: {len(backend.splits)}")
     found: list[Any] = []
     for g, split in enumerate(backend.splits):
         found.extend(s for s in split.found_ops if not any(s is f or s == f for f in found))
         print()
+        cut = f" (graph break: {split.graph_break})" if split.graph_break is not None else ""
         print(
             f"graph {g}: {len(split.pieces)} pieces, {split.num_splitting} splitting, "
-            f"{len(split.pieces) - split.num_splitting} compiled"
+            f"{len(split.pieces) - split.num_splitting} compiled{cut}"
         )
         print(format_table(piece_rows(split)))
     missing = [op for op in ops if not any(op is f or op == f for f in found)]
     print()
     print("splitting ops found: " + (", ".join(op_name(o) for o in found) or "none"))
     print("splitting ops not found: " + (", ".join(op_name(o) for o in missing) or "none"))
+    broken = [s for s in backend.splits if s.graph_break is not None]
+    if broken:
+        print(f"note: Dynamo broke the model into {len(backend.splits)} graphs at graph breaks (above); a break cuts "
+              "it where no splitting op is: remove them (torch._dynamo.explain lists them) to compile one graph")
     if not found:
         print("note: no splitting op appeared, so nothing was split; register the model's attention op "
               "with piecewise_backend.register_splitting_op")

@@ -141,6 +141,28 @@ def test_file_others_can_write_is_refused(saved, tmp_path, monkeypatch):
         os.chmod(tmp_path, 0o700)
 
 
+def test_file_reached_through_a_symlink_others_can_swap_is_refused(saved, tmp_path, monkeypatch):
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    shared.mkdir()
+    (private / "model.pb").write_bytes(saved.read_bytes())
+    os.chmod(private / "model.pb", 0o600)
+    (shared / "model.pb").symlink_to(private / "model.pb")
+    (shared / "dir").symlink_to(private)
+    os.chmod(shared, 0o777)
+    try:
+        for given in (shared / "model.pb", shared / "dir" / "model.pb"):
+            with pytest.raises(UntrustedPathError, match=f"AOT file '{given}' \\(through {shared}\\)"):
+                pb.load_compiled(given, tiny_llama(2))
+        with pytest.raises(UntrustedPathError, match=f"refusing to save an AOT file into '{shared / 'dir'}'"):
+            pb.load_compiled(private / "model.pb", tiny_llama(2)).save(shared / "dir" / "copy.pb")
+        assert not (private / "copy.pb").exists()
+    finally:
+        os.chmod(shared, 0o700)
+    pb.load_compiled(private / "model.pb", tiny_llama(2))
+
+
 def test_saved_file_is_private_and_home_is_expanded(saved, tmp_path, monkeypatch):
     assert saved.stat().st_mode & 0o777 == 0o600
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -4,6 +4,7 @@ works from its entry point alone, dumps, logs and counts."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -218,6 +219,37 @@ def test_graph_without_splitting_op_warns_when_piecewise_graphs_are_on(caplog):
     no_graphs = pb.make_backend(eager_config(platform="simulated", cudagraph_mode="NONE"))
     torch.compile(lambda x: x.tan() + 1, backend=no_graphs)(torch.randn(3))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _break_after(x):
+    h = torch.ops.pb_test.double(x.sin())
+    h = h[h > 0]  # boolean-mask indexing: a data-dependent shape, so Dynamo breaks the graph here
+    return h.cos().sum()
+
+
+def _break_before(x):
+    h = x.cos()
+    h = h[h > 0]
+    return torch.ops.pb_test.double(h).sum()
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_break_before, r"Dynamo ended this graph at a graph break at .*test_backend.py:\d+ \(Dynamic shape operator"),
+    (_break_after, r"this graph is torch_dynamo_resume_in__break_after_at_\d+: the rest of _break_after after a graph break"),
+])
+def test_graph_cut_by_a_graph_break_says_so_instead_of_blaming_registration(caplog, fn, why):
+    """Where Dynamo split the model at a graph break, the graph without a splitting op is not a
+    registration problem (the op is registered, and found in the other graph): the warning says why."""
+    caplog.set_level(logging.WARNING, logger="piecewise_backend")
+    backend = pb.make_backend(eager_config(platform="simulated", cudagraph_mode="PIECEWISE",
+                                           splitting_ops=["pb_test::double"]))
+    x = torch.randn(6, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.compile(fn, backend=backend)(x), fn(x))
+    assert [s.found_ops for s in backend.splits].count(["pb_test::double"]) == 1 and len(backend.splits) == 2
+    (warned,) = [r.getMessage() for r in caplog.records if "has no splitting op" in r.getMessage()]
+    assert re.search(why, warned), warned
+    assert "register the model's attention op" not in warned and "torch._dynamo.explain" in warned, warned
+    assert [s.graph_break is not None for s in backend.splits] == [True, True]
 
 
 # ---------------------------------------------------------------- entry point

@@ -336,6 +336,51 @@ def test_cache_dir_others_can_write_is_refused(tmp_path, monkeypatch, untrusting
     pb.make_backend(pb.CompilationConfig(cache_dir=shared))
 
 
+def test_cache_dir_reached_through_a_symlink_others_can_swap_is_refused(tmp_path, untrusting):
+    """The path as given counts, not only where it resolves: a symlink in a directory anyone can
+    write (not sticky) can be pointed elsewhere at any time, so the private directory it names now
+    proves nothing."""
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    shared.mkdir()
+    (shared / "link").symlink_to(private)
+    os.chmod(shared, 0o777)
+    try:
+        with pytest.raises(UntrustedPathError, match=f"cache_dir '{shared / 'link'}' \\(through {shared}\\): {shared} is "
+                                                     "writable by group and others"):
+            pb.make_backend(pb.CompilationConfig(cache_dir=shared / "link"))
+        (tmp_path / "hop").symlink_to(shared / "link")  # a trusted link to the swappable one: refused too
+        with pytest.raises(UntrustedPathError, match=f"through {shared}"):
+            pb.make_backend(pb.CompilationConfig(cache_dir=tmp_path / "hop"))
+        with pytest.raises(UntrustedPathError, match=f"through {shared}"):  # the same for a relative link
+            (tmp_path / "rel").symlink_to("shared/link")
+            pb.make_backend(pb.CompilationConfig(cache_dir=tmp_path / "rel"))
+        os.chmod(shared, 0o1777)  # sticky: only the link's owner (this user) may replace it
+        pb.make_backend(pb.CompilationConfig(cache_dir=shared / "link"))
+    finally:
+        os.chmod(shared, 0o700)
+
+
+def test_cache_dir_created_later_by_someone_else_is_checked_when_written(saved, tmp_path, untrusting):
+    """A cache_dir that does not exist when the backend is made is checked again when it is first
+    created or written, and before the first load from it."""
+    (entry,) = entries(saved)
+    artifact = compile_cache.PieceCache(saved).load(entry.stem)
+    later = tmp_path / "later"
+    cache = compile_cache.PieceCache(later)  # nothing there yet: nothing to refuse
+    later.mkdir()
+    os.chmod(later, 0o777)  # made by another user before this process writes
+    try:
+        with pytest.raises(UntrustedPathError, match=f"cache_dir '{later}': {later} is writable by group and others"):
+            cache.save(entry.stem, artifact)
+        assert not (later / "pieces").exists()  # nothing written into it
+        with pytest.raises(UntrustedPathError, match=f"{later} is writable by group and others"):
+            cache.load(entry.stem)
+    finally:
+        os.chmod(later, 0o700)
+    assert cache.save(entry.stem, artifact) and cache.load(entry.stem) is not None
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another uid needs root")
 def test_cache_dir_of_another_user_is_refused(tmp_path, untrusting):
     theirs = tmp_path / "theirs"

@@ -785,3 +785,68 @@ def test_cuda_capture_under_inference_mode_replays_under_no_grad():
     out = run(w, M.PIECEWISE, D8, other)
     assert_close(out, m(other), **TOL)
     assert torch.is_inference_mode_enabled() is False
+
+
+# ---------------------------------------------------------------- pb.breakable_graph (twins: tests/capture/test_breakable_graph.py)
+
+
+@pb.eager_break
+def _dynamic_scale(x: torch.Tensor) -> None:
+    if x.sum().item() > 0:
+        x.clamp_(min=0)
+
+
+def _peer_workload(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src * 2)
+    _dynamic_scale(dst)
+    dst.add_(1.0)
+
+
+def test_breakable_graph_peer_workload_replays_with_live_values():
+    src, dst = torch.empty(1024, device="cuda"), torch.empty(1024, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up on the capture stream
+        for _ in range(3):
+            src.fill_(1.0)
+            _peer_workload(src, dst)
+    torch.cuda.current_stream().wait_stream(s)
+    g = pb.BreakableGraph()
+    with pb.breakable_graph(g, stream=s):
+        _peer_workload(src, dst)
+    assert segment_kinds(g) == "G E G" and g.memory_bytes >= 0
+    for values in (torch.linspace(-1, 3, 1024), torch.linspace(-3, 1, 1024)):
+        src.copy_(values.cuda())
+        g.replay()
+        expected = torch.empty_like(dst)
+        _peer_workload(src.clone(), expected)
+        assert_close(dst, expected)
+    fresh = pb.BreakableGraph(pool=g.pool())
+    with pb.breakable_graph(fresh):  # the pool keeps its first capture's stream
+        dst.mul_(2)
+    fresh.replay()
+
+
+def test_breakable_graph_names_an_unjoined_side_stream_and_captures_again():
+    x = torch.ones(256, device="cuda")
+    g = pb.BreakableGraph()
+    side = torch.cuda.Stream()
+    with pytest.raises(pb.CaptureInvalidatedError, match="side stream .* was not joined back"):
+        with pb.breakable_graph(g):
+            x.mul_(2)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                x.add_(1)
+            _dynamic_scale(x)
+    assert not capture_active() and g.segments == []
+    with pb.breakable_graph(g):
+        x.mul_(2)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        _dynamic_scale(x)
+    x.fill_(1.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 3.0))

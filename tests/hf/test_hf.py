@@ -33,7 +33,8 @@ def load_example():
 
 
 def test_importing_the_package_does_not_import_transformers():
-    code = "import sys, piecewise_backend, piecewise_backend.kv; assert 'transformers' not in sys.modules, 'imported'"
+    code = ("import sys, piecewise_backend, piecewise_backend.kv, piecewise_backend.hf.arguments; "
+            "assert 'transformers' not in sys.modules, 'imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
@@ -87,8 +88,6 @@ def test_adapt_refuses_what_it_cannot_serve():
         ("diffllama", {}, "runs attention layer 0 more than once per forward"),
         # positions from the sequence length, not position_ids: wrong for a step's second request and decode
         ("pegasus", {}, r"PegasusForCausalLM ignores position_ids"),
-        # expert routing through .tolist(): a graph would replay the capture-time routing
-        ("jetmoe", {}, r"reads device data on the host.*Tensor.tolist in .*experts"),
     ],
 )
 def test_adapt_refuses_models_it_would_serve_wrongly(arch, sizes, reason):
@@ -225,9 +224,11 @@ def llama_engine():
     return engine, reference
 
 
-def test_engine_serves_every_mode_and_matches_generate(llama_engine):
-    """A prompt longer than the largest capture runs eagerly, prompts join mid-decode (PIECEWISE),
-    pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
+@pytest.mark.parametrize("budget", [None, 16])
+def test_engine_serves_every_mode_and_matches_generate(llama_engine, budget):
+    """A prompt longer than the largest capture is prefilled in chunks of at most that size (default
+    max_num_batched_tokens), or, with a larger budget, runs in one eager step; prompts join mid-decode
+    (PIECEWISE), pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
     engine, reference = llama_engine
     # each Dynamo graph (one per compile; size 1 specializes) holds the whole model, no graph break,
     # and splits at each layer's paged attention
@@ -239,10 +240,17 @@ def test_engine_serves_every_mode_and_matches_generate(llama_engine):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 11, 1, 4)]
     budgets = [5, 2, 6, 3]
     steps: list[hf.StepInfo] = []
-    with pb.expect(captures=0):  # everything was captured up front
-        outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    assert engine.max_num_batched_tokens == 8  # the largest capture size
+    engine.max_num_batched_tokens = budget or 8
+    try:
+        with pb.expect(captures=0):  # everything was captured up front
+            outputs = engine.generate(prompts, budgets, on_step=steps.append)
+    finally:
+        engine.max_num_batched_tokens = 8
     modes = {s.mode for s in steps}
-    assert modes == {pb.CUDAGraphMode.NONE, pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}, steps
+    graphs = {pb.CUDAGraphMode.PIECEWISE, pb.CUDAGraphMode.FULL}
+    assert modes == (graphs if budget is None else graphs | {pb.CUDAGraphMode.NONE}), steps
+    assert max(s.num_tokens for s in steps) <= (budget or 8) and (budget is None) == (max(s.num_tokens for s in steps) <= 8)
     assert all((s.mode == pb.CUDAGraphMode.FULL) == (s.uniform_decode and s.num_tokens <= 8) for s in steps), steps
     assert [len(o) for o in outputs] == budgets
     assert load_example().check(reference, prompts, outputs, budgets, eos=None) == []
@@ -288,6 +296,13 @@ def test_engine_rejects_bad_requests(llama_engine):
         engine.generate([[1] * 30], 5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
         engine.generate([[1], [2]], [3])
+    # the checks every engine shares (hf/arguments.py): each error names the value and what is valid
+    for bad, shown in ((2.5, "2.5"), (None, "None"), (True, "True")):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be a positive int or one per prompt .*got {shown}$"):
+            engine.generate([[1]], bad)
+    with pytest.raises(ValueError, match=r"max_new_tokens\[0\] must be a positive int \(tokens to generate\), got 2.5"):
+        engine.generate([[1]], [2.5])
+    assert engine.cache.tables == {}
 
 
 def test_engine_rejects_token_ids_outside_the_vocabulary(llama_engine):
@@ -297,6 +312,86 @@ def test_engine_rejects_token_ids_outside_the_vocabulary(llama_engine):
     with pytest.raises(ValueError, match="prompt 0: token id -1 is outside the vocabulary"):
         engine.generate([[-1]], 2)
     assert engine.cache.tables == {}
+
+
+def test_engine_refuses_float_ids_and_takes_tensors_and_arrays(llama_engine):
+    """A float id is refused, not truncated; a 1-D tensor or numpy array serves as its list does."""
+    np = pytest.importorskip("numpy")
+    engine, _ = llama_engine
+    with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
+        engine.generate([[5.5, 6.9]], 2)
+    with pytest.raises(ValueError, match=r"prompt 0 is a 2-D Tensor of shape \(1, 2\)"):
+        engine.generate([torch.tensor([[5, 6]])], 2)
+    with pytest.raises(TypeError, match=r"prompt 0 is text"):
+        engine.generate(["5 6"], 2)
+    expected = engine.generate([[5, 6], [7, 8, 9]], 3)
+    assert engine.generate([torch.tensor([5, 6]), np.array([7, 8, 9])], 3) == expected
+    assert engine.cache.tables == {}
+
+
+def _generate(reference, prompt: list[int], n: int, **eos) -> list[int]:
+    """``reference.generate`` greedy; ``eos``: ``eos_token_id=...`` or nothing (the model's generation_config)."""
+    ids = torch.tensor([prompt])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=0,
+                             **eos)
+    return out[0, len(prompt):].tolist()
+
+
+def test_engine_stops_at_any_eos_of_a_list_and_at_the_models_own(llama_engine):
+    """``eos_token_id`` as a list (what many HF configs hold) stops a request at any of them; without
+    one the engine stops where ``model.generate`` does: at ``generation_config.eos_token_id``."""
+    engine, reference = llama_engine
+    prompts, n = [[5, 6, 7, 8], [9, 10, 11], [40, 41]], 10
+    free = engine.generate(prompts, n, eos_token_id=[])  # []: no stop token
+    assert free == [_generate(reference, p, n, eos_token_id=[]) for p in prompts] and all(len(o) == n for o in free)
+    # a token request 0 first emits at its 3rd token and one request 1 first emits at its 5th
+    eos = [next(o[i] for i in range(j, n) if o[i] not in o[:i]) for o, j in ((free[0], 2), (free[1], 4))]
+    expected = [_generate(reference, p, n, eos_token_id=eos) for p in prompts]
+    assert engine.generate(prompts, n, eos_token_id=eos) == expected
+    assert engine.generate(prompts, n, eos_token_id=tuple(eos)) == expected
+    assert len(expected[0]) < n and len(expected[1]) < n, expected  # both stopped early
+    saved = engine.model.generation_config.eos_token_id, reference.generation_config.eos_token_id
+    try:
+        for default in (eos[0], eos):  # an int or a list in the model's generation config
+            engine.model.generation_config.eos_token_id = reference.generation_config.eos_token_id = default
+            expected = [_generate(reference, p, n) for p in prompts]
+            assert len(expected[0]) < n, expected
+            assert engine.generate(prompts, n) == expected
+        engine.model.generation_config.eos_token_id = "2"
+        with pytest.raises(ValueError, match=r"the model's generation_config.eos_token_id must be an int, a list .* got '2'"):
+            engine.generate(prompts, n)
+    finally:
+        engine.model.generation_config.eos_token_id, reference.generation_config.eos_token_id = saved
+    assert engine.cache.tables == {}
+
+
+@pytest.mark.parametrize("eos", ["2", 2.0, True, [1, "x"], {2}, torch.tensor(2)])
+def test_engine_refuses_an_eos_that_is_not_ints(llama_engine, eos):
+    engine, _ = llama_engine
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int, a list or tuple of ints \(\[\]: no stop token\), "
+                                         r"or None \(the model's generation_config.eos_token_id\), got "):
+        engine.generate([[5, 6]], 2, eos_token_id=eos)
+    with pytest.raises(ValueError, match=r"eos_token_id 256 is outside the vocabulary \(ids 0..255\)"):
+        engine.generate([[5, 6]], 2, eos_token_id=[3, 256])
+
+
+def test_ten_engines_in_one_process_each_compile_their_model():
+    """Dynamo keeps compiled code per code object and stops compiling one after 8 entries
+    (``recompile_limit``): every engine's adapted model has its own ``forward`` code, so the 10th
+    engine in a process is compiled and split like the first (no ``torch._dynamo.reset()``)."""
+    config = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager",
+                                  capture_sizes=[2, 4])
+    model = hf.tiny_random_model("llama", num_hidden_layers=1)
+    outputs, splits = [], []
+    for _ in range(10):
+        engine = hf.HFEngine(copy.deepcopy(model), config, max_num_reqs=2, max_model_len=16, block_size=4)
+        outputs.append(engine.generate([[5, 6, 7], [8, 9]], 1))  # one step: one Dynamo graph per engine
+        splits.append([s.found_ops for s in engine.backend.splits])
+    assert outputs == [outputs[0]] * 10
+    assert all(s and all(ops == ["pb_kv::paged_attention"] for ops in s) for s in splits), splits
+    first, second = (hf.adapt(copy.deepcopy(model)) for _ in range(2))
+    assert isinstance(first, hf.TokensFirst) and type(first).__name__ == "TokensFirst"
+    assert type(first).forward.__code__ is not type(second).forward.__code__
 
 
 def test_engine_rejects_max_model_len_past_the_models_positions():
@@ -332,6 +427,27 @@ def test_hf_generate_example_checks_against_generate(arch):
     assert "check: 5/5 requests match model.generate" in proc.stdout
 
 
+def test_hf_generate_example_serves_lazily_samples_and_streams():
+    """--lazy: served eagerly, captured in idle time, served again on graphs (the same tokens); --sample:
+    one seed, the same draws twice; --stream: every token printed as produced; --check: greedy vs generate."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama", "--check", "--lazy", "--sample",
+         "--stream"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    out = proc.stdout
+    assert "captured" not in out.split("capture_idle:")[0]  # nothing captured before the first run
+    modes = re.findall(r"^step +\d+:.* -> (\w+)$", out, re.M)
+    first, second = modes[: len(modes) // 2], modes[len(modes) // 2:]
+    assert set(first) == {"NONE"} and set(second) == {"PIECEWISE", "FULL"}, out
+    assert "lazy: the run on graphs equals the run before capture" in out
+    assert "sample: seed 0 drew the same tokens twice" in out and "check: 5/5 requests match model.generate" in out
+    streamed = re.findall(r"^  token: request (\d) -> (\d+)$", out, re.M)
+    greedy = {int(i): eval(toks) for i, toks in re.findall(r"^request (\d): prompt +\d+ tokens -> (\[.*\])$", out, re.M)}
+    first_run = streamed[: sum(len(t) for t in greedy.values())]  # the greedy run streams first, in order
+    assert {i: [int(t) for r, t in first_run if int(r) == i] for i in greedy} == greedy
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss", "gemma2", "gpt_bigcode"])
 def test_hf_generate_example_on_cuda(arch, capsys):
@@ -342,6 +458,18 @@ def test_hf_generate_example_on_cuda(arch, capsys):
     assert load_example().main(["--arch", arch, "--check", "--compile-pieces", "eager"]) == 0
     out = capsys.readouterr().out
     assert "platform: cuda" in out and "check: 5/5 requests match model.generate" in out
+
+
+@pytest.mark.cuda
+def test_hf_generate_example_serves_lazily_and_samples_on_cuda():
+    """The twin of test_hf_generate_example_serves_lazily_samples_and_streams: on a GPU, idle-time CUDA graph
+    captures between batches serve the same tokens as the eager steps before them."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "llama", "--check", "--lazy", "--sample"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "platform: cuda" in proc.stdout and "lazy: the run on graphs equals the run before capture" in proc.stdout
 
 
 def test_hf_generate_example_exits_2_with_the_reason_for_a_refused_model():
@@ -396,3 +524,22 @@ def test_adapt_refuses_a_model_whose_forward_needs_more_than_ids():
     (the same in transformers 5.17 and 5.24)."""
     with pytest.raises(ValueError, match=r"fails on a plain token-id forward \(ValueError: Input language unknown"):
         hf.adapt(hf.tiny_random_model("xmod"))
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "NONE"])
+def test_micro_batched_engine_matches_generate(mode):
+    """Decode steps of 4 requests split 2 + 2 (max_num_reqs is the running count): the second
+    half's requests read their own block tables (before: other requests' tokens, or an IndexError)."""
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8], cudagraph_mode=mode,
+                                  use_ubatching=True, dbo_decode_token_threshold=2)
+    model = hf.tiny_random_model("llama")
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, config, max_num_reqs=4, max_model_len=32, block_size=4)
+    engine.capture()
+    prompts = [[5, 6], [8], [10, 11, 12], [14]]  # one prompt step, then decode steps of all 4
+    steps: list[tuple[hf.StepInfo, bool]] = []
+    outputs = engine.generate(prompts, 4, on_step=lambda info: steps.append((info, engine.runner.last_ubatched)))
+    assert [(info.num_reqs, ubatched) for info, ubatched in steps] == [(4, False)] + [(4, True)] * 3, steps
+    expected = pb.CUDAGraphMode.FULL if mode != "NONE" else pb.CUDAGraphMode.NONE
+    assert engine.runner.last_mode == expected
+    assert load_example().check(reference, prompts, outputs, [4] * 4, eos=None) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import piecewise_backend as pb
 from piecewise_backend import attention, kv
-from pbtest.helpers import SIM, compile_model
+from pbtest.helpers import SIM, PagedTinyLM, compile_model, paged_cache
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 SCALE = DIM**-0.5
@@ -109,6 +111,18 @@ def test_cache_reserves_slots_and_frees_blocks():
         cache.free("a")
     with pytest.raises(ValueError, match="head_dim must be a positive int"):
         kv.PagedKVCache(1, 2, 0, num_blocks=4, max_model_len=8)
+
+
+def test_cache_says_what_a_request_still_needs_before_reserving():
+    """What a scheduler asks before a step (to preempt in time, not fail mid-step)."""
+    cache = make_cache(num_blocks=4, max_model_len=16)
+    assert cache.blocks_for(9) == 3 and cache.blocks_for(0) == 0
+    assert cache.blocks_needed("a", 5) == 2 and cache.num_free_blocks == 4
+    cache.reserve("a", 5)
+    assert cache.blocks_needed("a", 8) == 0 and cache.blocks_needed("a", 9) == 1
+    assert cache.num_free_blocks == 2 and "a" in cache.tables  # asking reserved nothing more
+    with pytest.raises(ValueError, match="needs 17 tokens, more than max_model_len=16"):
+        cache.blocks_needed("a", 17)
 
 
 def test_allocator_refuses_double_and_foreign_frees():
@@ -423,3 +437,105 @@ def test_is_a_splitting_op_and_splits_the_graph():
     with torch.no_grad(), pb.set_forward_context(attn_metadata=cache.metadata(meta)):
         compiled(x)
     assert [p.is_splitting for p in backend.splits[0].pieces] == [False, True, False, True, False]
+
+
+# --- micro-batching: each half sees only its own requests' block tables -----------------------
+
+
+def _ubatch_runner(mode: str, max_num_reqs: int, **kw) -> tuple[pb.GraphRunner, PagedTinyLM, kv.PagedKVCache]:
+    model = PagedTinyLM().eval()
+    cache = paged_cache(model)
+    config = pb.CompilationConfig(
+        platform="simulated", compile_pieces="eager", cudagraph_mode=mode, capture_sizes=[2, 4, 8],
+        use_ubatching=True, dbo_decode_token_threshold=2, **kw,
+    )
+    runner = pb.GraphRunner(
+        torch.compile(model, backend=pb.make_backend(config)), config,
+        [pb.StaticInput("input_ids"), *cache.static_inputs()], model_args=["input_ids"], context_fn=cache.context_fn,
+        max_num_reqs=max_num_reqs,
+    )
+    return runner, model, cache
+
+
+def _eager(model: PagedTinyLM, cache: kv.PagedKVCache, chunks: list, ids: torch.Tensor) -> torch.Tensor:
+    with pb.set_forward_context(attn_metadata=cache.metadata(cache.step_inputs(chunks))):
+        return model(ids)
+
+
+@pytest.mark.parametrize("max_num_reqs", [4, 8], ids=["max_num_reqs=running", "spare-rows"])
+@pytest.mark.parametrize("mode", ["FULL", "NONE"])
+def test_micro_batched_decode_steps_match_eager_for_both_halves(mode, max_num_reqs):
+    """A decode step of 4 requests split 2 + 2: the second half's tokens read their own block tables.
+
+    Before request_index was rebased per half, tokens 2 and 3 read the first half's rows (logits
+    off by ~0.8), or past the end of the second half's rows when max_num_reqs is the running count.
+    """
+    runner, model, cache = _ubatch_runner(mode, max_num_reqs)
+    ref_cache = paged_cache(model)
+    lens = [3, 2, 4, 1]
+    with torch.inference_mode():
+        runner.capture(progress=False)
+        chunks, ids = [(r, 0, n) for r, n in enumerate(lens)], torch.arange(sum(lens)) % 64
+        runner.run(input_ids=ids, query_lens=lens, **cache.step_inputs(chunks))  # 10 tokens: eager, not split
+        _eager(model, ref_cache, chunks, ids)
+        for step in range(2):
+            chunks, ids = [(r, n + step, 1) for r, n in enumerate(lens)], torch.tensor([1, 2, 3, 4]) + step
+            out = runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **cache.step_inputs(chunks))
+            assert runner.last_ubatched and runner.last_mode == pb.CUDAGraphMode[mode]
+            assert_close(out, _eager(model, ref_cache, chunks, ids), atol=1e-5, rtol=1e-5)
+    for c, rc in zip(cache.key_caches, ref_cache.key_caches):
+        assert_close(c[:-1], rc[:-1])
+
+
+def test_debug_checks_refuse_request_rows_outside_the_step_or_the_half():
+    runner, _, cache = _ubatch_runner("NONE", 4, debug_checks=True)
+    meta = cache.step_inputs([(r, 0, 1) for r in range(4)])
+    ids = torch.tensor([1, 2, 3, 4])
+    with torch.inference_mode():
+        bad = dict(meta, request_index=torch.tensor([0, 1, 2, 4]))
+        with pytest.raises(IndexError, match=r"'request_index' \(request_row=True\) holds request row 4 at token 3 "
+                                             r"\(the step has 4 requests\); valid rows are 0..3"):
+            runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **bad)
+        crossing = dict(meta, request_index=torch.tensor([0, 2, 2, 3]))  # token 1 is in the first half
+        with pytest.raises(IndexError, match=r"request row 2 at token 1 \(micro-batch 0: tokens 0..1, requests 0..1\); "
+                                             r"valid rows are 0..1"):
+            runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **crossing)
+        out = runner.run(input_ids=ids, uniform_decode=True, num_reqs=4, **meta)  # the right rows pass
+    assert runner.last_ubatched and out.shape == (4, 64)
+
+
+@pytest.mark.parametrize("ubatching", [False, True], ids=["plain", "micro-batched"])
+def test_a_cache_swapped_after_capture_is_refused_on_full_replays(ubatching):
+    """context_fn hands the attention a reallocated cache: PIECEWISE steps would read the new one, a
+    FULL replay the captured one (silently wrong before). Every FULL replay compares context_fn's
+    tensors with the capture's; after clear_graphs() and capture() the new cache serves."""
+    model = PagedTinyLM().eval()
+    cache, ref_cache = paged_cache(model), paged_cache(model)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8],
+                                  use_ubatching=ubatching, dbo_decode_token_threshold=2,
+                                  cudagraph_mode="FULL_DECODE_ONLY" if ubatching else "FULL_AND_PIECEWISE")
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config,
+                            [pb.StaticInput("input_ids"), *cache.static_inputs()], model_args=["input_ids"],
+                            context_fn=cache.context_fn, max_num_reqs=4)
+    lens = [3, 2]
+
+    def decode(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunks, ids = [(r, n + step, 1) for r, n in enumerate(lens)], torch.tensor([7, 9]) + step
+        out = runner.run(input_ids=ids, uniform_decode=True, num_reqs=2, **cache.step_inputs(chunks))
+        assert runner.last_mode == pb.CUDAGraphMode.FULL and runner.last_ubatched == ubatching
+        return out, _eager(model, ref_cache, chunks, ids)
+
+    with torch.inference_mode():
+        runner.capture(progress=False)
+        chunks, ids = [(r, 0, n) for r, n in enumerate(lens)], torch.arange(5)
+        runner.run(input_ids=ids, query_lens=lens, **cache.step_inputs(chunks))
+        _eager(model, ref_cache, chunks, ids)
+        assert_close(*decode(0))
+        cache.key_caches = [c.clone() for c in cache.key_caches]  # e.g. the cache grown or moved
+        where = "micro-batch 0: attn_metadata.key_caches[0]" if ubatching else "attn_metadata.key_caches[0]"
+        with pytest.raises(ValueError, match=rf"context_fn's '{re.escape(where)}' is not the tensor the FULL graph of "
+                                             r"BatchDescriptor\(num_tokens=2.* captured .*clear_graphs\(\) and capture\(\)"):
+            decode(1)
+        runner.clear_graphs()
+        runner.capture(progress=False)
+        assert_close(*decode(1))

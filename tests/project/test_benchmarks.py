@@ -117,6 +117,33 @@ def test_state_benchmark_measures_memory_per_request_against_context():
     assert data["llama"]["state_bytes"] == 0
 
 
+def test_breaks_benchmark_reports_the_machinery_cost_per_segment():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "breaks"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Breaks anywhere: capture cost per segment (CPU)" in proc.stdout
+    for row in ("eager (no capture)", "null platform", "simulated"):
+        assert re.search(rf"^\| {re.escape(row)} +\| [\d.]+ ", proc.stdout, re.M), proc.stdout
+
+
+def test_breaks_benchmark_gpu_part_runs_on_the_cuda_double():
+    """The GPU comparison's control flow (both captures, both replays) on the CPU double of torch.cuda, so the
+    GPU step cannot fail for a reason the CPU could have shown (its timings mean nothing here)."""
+    import warnings
+
+    from benchmarks import bench_breaks
+    from pbtest import cuda_double
+
+    with cuda_double.installed() as fake, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the double's kernels-free segments are "empty graphs"
+        section = bench_breaks.gpu_section(True, None, device="cpu")
+        cuda_double.check_clean(fake)
+    assert "| breakable_graph " in section.body and "| per-segment torch.cuda.graph " in section.body
+    assert section.body.count("ms per replay") == 1 and len(section.data["times"]["breakable_graph"]) == 3
+
+
 def test_cuda_headline_checks_every_variant_and_fails_only_for_the_librarys_own(tmp_path, monkeypatch, capsys):
     """bench_cuda --headline on the simulator: the table is written out, torch's own variant failing (here: no
     CUDA) is a cell, not a failure; a library variant whose logits differ from eager's fails the benchmark."""
@@ -135,3 +162,14 @@ def test_cuda_headline_checks_every_variant_and_fails_only_for_the_librarys_own(
     assert bench_cuda.main(argv) == 1
     assert "FAILED: FULL, breakable PIECEWISE, per-piece PIECEWISE" in capsys.readouterr().out
     assert "logits differ from eager at batch 1" in out.read_text()
+
+
+def test_serving_benchmark_splits_the_time_to_first_token():
+    """bench_serving's cold-start child (in this process here): its parts add up; a lazy engine captures nothing."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_serving
+
+    result = bench_serving.child("lazy", "cpu", quick=True)
+    assert result["graphs"] == 0 and result["capture_s"] < 0.05
+    assert abs(result["build_s"] + result["capture_s"] + result["first_step_s"] - result["ttft_s"]) < 1e-6
+    assert result["dynamo_s"] > 0 and len(result["tokens"]) == 4

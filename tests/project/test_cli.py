@@ -1,4 +1,4 @@
-"""``python -m piecewise_backend inspect MODULE:FACTORY [--tokens N] [--dump DIR]``."""
+"""``python -m piecewise_backend inspect MODULE:FACTORY [--tokens N] [--dump DIR] [--context MODULE:FUNC]``."""
 
 from __future__ import annotations
 
@@ -214,3 +214,43 @@ def test_failing_factory_in_subprocess_has_no_traceback():
     assert proc.returncode == 1
     assert "error: the factory pbtest.cli_factories:raising_factory raised ValueError: no weights here" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("context, scale", [("scale_context", "6.0"), ("fixed_context", "0.5")])
+def test_inspect_runs_a_model_that_reads_the_forward_context(context, scale, capsys):
+    """--context MODULE:FUNC: FUNC (given the model's inputs, or none if it takes none) returns the
+    forward-context attributes; the eager and the compiled run both see them."""
+    argv = ["inspect", "pbtest.cli_factories:context_model_factory", "--tokens", "6",
+            "--context", f"pbtest.cli_factories:{context}"]
+    assert inspect_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"forward context: pbtest.cli_factories:{context} (scale={scale})" in out
+    assert "eager check: compiled output matches eager" in out
+
+
+def test_inspect_without_a_context_says_to_pass_one(capsys):
+    assert inspect_cli.main(["inspect", "pbtest.cli_factories:context_model_factory"]) == 1
+    err = capsys.readouterr().err
+    assert "raised RuntimeError: no forward context is set" in err and "pass --context MODULE:FUNC" in err, err
+
+
+@pytest.mark.parametrize(
+    "context, message",
+    [
+        ("pbtest.cli_factories:not_a_dict_context", "returned list; expected a dict of forward-context attributes"),
+        ("pbtest.cli_factories:nope", "module 'pbtest.cli_factories' has no attribute 'nope'"),
+        ("no_colon", "argument --context: expected MODULE:FUNC"),
+    ],
+)
+def test_inspect_bad_context_is_a_usage_error(context, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        inspect_cli.main(["inspect", "pbtest.cli_factories:context_model_factory", "--context", context])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_inspect_names_the_graph_break_that_cut_the_model(capsys):
+    assert inspect_cli.main(["inspect", "pbtest.cli_factories:graph_break_factory"]) == 0
+    out = capsys.readouterr().out
+    assert "graph 0: " in out and "(graph break: Dynamo ended this graph at a graph break at " in out, out
+    assert "note: Dynamo broke the model into 2 graphs at graph breaks" in out, out

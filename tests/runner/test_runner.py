@@ -12,6 +12,7 @@ from torch.testing import assert_close
 import piecewise_backend as pb
 from piecewise_backend.capture import gc_managed
 from piecewise_backend.inputs import is_persistent
+from piecewise_backend.platforms import registry
 from pbtest.helpers import SIM, make_model, token_ids, torch_threads
 
 M = pb.CUDAGraphMode
@@ -372,6 +373,29 @@ def test_runner_resolves_mode_for_attention_support():
         pb.GraphRunner(model, cfg(M.FULL), x_input(), attention_support=pb.AttentionGraphSupport.NEVER)
 
 
+def test_runner_says_what_it_does_not_do_of_its_config(caplog, monkeypatch):
+    """Every downgrade is visible: .mode plus one sentence per dropped feature in .downgrades."""
+    model = LoggingModel()
+    assert pb.GraphRunner(model, cfg(), x_input()).downgrades == ()
+    with caplog.at_level("WARNING", logger="piecewise_backend"):
+        r = pb.GraphRunner(model, cfg(use_ubatching=True), x_input())
+    assert r.mode is M.FULL_DECODE_ONLY
+    assert r.downgrades == ("use_ubatching with use_breakable=True: cudagraph_mode FULL_AND_PIECEWISE -> FULL_DECODE_ONLY "
+                            "(no breakable wrapper captures PIECEWISE graphs; use_breakable=False keeps per-piece graphs)",)
+    assert "FULL_AND_PIECEWISE -> FULL_DECODE_ONLY" in caplog.text
+    r = pb.GraphRunner(model, cfg(M.FULL), x_input(), attention_support=pb.AttentionGraphSupport.UNIFORM_BATCH)
+    assert r.downgrades == ("attention support UNIFORM_BATCH: cudagraph_mode FULL -> FULL_AND_PIECEWISE",)
+    r = pb.GraphRunner(model, cfg(M.FULL, use_ubatching=True, dbo_prefill_token_threshold=4), x_input())
+    assert r.mode is M.FULL and r.downgrades == (
+        "use_ubatching: micro-batched steps with a prompt of 4+ tokens (FULL) run eagerly in two threads, without a "
+        "graph (only uniform decode steps dispatched FULL replay micro-batched graphs)",)
+    r = pb.GraphRunner(model, cfg(use_ubatching=True), x_input(), drafter=True)
+    assert r.downgrades == ("use_ubatching: a drafter's steps are never micro-batched",)
+    monkeypatch.setattr(registry, "resolve_platform_name", lambda name: None)  # "auto" on a machine without a GPU
+    r = pb.GraphRunner(model, cfg(platform="auto"), x_input())
+    assert r.mode is M.NONE and r.downgrades == ("platform 'auto' finds no GPU: cudagraph_mode FULL_AND_PIECEWISE -> NONE",)
+
+
 def test_drafter_runner_only_dispatches_piecewise():
     model = LoggingModel()
     r = pb.GraphRunner(model, cfg(M.FULL), x_input(), drafter=True)
@@ -400,6 +424,8 @@ def test_runner_construction_errors():
         pb.StaticInput("not a name")
     with pytest.raises(ValueError, match="positive ints"):
         pb.StaticInput("x", shape=(0,))
+    with pytest.raises(ValueError, match=r"request_row inputs \['r'\] hold rows of per-request inputs, but this runner has none"):
+        pb.GraphRunner(model, cfg(), [*x_input(), pb.StaticInput("r", request_row=True)])
 
 
 def test_padding_rows_hold_the_pad_value_not_the_previous_step():
@@ -705,3 +731,41 @@ def test_runner_config_none_is_the_default_config_and_other_types_raise():
         pb.GraphRunner(LoggingModel(), {"cudagraph_mode": "NONE"}, x_input())
     with pytest.raises(TypeError, match="inputs must be StaticInputs, got 'x'"):
         pb.GraphRunner(LoggingModel(), None, ["x"])
+
+
+def test_host_read_in_a_splitting_op_under_full_names_the_mode_the_key_and_the_fix():
+    """A splitting op that reads the host runs eagerly between PIECEWISE segments but inline in a
+    FULL graph: the FULL capture's error names the mode, the descriptor, the op and the fix
+    (declare its graph support), not "move it out of the captured region". The fix works."""
+    from pbtest.helpers import HostReading
+
+    config = SIM.replace(splitting_ops=["pb_test::host_scale"], capture_sizes=[2, 4])
+    model = HostReading()
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config, [pb.StaticInput("input_ids")])
+    with torch.inference_mode(), pytest.raises(RuntimeError) as info:
+        runner.capture()
+    message = str(info.value)
+    for part in ("capturing BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True) in mode FULL",
+                 "inside the break point submod_1 (pb_test::host_scale)", "aten.item.default needs the host",
+                 "attention_support=AttentionGraphSupport.NEVER"):
+        assert part in message, message
+    assert "move it out of the captured region" not in message
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config,
+                            [pb.StaticInput("input_ids")], attention_support=pb.AttentionGraphSupport.NEVER)
+    ids = torch.tensor([3, 5, 7])
+    with torch.inference_mode():
+        runner.capture()
+        assert_close(runner.run(input_ids=ids, uniform_decode=True), model(ids))
+        assert runner.last_mode == M.PIECEWISE
+
+
+def test_host_read_outside_splitting_ops_keeps_its_fix_and_gains_the_mode_and_key():
+    from pbtest.helpers import HostReading
+
+    config = SIM.replace(splitting_ops=["pb_test::host_scale"], capture_sizes=[2])
+    compiled = torch.compile(HostReading(outside=True), backend=pb.make_backend(config))
+    runner = pb.GraphRunner(compiled, config, [pb.StaticInput("input_ids")], attention_support=pb.AttentionGraphSupport.NEVER)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="move it out of the captured region") as info:
+        runner.capture()
+    assert any("while capturing BatchDescriptor(num_tokens=2, num_reqs=None, uniform=False) in mode PIECEWISE" in n
+               for n in info.value.__notes__), info.value.__notes__

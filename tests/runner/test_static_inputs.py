@@ -28,6 +28,10 @@ from piecewise_backend.runner.static_inputs import check_plain, eager_tensor, fi
         (dict(name="x", pad="0"), TypeError, r"pad '0' must be a Python int or float"),
         (dict(name="x", dtype=torch.float16, pad=1e6), ValueError, r"within \+-65504"),
         (dict(name="x", per="sequence"), ValueError, r"per must be 'token' or 'request', got 'sequence'"),
+        (dict(name="x", request_row=1), TypeError, r"request_row must be True or False, got 1"),
+        (dict(name="x", request_row=True, per="request"), ValueError, r"request_row=True marks a per-token integer .* got per='request'"),
+        (dict(name="x", request_row=True, dtype=torch.float32), ValueError, r"got per='token', dtype=torch.float32"),
+        (dict(name="x", request_row=True, pad=-1), ValueError, r"padded with row 0 .* pad=-1"),
     ],
 )
 def test_static_input_errors_name_the_bad_value(kwargs, error, message):

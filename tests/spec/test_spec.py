@@ -32,12 +32,13 @@ def make_engine(k: int, mode: str = "FULL", draft_layers: int = LAYERS, platform
     return engine, reference
 
 
-def greedy(reference: torch.nn.Module, prompt, n: int, eos: int | None = None) -> list[int]:
+def greedy(reference: torch.nn.Module, prompt, n: int, eos: int | list[int] | None = None) -> list[int]:
+    """``reference.generate`` greedy, stopping at ``eos`` (an int or a list) or only at ``n`` (None)."""
     device = next(reference.parameters()).device
     ids = torch.tensor([list(prompt)], device=device)
     with torch.no_grad():
         out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                 eos_token_id=eos, pad_token_id=eos)
+                                 eos_token_id=eos, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -60,7 +61,6 @@ def check_modes(engine: spec.SpecEngine, rounds: list[spec.RoundInfo], mode: str
 
 
 def captured(k: int, mode: str, draft_layers: int = LAYERS, **kw):
-    torch._dynamo.reset()  # each engine compiles two models: stay under Dynamo's recompile limit
     engine, reference = make_engine(k, mode, draft_layers, **kw)
     estimate = engine.estimate_capture_memory()
     engine.capture()
@@ -117,6 +117,33 @@ def test_requests_finish_mid_run_at_eos_or_budget(self_draft):
     assert cut == at_eos | at_budget and all(a == 4 for i in rounds for a in i.accepted), rounds
     finished = {r: next(i.round for i in reversed(rounds) if r in i.requests) for r in range(4)}
     assert len(set(finished.values())) > 1, finished  # they finished at different rounds
+
+
+@pytest.mark.parametrize("self_draft", [(4, "FULL")], ids=["k4-FULL"], indirect=True)
+def test_eos_as_a_list_and_the_models_own_eos_stop_as_generate_does(self_draft):
+    """A list of stop tokens (any of them stops a request, inside an accepted run too), and without
+    ``eos_token_id`` the target's ``generation_config.eos_token_id``, as ``model.generate``."""
+    engine, reference, _ = self_draft
+    budgets = [12, 12, 7, 9]
+    free = engine.generate(PROMPTS, budgets, eos_token_id=[])  # []: no stop token
+    assert free == [greedy(reference, p, n) for p, n in zip(PROMPTS, budgets)]
+    eos = [next(o[i] for i in range(j, len(o)) if o[i] not in o[:i]) for o, j in ((free[0], 2), (free[1], 3))]
+    expected = [greedy(reference, p, n, eos) for p, n in zip(PROMPTS, budgets)]
+    assert sum(len(o) for o in expected) < sum(budgets), expected
+    assert engine.generate(PROMPTS, budgets, eos_token_id=eos) == expected
+    target = engine.target.model
+    saved = target.generation_config.eos_token_id, reference.generation_config.eos_token_id
+    try:
+        target.generation_config.eos_token_id = reference.generation_config.eos_token_id = eos
+        ids = [torch.tensor([list(p)]) for p in PROMPTS]
+        with torch.no_grad():  # generate without eos_token_id: the model's own
+            expected = [reference.generate(i, attention_mask=torch.ones_like(i), do_sample=False, max_new_tokens=n,
+                                           pad_token_id=0)[0, i.shape[1]:].tolist() for i, n in zip(ids, budgets)]
+        assert engine.generate(PROMPTS, budgets) == expected
+    finally:
+        target.generation_config.eos_token_id, reference.generation_config.eos_token_id = saved
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int, a list or tuple of ints .*got 2.5"):
+        engine.generate(PROMPTS, budgets, eos_token_id=2.5)
 
 
 def test_a_failed_round_frees_both_caches(self_draft):
@@ -225,6 +252,22 @@ def test_late_upgrade_full_to_full_and_piecewise_serves_every_key():
         assert_rollback_exact(engine, reference, [5, 4, 6, 3])
 
 
+@pytest.mark.parametrize("mode", ["FULL", "NONE"])
+def test_micro_batched_target_matches_generate(mode):
+    """Verify steps of 3 requests (max_num_reqs) split 1 + 2: the second half's requests read their own
+    block tables (before: an IndexError, or another request's keys with spare request rows)."""
+    engine, reference, _ = captured(2, mode, draft_layers=1,
+                                    config=dict(use_ubatching=True, dbo_decode_token_threshold=2))
+    prompts, budgets = PROMPTS[:3], [6, 4, 7]
+    rounds: list[spec.RoundInfo] = []
+    split: list[bool] = []
+    outputs = engine.generate(prompts, budgets, on_round=lambda r: (rounds.append(r), split.append(
+        engine.target.runner.last_ubatched)))
+    assert outputs == [greedy(reference, p, n) for p, n in zip(prompts, budgets)]
+    full_split = [r for r, u in zip(rounds, split) if u and len(r.requests) == 3 and r.verify_only]
+    assert full_split and all(r.target_mode == pb.CUDAGraphMode[mode] for r in full_split), list(zip(rounds, split))
+
+
 def test_engine_rejects_bad_arguments():
     target = hf.tiny_random_model("llama", num_hidden_layers=2)
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
@@ -241,6 +284,34 @@ def test_engine_rejects_bad_arguments():
         engine.generate([[1] * 10], 5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
         engine.generate([[1], [2]], [3])
+    # the checks HFEngine makes too (one validator: hf/arguments.py)
+    with pytest.raises(ValueError, match=r"prompt 1: token id 256 is outside the vocabulary \(ids 0..255\)"):
+        engine.generate([[3], [4, 256]], 2)
+    for bad, shown in ((2.5, "2.5"), (None, "None"), (True, "True")):
+        with pytest.raises(ValueError, match=rf"max_new_tokens must be a positive int or one per prompt .*got {shown}$"):
+            engine.generate([[1]], bad)
+    with pytest.raises(ValueError, match=r"max_new_tokens\[0\] must be a positive int \(tokens to generate\), got 2.5"):
+        engine.generate([[1]], [2.5])
+    with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
+        engine.generate([[5.5, 6.9]], 2)
+    assert engine.target.cache.tables == {} and engine.drafter.cache.tables == {}
+
+
+def test_spec_engine_streams_kept_tokens_and_refuses_sampling_and_a_batch_it_would_run_out_of_blocks_for():
+    """SpecEngine has streaming; it has no sampling (greedy acceptance) and no preemption: both refused up front."""
+    target = hf.tiny_random_model("llama", num_hidden_layers=2)
+    reference = copy.deepcopy(target)
+    config = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    engine = spec.SpecEngine(target, target, config, num_speculative_tokens=2, max_model_len=32, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="SpecEngine accepts drafts greedily .* so it cannot sample: sampling=SamplingParams"):
+        engine.generate([[1, 2]], 3, sampling=hf.SamplingParams(0.7))
+    with pytest.raises(ValueError, match="SpecEngine has no preemption: 3 of these requests running together may need "
+                                         "12 KV blocks, the caches have 8"):
+        engine.generate([[1] * 9] * 3, 4)
+    seen: list[tuple[int, int]] = []
+    out = engine.generate(PROMPTS[:2], 5, sampling=hf.SamplingParams(0), on_token=lambda i, t: seen.append((i, t)))
+    assert out == [greedy(reference, p, 5) for p in PROMPTS[:2]]
+    assert [[t for i, t in seen if i == r] for r in range(2)] == out
 
 
 def test_truncated_drafter_shares_the_targets_first_layers():
@@ -272,3 +343,38 @@ def test_partial_acceptance_with_debug_checks_on_cuda():
     outputs = engine.generate(PROMPTS, [9, 6, 12, 8])
     assert outputs == [greedy(reference, p, n) for p, n in zip(PROMPTS, [9, 6, 12, 8])]
     assert 0 < engine.stats.acceptance_rate < 1
+
+
+def _spec_decode_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "spec_decode.py"
+    module_spec = importlib.util.spec_from_file_location("spec_decode", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "deepseek_v2", "deepseek_v3", "minicpm3"])
+def test_spec_engine_sizes_its_caches_from_the_attention_modules(arch):
+    """Multi-query (gpt_bigcode: the config says 2 KV heads, its attention has 1) and MLA
+    (deepseek_v2/v3, minicpm3: K/V head dim 24, not the config's 8): both caches have HFEngine's
+    layout, the one the probe of the attention modules reads, not the one computed from the config."""
+    target = hf.tiny_random_model(arch, num_hidden_layers=LAYERS)
+    probed = hf.kv_shape(target)
+    assert probed != hf.kv_shape(target.config)  # the config would size the cache wrongly
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    engine = spec.SpecEngine(target, spec.truncated_drafter(target, 1), config, num_speculative_tokens=2,
+                             max_model_len=16, block_size=4)
+    for side, layers in ((engine.target, LAYERS), (engine.drafter, 1)):
+        caches = side.cache.key_caches
+        assert (len(caches), *caches[0].shape[2:]) == (layers, *probed[1:])
+
+
+@pytest.mark.parametrize("arch", ["gpt_bigcode", "minicpm3"])
+def test_spec_decode_example_checks_multi_query_and_mla_models(arch, capsys):
+    """``examples/spec_decode.py --arch NAME --num-speculative-tokens 2 --check``, in this process
+    (deepseek_v2 and deepseek_v3 pass it too; 15 and 29 s here, so the suite runs one MLA model)."""
+    assert _spec_decode_example().main(["--arch", arch, "--num-speculative-tokens", "2", "--check"]) == 0
+    assert "check: 5/5 requests match model.generate token for token" in capsys.readouterr().out

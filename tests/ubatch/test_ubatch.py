@@ -236,6 +236,38 @@ def test_host_sync_inside_a_micro_batched_capture_fails_clearly_and_capture_work
     assert len(wrapper.ubatch_entries) == 1
 
 
+def test_a_failed_micro_batched_capture_leaves_no_split_behind():
+    """A half that raises during the capture of a descriptor records nothing: a later step of the same
+    descriptor split another way captures (before, it raised "was captured ... with halves of (2, 2)")."""
+
+    class FailsOnce(torch.nn.Module):
+        fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pb.dbo_yield()
+            if self.fail and pb.get_forward_context().ubatch_index == 1:
+                raise RuntimeError("half 1 fails")
+            return x * 2
+
+    model = FailsOnce()
+    wrapper = pb.wrap_model(model, SIM_UB)
+    x = torch.arange(4.0)
+    pb.mark_persistent(x)
+    with pytest.raises(RuntimeError, match="half 1 fails"):
+        with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 2)):
+            wrapper(x)
+    assert not wrapper.ubatch_entries
+    model.fail = False
+    with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 3)):
+        assert torch.equal(wrapper(x), x * 2)
+    assert list(wrapper.ubatch_entries) == [pb.BatchDescriptor(4)]
+    with pytest.raises(ValueError, match=r"halves of \(3, 1\) tokens, this step has \(2, 2\)"):
+        with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 2)):
+            wrapper(x)
+    with pb.set_forward_context(FULL, pb.BatchDescriptor(4), ubatch_slices=halves(x, 3)):
+        assert torch.equal(wrapper(x), x * 2)  # the refusal changed nothing: the (3, 1) graph replays
+
+
 def test_bad_slices_and_modes_are_refused():
     with pytest.raises(ValueError, match="NONE or FULL, got PIECEWISE"):
         pb.UBatchWrapper(torch.nn.Identity(), SIM_UB, "PIECEWISE")
@@ -328,14 +360,32 @@ def test_runner_captures_micro_batched_decode_graphs_and_replays_them():
     assert not runner.last_ubatched and runner.last_mode == FULL and torch.equal(out, torch.tensor([3.0, 6, 9]))
 
 
-def test_a_graph_whose_second_half_would_overflow_the_request_buffers_runs_eagerly():
+def test_a_graph_fills_its_first_half_first_so_the_second_half_fits_the_request_buffers():
+    """5 requests pad to 8, halves of 4 + 4 tokens: the first half takes 4 requests, the second 1, at
+    request row 4 of 6 (split 2 + 3 in the middle, the second half would need rows 4..6 and run eagerly)."""
     runner, model = _runner("FULL", max_num_reqs=6)
     runner.capture(progress=False)
-    # 5 requests pad to 8: the graph's second half starts at request row 4 and needs 3 rows, 6 exist
+    model.seen.clear()
     out = runner.run(ids=torch.arange(5), scale=torch.arange(5.0), uniform_decode=True)
-    assert runner.last_ubatched and runner.last_mode == NONE and torch.equal(out, torch.arange(5.0) * 3)
+    assert runner.last_ubatched and runner.last_mode == FULL and model.seen == []  # replayed
+    assert torch.equal(out, torch.arange(5.0) * 3)
+    runner, model = _runner("FULL", max_num_reqs=5)  # 5 running of 5: 4 requests + 1 at row 4 (was 2 + 3: eager)
+    runner.capture(progress=False)
+    out = runner.run(ids=torch.arange(5), scale=torch.arange(5.0), uniform_decode=True)
+    assert runner.last_ubatched and runner.last_mode == FULL and torch.equal(out, torch.arange(5.0) * 3)
+
+
+def test_a_graph_whose_second_half_would_overflow_the_request_buffers_runs_eagerly():
+    model = Recorder()
+    config = SIM_UB.replace(cudagraph_mode="FULL", capture_sizes=[8], dbo_decode_token_threshold=2)
+    inputs = [pb.StaticInput("ids"), pb.StaticInput("scale", dtype=torch.float, per="request", pad=-1.0)]
+    runner = pb.GraphRunner(model, config, inputs, max_num_reqs=3, context_fn=lambda v: {"rows": len(v["ids"])})
+    runner.capture(progress=False)
+    assert not runner.model.ubatch_entries  # halves of 4 + 4 tokens: the second would start at request row 4 of 3
+    out = runner.run(ids=torch.arange(3), scale=torch.arange(3.0), uniform_decode=True)
+    assert runner.last_ubatched and runner.last_mode == NONE and torch.equal(out, torch.arange(3.0) * 3)
     second = [s for s in model.seen if s["index"] == 1][-1]
-    assert second["scale"].tolist() == [2.0, 3.0, 4.0, -1.0]  # eagerly the requests stay in place
+    assert second["scale"].tolist() == [1.0, 2.0]  # eagerly the requests stay in place
 
 
 def test_plain_full_mode_replays_split_decode_steps_and_runs_split_mixed_steps_eagerly():
@@ -349,6 +399,38 @@ def test_plain_full_mode_replays_split_decode_steps_and_runs_split_mixed_steps_e
     out = runner.run(ids=torch.arange(6), scale=torch.ones(6), uniform_decode=True)
     assert runner.last_ubatched and runner.last_mode == FULL and model.seen == []
     assert torch.equal(out, torch.arange(6.0) * 3)
+
+
+class RowScaled(torch.nn.Module):
+    """A user's own per-token index into a per-request input: ``scale[row_of_token]``."""
+
+    def forward(self, ids: torch.Tensor, row_of_token: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return ids.float() * scale[row_of_token]
+
+
+@pytest.mark.parametrize("mode", ["FULL", "NONE"])
+def test_request_row_inputs_are_rebased_for_each_half(mode):
+    """A per-token input declared request_row=True names whole-step request rows; each half gets
+    only its requests' rows of the per-request inputs, and the runner rebases the index to match.
+    Undeclared, the second half reads the first half's rows: the rule the declaration exists for."""
+    config = SIM_UB.replace(cudagraph_mode=mode, capture_sizes=[4, 8], dbo_decode_token_threshold=4,
+                            dbo_prefill_token_threshold=4)
+    outs = {}
+    for declared in (True, False):
+        inputs = [pb.StaticInput("ids"), pb.StaticInput("row_of_token", request_row=declared),
+                  pb.StaticInput("scale", dtype=torch.float, per="request", pad=-1.0)]
+        runner = pb.GraphRunner(RowScaled(), config, inputs, max_num_reqs=8)
+        runner.capture(progress=False)
+        ids, scale = torch.arange(1, 5), torch.tensor([10.0, 20.0, 30.0, 40.0])
+        decode = runner.run(ids=ids, row_of_token=torch.arange(4), scale=scale, uniform_decode=True)
+        assert runner.last_ubatched and runner.last_mode == pb.CUDAGraphMode[mode]
+        rows = torch.tensor([0, 0, 1, 2, 2, 2])  # mixed: 3 requests, split after the first two (3 + 3 tokens)
+        mixed = runner.run(ids=torch.arange(1, 7), row_of_token=rows, scale=scale[:3], query_lens=[2, 1, 3])
+        assert runner.last_ubatched
+        outs[declared] = decode, mixed
+    assert torch.equal(outs[True][0], torch.tensor([10.0, 40, 90, 160]))
+    assert torch.equal(outs[True][1], torch.arange(1.0, 7) * torch.tensor([10.0, 10, 20, 30, 30, 30]))
+    assert outs[False][0].tolist() == [10.0, 40, -3, -4]  # undeclared: the second half read its rows 2, 3 (padding)
 
 
 def test_query_lens_are_checked():

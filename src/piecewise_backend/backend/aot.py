@@ -207,6 +207,7 @@ class CompiledModel:
         data = MAGIC + hashlib.sha256(payload).digest() + payload
         path = os.path.expanduser(os.fspath(path))
         directory = os.path.dirname(os.path.abspath(path))
+        check_trusted(directory, "to save an AOT file into")  # a file others could swap: load would refuse it
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pb_aot.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:

@@ -130,18 +130,27 @@ class PieceCache:
 
     ``~`` is expanded. A directory another user can write is refused with ``PermissionError``
     (entries are pickles: :mod:`.trust`) with :class:`~.trust.UntrustedPathError`, unless ``PB_TRUST_CACHE_DIR=1``.
+    The check runs when the cache is made, again before every write (the directory may have been
+    created since, by anyone), and before reads until the directory is found in place.
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str]):
         self.root = Path(os.path.expanduser(os.fspath(cache_dir))) / "pieces"
+        self._checked = False  # the whole path existed and passed: nothing on it can appear later
+        self._check()
+
+    def _check(self) -> None:
         check_trusted(self.root.parent, "cache_dir")  # the error names the directory the user gave
         check_trusted(self.root, "cache_dir")
+        self._checked = self.root.is_dir()
 
     def path(self, key: str) -> Path:
         return self.root / f"{key}.piece"
 
     def load(self, key: str) -> Any | None:
         path = self.path(key)
+        if not self._checked:
+            self._check()
         try:
             with open(path, "rb") as f:
                 check_trusted_file(f.fileno(), path, "compile cache entry")
@@ -171,14 +180,18 @@ class PieceCache:
             return False
         data = MAGIC + hashlib.sha256(payload).digest() + key.encode("ascii") + payload
         tmp = None
+        self._check()  # before creating: a parent someone else made since is refused, nothing written
         try:
             self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: entries are pickles
             self.root.mkdir(mode=0o700, exist_ok=True)
+            self._check()  # exist_ok: another user may have made them between the check and here
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key[:16]}.", suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self.path(key))  # atomic: readers see the old file or the whole new one
             tmp = None
+        except UntrustedPathError:
+            raise
         except OSError as e:
             logger.warning("compile cache: cannot write to %s (%s); the piece stays compiled in memory only", self.root, e)
             return False

@@ -18,7 +18,7 @@ from ..capture.wrappers import CUDAGraphWrapper
 from ..config import CompilationConfig
 from ..modes import CUDAGraphMode
 from ..observability import counters, logger
-from ..ops import registered_splitting_ops
+from ..ops import OpMatcher, registered_splitting_ops
 from ..platforms.registry import effective_mode
 from .cache import PieceCache, compile_cached
 from .dump import dump_split
@@ -58,6 +58,34 @@ def _compile_inductor(gm: fx.GraphModule) -> Callable[..., Any]:
     return compile_fx(fresh, _example_inputs(gm))  # returns a bare value when the piece does
 
 
+def _break_name(piece: Piece, matcher: OpMatcher | None) -> str:
+    """``piece``'s name with the splitting op(s) it holds, e.g. ``submod_1 (pb_kv::paged_attention)``."""
+    found = [matcher.match(n.target) for n in piece.module.graph.nodes if n.op == "call_function"] if matcher else []
+    names = dict.fromkeys(op if isinstance(op, str) else getattr(op, "__qualname__", repr(op)) for op in found if op)
+    return f"{piece.name} ({', '.join(names)})" if names else piece.name
+
+
+_RESUME = "torch_dynamo_resume_in_"  # Dynamo's name for the code after a graph break
+
+
+def graph_break(gm: fx.GraphModule) -> str | None:
+    """Why Dynamo cut the model at an edge of ``gm`` when a graph break did: the graph ends at one, or
+    resumes a function after one. None for a whole function's graph (or a torch without the record)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    stack = list(getattr(reason, "user_stack", None) or [])
+    if reason is None:
+        return None
+    if getattr(reason, "graph_break", False):
+        where = f" at {stack[-1].filename}:{stack[-1].lineno}" if stack else ""
+        text = str(getattr(reason, "reason", "")).strip()
+        return f"Dynamo ended this graph at a graph break{where} ({text.splitlines()[0] if text else 'no reason given'})"
+    name = stack[-1].name if stack else ""
+    if name.startswith(_RESUME):
+        function = name[len(_RESUME):].rsplit("_at_", 1)[0]
+        return f"this graph is {name}: the rest of {function} after a graph break"
+    return None
+
+
 class PiecewiseBackend:
     """A torch.compile backend: ``backend(gm, example_inputs)`` -> stitched callable."""
 
@@ -85,19 +113,21 @@ class PiecewiseBackend:
         configured = self.config.splitting_ops is not None
         ops = self.config.splitting_ops if configured else registered_splitting_ops()
         split = split_graph(gm, ops)
+        split.graph_break = graph_break(gm)
         self._log_missing(ops, split, configured, graph_index)
         split_gm = split.split_gm
+        matcher = OpMatcher(split.found_ops)
         for piece in split.pieces:
-            split_gm.__dict__[piece.name] = self._runner(piece)  # setattr refuses non-Modules
+            split_gm.__dict__[piece.name] = self._runner(piece, matcher)  # setattr refuses non-Modules
         counters["pieces"] += len(split.pieces)
         counters["splitting_pieces"] += split.num_splitting
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
         return _direct_forward(split_gm)
 
-    def _runner(self, piece: Piece) -> Callable[..., Any]:
+    def _runner(self, piece: Piece, matcher: OpMatcher | None = None) -> Callable[..., Any]:
         if piece.is_splitting:
-            return BreakPoint(_direct_forward(piece.module), piece.name)
+            return BreakPoint(_direct_forward(piece.module), _break_name(piece, matcher))
         counters["compiled_pieces"] += 1
         if self.config.compile_pieces == "eager":
             fn: Callable[..., Any] = _direct_forward(piece.module)
@@ -141,11 +171,21 @@ class PiecewiseBackend:
                 self._logged.add("no splitting op")
             if first:
                 names = [op if isinstance(op, str) else getattr(op, "__name__", None) or repr(op) for op in ops]
-                logger.warning(
-                    "graph %d has no splitting op, so its PIECEWISE graphs capture it whole, attention included; "
-                    "register the model's attention op with pb.register_splitting_op (looked for: %s)",
-                    graph_index, ", ".join(names),
-                )
+                if split.graph_break is not None:  # registration is not the cause: the op may be in the next graph
+                    logger.warning(
+                        "graph %d has no splitting op, so its PIECEWISE graphs capture it whole, attention included. "
+                        "Dynamo cut the model here, not at a splitting op: %s. Each graph break makes graphs of its "
+                        "own (torch._dynamo.explain(model)(*inputs) lists them); remove it (boolean-mask indexing, "
+                        ".item(), printing a tensor, ...) so the model compiles as one graph split only at its "
+                        "splitting ops (looked for: %s)",
+                        graph_index, split.graph_break, ", ".join(names),
+                    )
+                else:
+                    logger.warning(
+                        "graph %d has no splitting op, so its PIECEWISE graphs capture it whole, attention included; "
+                        "register the model's attention op with pb.register_splitting_op (looked for: %s)",
+                        graph_index, ", ".join(names),
+                    )
             return
         for op in ops:
             if any(op is f or op == f for f in split.found_ops):

@@ -35,6 +35,8 @@ class SplitGraph:
     split_gm: fx.GraphModule
     pieces: list[Piece]
     found_ops: list[OpSpec]  # the splitting specs that matched at least one node
+    #: why Dynamo cut the model at this graph's edge when a graph break did (set by the backend), else None
+    graph_break: str | None = None
 
     @property
     def num_splitting(self) -> int:

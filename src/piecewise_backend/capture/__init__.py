@@ -1,6 +1,8 @@
-"""The capture layer: sessions and break points, entries, graph memory, and the two wrappers."""
+"""The capture layer: sessions and break points, entries, graph memory, the two wrappers, and the
+compile-free breakable graph."""
 
 from .entry import GraphEntry
+from .graph import BreakableCUDAGraph, BreakableGraph, GraphPool, breakable_graph, graph_platform_name
 from .memory import (
     captured_wrappers,
     fresh_pool,
@@ -10,7 +12,9 @@ from .memory import (
     poison_stale_outputs,
     release_cached,
     release_capture_memory,
+    release_segments,
     scratch_pool,
+    weaken_segments,
 )
 from .session import (
     BreakPoint,
@@ -23,13 +27,21 @@ from .session import (
     capture_allowed,
     capture_enabled,
     eager_break,
+    force_break,
     gc_managed,
+    is_in_breakable_graph,
     run_session,
+    session_scope,
     set_capture_enabled,
 )
 from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, unwrap_model
 
 __all__ = [
+    "BreakableCUDAGraph",
+    "BreakableGraph",
+    "GraphPool",
+    "breakable_graph",
+    "graph_platform_name",
     "BreakPoint",
     "bulk_capture",
     "call_break",
@@ -40,8 +52,11 @@ __all__ = [
     "CaptureSession",
     "eager_break",
     "EagerSegment",
+    "force_break",
     "gc_managed",
+    "is_in_breakable_graph",
     "run_session",
+    "session_scope",
     "set_capture_enabled",
     "GraphEntry",
     "captured_wrappers",
@@ -52,7 +67,9 @@ __all__ = [
     "poison_stale_outputs",
     "release_cached",
     "release_capture_memory",
+    "release_segments",
     "scratch_pool",
+    "weaken_segments",
     "BreakableCUDAGraphWrapper",
     "CUDAGraphWrapper",
     "unwrap_model",

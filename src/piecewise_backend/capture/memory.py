@@ -76,17 +76,47 @@ def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
     return owns
 
 
-def _weakener(platform: Platform) -> Callable[[Any], Any]:
-    owns = owner_test(platform)
-    pool = getattr(platform, "pool", None)
+def _weakener(platform: Platform, pool: Any = None) -> Callable[[Any], Any]:
+    """One weak view per capture-time tensor (pool memory), the same view for every reference to it,
+    so identities a replay checks (a break returning its input) still hold. ``pool``: a private
+    pool the capture used (a :class:`SimPool`); None: the platform's own."""
+    owns = pool.owns if hasattr(pool, "owns") else owner_test(platform)
+    pool = pool if pool is not None else getattr(platform, "pool", None)
     make_weak = getattr(pool, "weak", weak_ref_tensor)
+    made: dict[int, tuple[Any, Any]] = {}
 
     def weaken(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and not is_weak(x) and owns(x):
-            return make_weak(x)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in made:
+            made[id(x)] = (x, make_weak(x) if not is_weak(x) and owns(x) else x)
+        return made[id(x)][1]
 
     return weaken
+
+
+def weaken_segments(segments: list[Any], weaken: Callable[[Any], Any]) -> None:
+    """Hold the capture-time tensors of the eager breaks among ``segments`` through ``weaken``."""
+    from .session import EagerSegment
+
+    for seg in segments:
+        if isinstance(seg, EagerSegment):
+            seg.args, seg.kwargs = tree_map(weaken, seg.args), tree_map(weaken, seg.kwargs)
+            seg.fresh = [(i, weaken(t)) for i, t in seg.fresh]
+            seg.returned = [(i, weaken(t)) for i, t in seg.returned]
+
+
+def release_segments(platform: Platform, segments: list[Any], pool: Any = None) -> None:
+    """After a compile-free capture (:func:`~.graph.breakable_graph`): its breaks hold pool memory weakly."""
+    _graphs_created[0] += sum(not _is_break(s) for s in segments)
+    if not keep_strong():
+        weaken_segments(segments, _weakener(platform, pool))
+
+
+def _is_break(segment: Any) -> bool:
+    from .session import EagerSegment
+
+    return isinstance(segment, EagerSegment)
 
 
 def release_capture_memory(wrapper: Any, entry: Any) -> None:
@@ -95,30 +125,15 @@ def release_capture_memory(wrapper: Any, entry: Any) -> None:
     One weak view per tensor object, so identities the replay checks (a break returning its
     input) still hold between the entry's references.
     """
-    from .session import EagerSegment
-
     _wrappers.add(wrapper)
     _graphs_created[0] += entry.num_graphs
     if keep_strong():
         return
-    weaken_one = _weakener(wrapper.platform)
-    made: dict[int, tuple[Any, Any]] = {}
-
-    def weaken(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if id(x) not in made:
-            made[id(x)] = (x, weaken_one(x))
-        return made[id(x)][1]
-
+    weaken = _weakener(wrapper.platform)
     leaves = [weaken(t) for t in entry.output_leaves]
     entry.output_leaves = leaves
     entry.output = tree_unflatten(leaves, entry.output_spec)
-    for seg in entry.segments:
-        if isinstance(seg, EagerSegment):
-            seg.args, seg.kwargs = tree_map(weaken, seg.args), tree_map(weaken, seg.kwargs)
-            seg.fresh = [(i, weaken(t)) for i, t in seg.fresh]
-            seg.returned = [(i, weaken(t)) for i, t in seg.returned]
+    weaken_segments(entry.segments, weaken)
     for spec_tensor in entry.spec.tensors:  # an input an earlier graph produced (per-piece chains)
         spec_tensor.captured = weaken(spec_tensor.captured)
 

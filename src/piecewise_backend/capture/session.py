@@ -53,12 +53,14 @@ class EagerSegment:
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, force_grad: bool | None = None):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.single = isinstance(out, torch.Tensor)
-        leaves = [out] if self.single else tree_leaves(out)
+        leaves = [out] if self.single else [] if out is None else tree_leaves(out)
         # A result in fresh memory must land where the later graph segments read it.
         self.fresh = fresh_outputs(args, kwargs, leaves)
         # A result that *is* one of the inputs is read in place by later segments: it must stay that input.
-        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
+        self.returned = []
+        if any(isinstance(t, torch.Tensor) for t in leaves):
+            inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.returned = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and id(t) in inputs]
         # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: a break whose
         # grad mode at capture was set by the model (see CaptureSession.run_break) gets it back on replay.
         self.grad_enabled = force_grad
@@ -93,17 +95,41 @@ class EagerSegment:
 
 
 class CaptureSession:
-    """One capture in progress on one thread."""
+    """One capture in progress on one thread.
 
-    def __init__(self, platform: Platform, breakable: bool):
+    ``scope`` opens what the whole capture runs in (default: the platform's capture scope;
+    :func:`~.graph.breakable_graph` adds its pool and stream); ``barrier`` runs before each
+    break's eager call, at capture only (``breakable_graph(barrier_fn=)``).
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        breakable: bool,
+        *,
+        scope: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        barrier: Callable[[], Any] | None = None,
+    ):
         self.platform, self.breakable = platform, breakable
+        self.scope = scope if scope is not None else platform.capture_scope
+        self.barrier = barrier
         self.segments: list[Graph | EagerSegment] = []
         self._recorder: Recorder | None = None
         self.start_grad = torch.is_grad_enabled()
         self.grad_touched = False  # a break changes grad mode on replay: later breaks may enter in another mode
+        #: the break point an error escaped from while it ran inline (a FULL capture): for the error message
+        self.failed_in: str | None = None
 
     def begin(self) -> None:
         self._recorder = self.platform.begin()
+
+    def end_before(self, what: str) -> None:
+        """End the open segment before ``what`` (a break, or the capture's end); a failure says where."""
+        try:
+            self.end()
+        except Exception as e:
+            e.add_note(f"(the graph segment failed to end before {what})")
+            raise
 
     def end(self) -> None:
         recorder = self._recorder
@@ -117,12 +143,20 @@ class CaptureSession:
         if recorder is not None:
             recorder.abort()
 
-    def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        self.end()
+    def split(self) -> None:
+        """End the open segment and open the next one, with no eager work between them."""
+        self.end_before("force_break()")
+        self.begin()
+
+    def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict, stub: Callable[..., Any] | None = None) -> Any:
+        """End the segment, run ``stub`` (if given) or ``fn`` eagerly, record ``fn`` for replay, begin the next."""
+        self.end_before(f"the break {getattr(fn, '__qualname__', fn)!r}")
+        if self.barrier is not None:
+            self.barrier()
         before = torch.is_grad_enabled()
         _state.in_break += 1
         try:
-            out = fn(*args, **kwargs)
+            out = (fn if stub is None else stub)(*args, **kwargs)
         finally:
             _state.in_break -= 1
         force = before if before != self.start_grad or self.grad_touched else None
@@ -134,37 +168,76 @@ class CaptureSession:
         return out
 
 
-def run_session(session: CaptureSession, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run ``fn`` under ``session``; on any error nothing stays open or recorded.
+@contextlib.contextmanager
+def session_scope(session: CaptureSession) -> Iterator[CaptureSession]:
+    """Capture what runs inside into ``session``; on any error nothing stays open or recorded.
 
     One capture runs at a time per process (CUDA's capture mode is global: another
     thread's allocation or sync invalidates a capture): a second thread's capture
-    waits here until the first one ends.
+    waits here until the first one ends. Captures do not nest on one thread.
     """
     if _state.session is not None:
-        raise RuntimeError("a capture is already active on this thread; captures do not nest")
+        raise RuntimeError(
+            "a capture is already active on this thread; captures do not nest (a breakable_graph or a "
+            "wrapper's capture was opened inside another): end the first capture before starting the next"
+        )
     with _capture_lock:
         _state.session = session
         try:
-            with session.platform.capture_scope():
+            with session.scope():
                 session.begin()
                 try:
-                    out = fn(*args, **kwargs)
-                    session.end()
+                    yield session
+                    session.end_before("the end of the capture")
                 except BaseException:
                     session.abort()
                     raise
         finally:
             _state.session = None
+
+
+def run_session(session: CaptureSession, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run ``fn`` under ``session`` (see :func:`session_scope`)."""
+    with session_scope(session):
+        out = fn(*args, **kwargs)
     return out
 
 
-def call_break(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run ``fn`` as a break point: a break inside a breakable capture, plain call elsewhere."""
+def call_break(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, capture_stub: Callable[..., Any] | None = None, name: str = ""
+) -> Any:
+    """Run ``fn`` as a break point: a break inside a breakable capture, plain call elsewhere.
+
+    ``capture_stub`` replaces ``fn``'s body during a breakable capture only (replays run ``fn``).
+    Inside a capture that does not break (FULL), an error escaping ``fn`` records ``name`` on the
+    session: the wrapper's error then says the failing code is a break point the graph holds inline.
+    """
     session = _state.session
-    if session is None or not session.breakable or _state.in_break:
+    if session is None or _state.in_break:
         return fn(*args, **kwargs)
-    return session.run_break(fn, args, kwargs)
+    if not session.breakable:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            if session.failed_in is None:
+                session.failed_in = name or getattr(fn, "__qualname__", None) or repr(fn)
+            raise
+    return session.run_break(fn, args, kwargs, capture_stub)
+
+
+def force_break() -> None:
+    """A split with no eager work: inside a breakable capture the open segment ends and the next
+    begins; anywhere else (no capture, a FULL capture, inside a break) it does nothing."""
+    session = _state.session
+    if session is not None and session.breakable and not _state.in_break:
+        session.split()
+
+
+def is_in_breakable_graph() -> bool:
+    """True while this thread captures with breaks: a :func:`~.graph.breakable_graph`, or a breakable
+    wrapper's capture (not FULL), break bodies included (the capture is still open around them)."""
+    session = _state.session
+    return session is not None and session.breakable
 
 
 class BreakPoint:
@@ -176,32 +249,50 @@ class BreakPoint:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _state.session is None:  # hot path: serving replays never get here, eager runs do
             return self.fn(*args, **kwargs)
-        return call_break(self.fn, args, kwargs)
+        return call_break(self.fn, args, kwargs, name=self.name)
 
     def __repr__(self) -> str:
         return f"BreakPoint({self.name or self.fn!r})"
 
 
-def eager_break(fn: F) -> F:
+def eager_break(
+    fn: F | None = None, *, capture_stub: Callable[..., Any] | None = None, enable: bool = True
+) -> Any:
     """Make ``fn`` a break point: breakable captures run it eagerly between graph segments.
 
-    The compile-free path: decorate a model's attention function, wrap the model in a
-    ``BreakableCUDAGraphWrapper``, and no torch.compile is needed.
+    ``@pb.eager_break`` or ``@pb.eager_break(capture_stub=stub, enable=True)``. The compile-free
+    path: inside :func:`~.graph.breakable_graph`, or a model wrapped in a
+    ``BreakableCUDAGraphWrapper``, no torch.compile is needed. ``capture_stub`` (same
+    arguments, a compatible result) runs instead of ``fn`` during a capture only, in both;
+    replays run ``fn``. ``enable=False`` returns ``fn`` unchanged.
 
-    Rules for ``fn`` (see :class:`EagerSegment`): it runs twice on the capturing step, the
-    first time on garbage, and replays with the Python arguments of its capture, so it
-    must be an idempotent write (``out.copy_(...)``, a KV-cache write at given slots), not
-    an accumulation; if it returns one of its inputs, it must return that same one each call.
+    Rules for ``fn`` (see :class:`EagerSegment`): a wrapper's capturing step runs it twice,
+    the first time on garbage, and replays run it with the Python arguments of its capture,
+    so it must be an idempotent write (``out.copy_(...)``, a KV-cache write at given slots),
+    not an accumulation; it may return a fresh tensor (copied into place on replay), and if
+    it returns one of its inputs, it must return that same one each call.
     """
+    if capture_stub is not None and not callable(capture_stub):
+        raise TypeError(f"eager_break: capture_stub must be callable, got {type(capture_stub).__name__}")
+    if not isinstance(enable, bool):
+        raise TypeError(f"eager_break: enable must be a bool, got {enable!r}")
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _state.session is None:
-            return fn(*args, **kwargs)
-        return call_break(fn, args, kwargs)
+    def decorate(fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"eager_break decorates a callable, got {type(fn).__name__}")
+        if not enable:
+            return fn
 
-    wrapper.__pb_break_point__ = fn  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _state.session is None:
+                return fn(*args, **kwargs)
+            return call_break(fn, args, kwargs, capture_stub, fn.__qualname__)
+
+        wrapper.__pb_break_point__ = fn  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate if fn is None else decorate(fn)
 
 
 # Capture switch, the one owner of "may a wrapper capture now": after startup capture a

@@ -175,7 +175,16 @@ class _GraphWrapper:
         bound_args, bound_kwargs = spec.bind(args, kwargs)
         # Under FULL nothing breaks: attention is part of the one graph.
         session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
-        output = run_session(session, self.runnable, bound_args, bound_kwargs)
+        try:
+            output = run_session(session, self.runnable, bound_args, bound_kwargs)
+        except RuntimeError as e:
+            if HOST_READ not in str(e):
+                raise
+            explained = _host_read_error(e, session, type(self).__name__, mode, desc)
+            if explained is None:
+                e.add_note(f"{type(self).__name__}: while capturing {desc} in mode {mode.name}")
+                raise
+            raise explained from e
         entry = GraphEntry(session.segments, spec, output, grad_touched=session.grad_touched)
         del output
         if self.config.debug_checks:
@@ -211,6 +220,30 @@ class _GraphWrapper:
     def __repr__(self) -> str:
         mode = "any" if self.runtime_mode is None else self.runtime_mode.name
         return f"{type(self).__name__}({mode}, entries={self._count()}, runnable={self.runnable!r})"
+
+
+#: What CUDA (and the simulator) say when a capture reads device data on the host.
+HOST_READ = "operation not permitted when stream is capturing"
+
+
+def _host_read_error(e: RuntimeError, session: CaptureSession, owner: str, mode: CUDAGraphMode,
+                     desc: BatchDescriptor) -> RuntimeError | None:
+    """The error to raise for a host read in a FULL capture inside a break point, or None (not that case).
+
+    There "move it out of the captured region" points the wrong way: the break point (a splitting
+    op, e.g. attention) runs eagerly between PIECEWISE segments, and only FULL graphs hold it. The
+    fix is to say the op does not support FULL graphs.
+    """
+    if mode != CUDAGraphMode.FULL or session.failed_in is None:
+        return None
+    what = str(e).split("; move it out", 1)[0]
+    return RuntimeError(
+        f"{owner}: capturing {desc} in mode FULL failed inside the break point {session.failed_in} (a splitting "
+        f"op, which a FULL graph holds inline with the rest of the model): {what}. A splitting op that reads "
+        "the host runs only eagerly, between PIECEWISE segments: declare its graph support so no FULL graph "
+        "holds it, GraphRunner(..., attention_support=AttentionGraphSupport.NEVER) (or register its attention "
+        "backend with NEVER; see docs/engine.md), or use cudagraph_mode PIECEWISE. Nothing was captured"
+    )
 
 
 def _check_finite(entry: GraphEntry, owner: str, desc: BatchDescriptor) -> None:

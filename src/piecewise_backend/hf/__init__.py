@@ -1,4 +1,4 @@
-"""Serve stock Hugging Face decoder models: adapter probe, engine, and tiny random models for tests."""
+"""Serve stock Hugging Face decoder models: adapter probe, engine, serving loop, sampling, tiny random models."""
 
 from .adapter import (
     PROBE_IMPLEMENTATION,
@@ -16,7 +16,6 @@ from .adapter import (
 from .engine import (
     ATTN_IMPLEMENTATION,
     HFEngine,
-    StepInfo,
     TokensFirst,
     adapt,
     chunked_layers,
@@ -24,6 +23,9 @@ from .engine import (
     paged_attention_forward,
     register_attention,
 )
+from .sampling import SamplingParams
+from .serving import RequestOutput, StepInfo
+from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
 from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
 __all__ = [
@@ -34,8 +36,10 @@ __all__ = [
     "kv_shape",
     "paged_attention_forward",
     "register_attention",
-    "StepInfo",
     "TokensFirst",
+    "SamplingParams",
+    "RequestOutput",
+    "StepInfo",
     "graph_safe_experts",
     "LayerLayout",
     "layout_refusal",
@@ -47,6 +51,10 @@ __all__ = [
     "refusal",
     "SERVED_LAYER_TYPES",
     "UNDERSTOOD_KWARGS",
+    "ModuleBreak",
+    "install_host_breaks",
+    "module_break",
+    "no_full_graphs",
     "MAX_PARAMS",
     "TINY",
     "TINY_IF_SET",

@@ -53,6 +53,7 @@ class LayerLayout:
 class ProbeResult:
     layers: dict[int, LayerLayout]
     host_reads: list[str]  # "aten.nonzero in model.layers.0.mlp.experts", first seen first
+    host_read_modules: list[str] = dataclasses.field(default_factory=list)  # the innermost module of each, as named there
     masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)
     qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
     ignores_positions: bool = False  # q/k differ along the row for one token at one position_id
@@ -131,12 +132,14 @@ def probe_attention_forward(
 class _HostReads(TorchDispatchMode):
     """Notes each op that makes the host wait for device data, with the module it ran in."""
 
-    def __init__(self, tracker: ModuleTracker, found: list[str]):
+    def __init__(self, tracker: ModuleTracker, result: ProbeResult):
         super().__init__()
-        self.tracker, self.found = tracker, found
+        self.tracker, self.result = tracker, result
 
     def _note(self, what: str) -> None:
-        self.found.append(f"{what} in {max(self.tracker.parents, key=len, default='the model')}")
+        where = max(self.tracker.parents, key=len, default="the model")
+        self.result.host_reads.append(f"{what} in {where}")
+        self.result.host_read_modules.append(where)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if classify(func, args, kwargs or {}) is OpKind.HOST_SYNC:
@@ -156,7 +159,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     transformers.AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention_forward)
     previous = model.config._attn_implementation
     result = ProbeResult({}, [])
-    same = ProbeResult({}, result.host_reads)
+    same = ProbeResult({}, result.host_reads, result.host_read_modules)
     param = next(model.parameters())
     vocab = model.config.get_text_config().vocab_size
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
@@ -167,7 +170,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         # HF takes other branches under torch.compile (eager-only input checks skipped, MoE fallbacks):
         # the probe follows the ones Dynamo will trace.
         torch.compiler.is_compiling = lambda: True
-        with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result.host_reads) as reads, \
+        with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result) as reads, \
                 sim_rules.watching_host_reads(reads), mixers.recording(model) as states:
             positions = torch.arange(tokens, device=param.device)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False)

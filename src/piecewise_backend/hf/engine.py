@@ -14,14 +14,18 @@ Gemma 2/3, ...); :func:`adapt` refuses, naming the reason, every model it would 
   sync-free implementation.
 * :class:`TokensFirst` is the runner's layout: all tokens of a step as one row
   (``input_ids[None]``), with ``position_ids`` per token, so RoPE sees each token's own position.
-* :class:`HFEngine` owns the cache and the runner and runs a continuous-batching greedy loop:
-  steps with prompt tokens replay PIECEWISE graphs, pure decode steps replay one FULL graph.
+* :class:`HFEngine` owns the cache and the runner and serves requests with continuous batching
+  (:mod:`.serving`: chunked prefill, preemption, sampling, streaming, the online API): steps with
+  prompt tokens replay PIECEWISE graphs, pure decode steps replay one FULL graph; with
+  ``lazy_capture=True`` it serves before capturing and :meth:`HFEngine.capture_idle` captures later.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+import os
+import types
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,12 +33,17 @@ import torch.nn.functional as F
 
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
+from ..context import BatchDescriptor
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
 from ..state.cache import StateCache, StateSpec
 from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal
+from .arguments import check_generate, generation_eos
+from .sampling import SamplingParams, per_request
+from .serving import RequestOutput, ServingLoop, StepInfo
+from .host_breaks import install_host_breaks, no_full_graphs
 from .tiny import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 
 ATTN_IMPLEMENTATION = "pb_paged"
@@ -87,12 +96,15 @@ class TokensFirst(torch.nn.Module):
     """``(input_ids (tokens,), position_ids (tokens,)) -> logits (tokens, vocab)`` around a HF causal LM."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None, state_specs: Sequence[StateSpec] = (),
+        self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None, host_breaks: list[str] | None = None,
+        state_specs: Sequence[StateSpec] = (),
     ):
         super().__init__()
         self.model = model
         #: (attention layers, kv_heads, head_dim) of the cache the model needs (set by :func:`adapt`)
         self.kv_shape = kv_shape
+        #: modules that read the host, run as break points (:mod:`~piecewise_backend.hf.host_breaks`)
+        self.host_breaks = host_breaks or []
         #: the states its state layers keep per request, in the order of the state cache (set by :func:`adapt`)
         self.state_specs = list(state_specs)
 
@@ -122,6 +134,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
             result = probe(model.eval())
         except Exception as e:  # e.g. a forward that needs more than token ids (embeddings, shared K/V states)
             raise ValueError(f"{name} fails on a plain token-id forward ({type(e).__name__}: {e}); adapt() gives it nothing else") from e
+        breaks = install_host_breaks(model, result) if result.layers else []  # a host read: a break, not a refusal
         reason = layout_refusal(name, result)
     if reason is not None:
         raise ValueError(reason)
@@ -136,7 +149,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     keys = [(s.layer, s.kind) for s in specs]
     mixers.route(result.state_layers, lambda layer, kind: keys.index((layer, kind)))
     model.set_attn_implementation(register_attention())
-    return TokensFirst(model.eval(), result.kv_shape(), specs)
+    return _own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs)
 
 
 def chunked_layers(model: torch.nn.Module) -> dict[int, int]:
@@ -145,6 +158,22 @@ def chunked_layers(model: torch.nn.Module) -> dict[int, int]:
     chunk = getattr(text, "attention_chunk_size", None) or 0
     kinds = getattr(text, "layer_types", None) or ()
     return {i: chunk for i, kind in enumerate(kinds) if kind == "chunked_attention" and chunk}
+
+
+def _own_code(cls: type[TokensFirst]) -> type[TokensFirst]:
+    """A subclass of ``cls`` whose ``forward`` has a code object of its own.
+
+    Dynamo keeps compiled code per code object and, past ``recompile_limit`` (8) entries, runs the
+    frame uncompiled: with one shared ``forward`` the 5th engine of a process was served eagerly,
+    its PIECEWISE graphs holding attention whole. A copy of the code per adapted model keeps each
+    engine's entries apart (and frees them with the engine).
+    """
+    base = cls.forward
+    forward = types.FunctionType(base.__code__.replace(), base.__globals__, base.__name__, base.__defaults__,
+                                 base.__closure__)
+    functools.update_wrapper(forward, base)
+    del forward.__wrapped__  # a wrapper's __wrapped__ would send inspect (and Dynamo's tracing) to the shared code
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
@@ -168,19 +197,14 @@ def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-@dataclasses.dataclass(frozen=True)
-class StepInfo:
-    """What one engine step ran: token and request counts, whether it was pure decode, the mode."""
-
-    step: int
-    num_tokens: int
-    num_reqs: int
-    uniform_decode: bool
-    mode: CUDAGraphMode
-
-
 class HFEngine:
-    """Greedy continuous batching of a HF causal LM on a GraphRunner with a paged KV cache."""
+    """Continuous batching of a HF causal LM on a GraphRunner with a paged KV cache.
+
+    ``lazy_capture=True`` serves from the first call (a step without a graph runs eagerly) and
+    :meth:`capture_idle` captures what traffic asked for; ``max_num_batched_tokens`` bounds every
+    step's tokens (default: the largest capture size), longer prompts are prefilled in chunks;
+    ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool.
+    """
 
     def __init__(
         self,
@@ -192,7 +216,11 @@ class HFEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         attention_backend: str = "auto",
+        lazy_capture: bool = False,
+        max_num_batched_tokens: int | None = None,
+        graph_memory_budget: int | None = None,
     ):
+        _check_tokens_budget(max_num_batched_tokens)
         self.model = model
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if isinstance(limit, int) and max_model_len > limit:
@@ -205,6 +233,7 @@ class HFEngine:
         if why is not None:
             raise ValueError(why)
         adapted = adapt(model)
+        config = no_full_graphs(config, adapted.host_breaks)
         layers, kv_heads, head_dim = kv_shape(adapted)
         param = next(model.parameters())
         self.cache = kv.PagedKVCache(
@@ -227,99 +256,157 @@ class HFEngine:
         self.runner = GraphRunner(
             compiled, config, inputs, model_kwargs=["input_ids", kv.POSITIONS], context_fn=context_fn,
             max_num_reqs=max_num_reqs, device=param.device, attention_support=support,
-            attention_backend=self.attention_backend,
+            attention_backend=self.attention_backend, lazy_capture=lazy_capture, graph_memory_budget=graph_memory_budget,
         )
         self.max_num_reqs = max_num_reqs
         self.max_step_tokens = self.runner.dispatcher.max_size
+        budget = max_num_batched_tokens or self.max_step_tokens or max_model_len  # NONE mode: a whole prompt
+        self._loop = ServingLoop(self.runner, self.cache, self.vocab_size, max_num_reqs, budget, self.states)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, config: CompilationConfig, **kwargs: Any) -> HFEngine:
+        """An engine over the causal LM a local ``save_pretrained`` folder holds (nothing is downloaded).
+
+        ``kwargs`` that :class:`HFEngine` takes go to it; the others (``dtype``, ``device_map``, ...)
+        to transformers' ``AutoModelForCausalLM.from_pretrained``, with ``local_files_only=True``.
+        """
+        folder = os.fspath(path)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ValueError(
+                f"HFEngine.from_pretrained: {folder!r} is not a folder written by save_pretrained (no config.json "
+                "there); it loads local checkpoints only: download one first (huggingface_hub.snapshot_download)"
+            )
+        engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
+        kwargs["local_files_only"] = True
+        model = _transformers().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        return cls(model.eval(), config, **engine_kwargs)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens a step runs; a longer prompt is prefilled in chunks over several steps."""
+        return self._loop.scheduler.max_num_batched_tokens
+
+    @max_num_batched_tokens.setter
+    def max_num_batched_tokens(self, value: int) -> None:
+        _check_tokens_budget(value)
+        self._loop.scheduler.max_num_batched_tokens = value
 
     def capture(self, progress: bool = False) -> CaptureReport:
+        """Capture every descriptor (within ``graph_memory_budget`` when set), under inference mode."""
         with torch.inference_mode():
             return self.runner.capture(progress=progress)
+
+    def capture_idle(self, max_seconds: float) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """Capture, within ``max_seconds`` and ``graph_memory_budget``, the graphs steps ran without;
+        returns the ``(mode, descriptor)`` pairs captured. Call it between steps (when idle), on the
+        thread that steps: a capture must never overlap a step (see :mod:`.serving`)."""
+        with self._loop.lock, torch.inference_mode():
+            return self.runner.capture_idle(max_seconds)
+
+    # ------------------------------------------------------------------ the online API
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        request_id: Hashable | None = None,
+        on_token: Callable[[Hashable, int], None] | None = None,
+    ) -> Hashable:
+        """Queue a request while others run (any thread); returns its id (default: the next free int).
+
+        It joins the next step that has room. ``stop_token_ids`` end it (the stop token is kept);
+        ``on_token(request_id, token_id)`` is called as each of its tokens is produced.
+        """
+        return self._loop.add(
+            prompt, max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids, request_id=request_id,
+            on_token=on_token,
+        )
+
+    def cancel_request(self, request_id: Hashable) -> bool:
+        """Stop a request and free its KV blocks at once; False when no such request is unfinished.
+        The next :meth:`step` (or :meth:`results`) reports it with ``finish_reason="cancelled"``."""
+        return self._loop.cancel(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step of the added requests; returns those that finished since the last call."""
+        with torch.inference_mode():
+            return self._loop.step()
+
+    def results(self) -> Iterator[RequestOutput]:
+        """Step until every added request has finished, yielding each one as it finishes."""
+        yield from _inference(self._loop.results())
+
+    def has_unfinished_requests(self) -> bool:
+        return self._loop.has_unfinished()
 
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> list[list[int]]:
-        """Greedy completions of ``prompts`` (token ids, without the prompt), in order.
+        """Completions of ``prompts`` (token ids, without the prompt), in order; greedy unless ``sampling``.
 
-        Each step decodes one token for every running request and admits waiting prompts whole
-        while they fit ``max_num_reqs`` and the largest captured size.
+        ``sampling``: one :class:`SamplingParams` for all, or one per prompt (None: greedy).
+        ``on_token(request_index, token_id)`` is called as each token is produced, in order;
+        ``on_step`` gets a :class:`StepInfo` per step. Every step schedules the running requests'
+        decode tokens first, then prompt chunks, within ``max_num_batched_tokens`` and
+        ``max_num_reqs``; when KV blocks run out the newest requests are preempted and recomputed.
+        A request stops at its budget or at a token of ``eos_token_id`` (an int or a list of ints;
+        ``[]``: none; None: the model's ``generation_config.eos_token_id``, as ``model.generate``).
         """
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(budgets) != len(prompts) or any(b < 1 for b in budgets):
-            raise ValueError(f"max_new_tokens must be a positive int or one per prompt ({len(prompts)}), got {max_new_tokens!r}")
-        for i, p in enumerate(prompts):
-            if not p or len(p) + budgets[i] > self.cache.max_model_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + {budgets[i]} new must be in 1..max_model_len={self.cache.max_model_len}"
-                )
-            bad = [t for t in p if not 0 <= t < self.vocab_size]
-            if bad:  # an embedding lookup out of range: IndexError here, a device-side assert inside a CUDA graph
-                raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (ids 0..{self.vocab_size - 1})")
-        outputs: list[list[int]] = [[] for _ in prompts]
-        waiting, running, step = list(range(len(prompts))), [], 0
+        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.cache.max_model_len,
+                              eos_token_id=eos_token_id, default_eos=generation_eos(self.model))
+        prompts, budgets = args.prompts, args.budgets
+        params = per_request(sampling, len(prompts))
+        if on_token is not None and not callable(on_token):
+            raise TypeError(f"on_token must be callable(request_index, token_id), got {type(on_token).__name__}")
+        loop = self._loop
+        if loop.has_unfinished():
+            raise RuntimeError(
+                "generate() serves a batch of its own, but requests added with add_request() are unfinished: "
+                "iterate results() or cancel_request() them first"
+            )
+        stops = sorted(args.eos)
+        requests = []
+        loop.steps = 0
         try:
             with torch.inference_mode():
-                while waiting or running:
-                    info = self._step(step, prompts, outputs, budgets, waiting, running, eos_token_id)
+                for i, p in enumerate(prompts):
+                    requests.append(loop.add_internal(p, budgets[i], params[i], stops, i, on_token))
+                while loop.has_unfinished():
+                    info = loop.advance()
                     if on_step is not None:
                         on_step(info)
-                    step += 1
-        finally:  # an error mid-way must not leak the blocks (and state slots) of the requests still running
-            for r in running:
-                if r in self.cache.tables:
-                    self.cache.free(r)
-                if self.states is not None and r in self.states.slots:
-                    self.states.free(r)
-        return outputs
-
-    def _step(
-        self,
-        step: int,
-        prompts: Sequence[Sequence[int]],
-        outputs: list[list[int]],
-        budgets: list[int],
-        waiting: list[int],
-        running: list[int],
-        eos_token_id: int | None,
-    ) -> StepInfo:
-        """Schedule, run and sample one step; updates ``outputs``, ``waiting`` and ``running``."""
-        chunks = [(r, len(prompts[r]) + len(outputs[r]) - 1, 1) for r in running]
-        tokens = [outputs[r][-1] for r in running]
-        while waiting and len(running) < self.max_num_reqs:
-            r = waiting[0]
-            if chunks and len(tokens) + len(prompts[r]) > self.max_step_tokens:
-                break
-            chunks.append((r, 0, len(prompts[r])))
-            tokens += prompts[r]
-            running.append(waiting.pop(0))
-        decode = all(n == 1 for _, _, n in chunks)  # one query token per request: FULL-graph shaped
-        meta = self.cache.step_inputs(chunks)
-        if self.states is not None:
-            meta.update(self.states.step_inputs(chunks))
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-        logits = self.runner.run(uniform_decode=decode, num_reqs=len(chunks) if decode else None, input_ids=ids, **meta)
-        if self.states is not None:  # the step succeeded: the states it wrote become current
-            self.states.commit(r for r, _, _ in chunks)
-        last = torch.tensor(_ends(chunks), device=logits.device)
-        for (r, _, _), tok in zip(chunks, logits[last].argmax(-1).tolist()):
-            outputs[r].append(tok)
-            if len(outputs[r]) >= budgets[r] or tok == eos_token_id:
-                running.remove(r)
-                self.cache.free(r)
-                if self.states is not None:
-                    self.states.free(r)
-        return StepInfo(step, len(tokens), len(chunks), decode, self.runner.last_mode)
+        finally:  # an error mid-way must not leak the blocks of the requests still running
+            loop.cancel_all()
+        return [r.output for r in requests]
 
 
-def _ends(chunks: Sequence[tuple[Any, int, int]]) -> list[int]:
-    """Row of each chunk's last token in the step's token layout."""
-    ends, total = [], 0
-    for _, _, n in chunks:
-        total += n
-        ends.append(total - 1)
-    return ends
+#: Keyword arguments of HFEngine (the rest of from_pretrained's go to transformers).
+_ENGINE_KWARGS = frozenset({
+    "max_num_reqs", "max_model_len", "block_size", "num_blocks", "attention_backend", "lazy_capture",
+    "max_num_batched_tokens", "graph_memory_budget",
+})
+
+
+def _check_tokens_budget(value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"max_num_batched_tokens must be None or a positive int (tokens per step), got {value!r}")
+
+
+def _inference(results: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
+    """``results`` with every step (each ``next``) under inference mode, but not the caller's loop body."""
+    while True:
+        with torch.inference_mode():
+            out = next(results, None)
+        if out is None:
+            return
+        yield out

@@ -147,6 +147,20 @@ class PagedKVCache:
         """
         self._reserve_all([(request, num_tokens)])
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds."""
+        return self.allocator.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds."""
+        return math.ceil(num_tokens / self.block_size)
+
+    def blocks_needed(self, request: Hashable, num_tokens: int) -> int:
+        """Blocks ``request`` must still get to hold ``num_tokens`` tokens (0 when it holds them;
+        a scheduler compares it with :attr:`num_free_blocks` before a step, to preempt in time)."""
+        return self._missing(request, num_tokens)
+
     def _missing(self, request: Hashable, num_tokens: int) -> int:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
             raise ValueError(f"request {request!r}: num_tokens must be an int >= 0, got {num_tokens!r}")
@@ -201,11 +215,13 @@ class PagedKVCache:
         """The metadata inputs for a GraphRunner, with pads that never touch a real request.
 
         Padding tokens write K/V to the scratch slot and read (and discard) request row 0.
+        ``request_index`` holds rows of ``block_tables`` (``request_row=True``): a micro-batching
+        runner rebases it for each half, which gets only its own requests' block tables.
         """
         return [
             StaticInput(POSITIONS, pad=0),
             StaticInput(SLOT_MAPPING, pad=PAD_SLOT),
-            StaticInput(REQUEST_INDEX, pad=0),
+            StaticInput(REQUEST_INDEX, pad=0, request_row=True),
             StaticInput(BLOCK_TABLES, shape=(self.max_blocks_per_req,), pad=0, per="request"),
         ]
 

@@ -53,6 +53,8 @@ def gc_managed() -> bool:
 def fresh_outputs(args: tuple, kwargs: dict, outs: list[Any]) -> list[tuple[int, torch.Tensor]]:
     """(position, tensor) of each output in memory none of the inputs own: a result a replay
     must copy into place, since later work reads the capture-time tensor."""
+    if not any(isinstance(t, torch.Tensor) for t in outs):
+        return []  # the common case of a break that writes in place: no input walk
     owned = {p for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for p in _storage_ptrs(t)}
     return [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor) and owned.isdisjoint(_storage_ptrs(t))]
 

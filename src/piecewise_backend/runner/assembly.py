@@ -60,6 +60,17 @@ def resolve_cudagraph_mode(
     return resolved
 
 
+def drop_full_graphs(mode: CUDAGraphMode | str, reason: str) -> CUDAGraphMode:
+    """``mode`` without FULL graphs, for a model no FULL graph can hold (``reason``, logged): FULL and
+    FULL_AND_PIECEWISE become PIECEWISE, FULL_DECODE_ONLY becomes NONE; the rest is unchanged."""
+    mode = CUDAGraphMode.parse(mode)
+    if not mode.has_full_cudagraphs():
+        return mode
+    resolved = _NONE if mode == CUDAGraphMode.FULL_DECODE_ONLY else _PIECEWISE
+    logger.info("cudagraph_mode %s -> %s (no FULL graph can hold it: %s)", mode.name, resolved.name, reason)
+    return resolved
+
+
 def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) -> Any:
     """Stack the wrappers ``config`` asks for around ``model``.
 
@@ -125,6 +136,23 @@ def clear_graphs(model: Any) -> None:
     backend = find_backend(model)
     if backend is not None:
         backend.clear_graphs()
+
+
+def drop_graph(model: Any, mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+    """Drop the graphs of one ``(mode, desc)`` of ``model`` (wrapper stack, micro-batched and per-piece
+    entries); the pool memory they used is given back by the next ``release_cached``."""
+    for wrapper in _wrappers(model):
+        if isinstance(wrapper, UBatchWrapper):
+            for inner in (wrapper.full, wrapper.split):
+                if inner is not None:
+                    inner._by_mode[mode.value].pop(desc, None)
+            wrapper._split_rows.pop(desc, None)
+        elif wrapper._matches(mode):
+            wrapper._by_mode[mode.value].pop(desc, None)
+    backend = find_backend(model)
+    if backend is not None:
+        for piece in backend.piece_wrappers:
+            piece._by_mode[mode.value].pop(desc, None)
 
 
 def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> None:

@@ -8,28 +8,38 @@ the progress bar) is in :mod:`.orchestration`.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
+from ..capture.memory import graphs_created
+from ..capture.wrappers import CUDAGraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor, set_forward_context
 from ..inputs import mark_persistent
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..observability import logger
 from ..platforms.registry import effective_mode
+from ..shapes import mark_token_views
+from ..ubatch.wrapper import UBatchWrapper
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .dispatcher import CudagraphDispatcher
+from .lazy import Key, LazyCapture, capture_within
 from .orchestration import CaptureReport, capture_all, capture_one, estimate_memory
 from .static_inputs import (
     StaticInput,
+    check_captured_context,
     check_context,
     check_full_context,
+    check_request_rows,
     check_tensor,
+    context_tensors,
     eager_tensor,
     fill,
     fits,
@@ -47,6 +57,11 @@ class GraphRunner:
     forward-context attributes such as attention metadata, during capture as on every step.
     ``attention_backend`` names the attention the model runs (reported, e.g. in the capture log);
     ``attention_support`` is what that attention lets a FULL graph hold.
+
+    ``lazy_capture=True`` serves before any capture: a step whose descriptor has no graph runs
+    eagerly and counts as demand, and :meth:`capture_idle` captures what was asked for in the
+    time it is given (:mod:`.lazy`). ``graph_memory_budget`` (bytes this runner's graphs may add
+    to the pool) bounds :meth:`capture` and :meth:`capture_idle`; with it, too, no step captures.
     """
 
     def __init__(
@@ -65,6 +80,8 @@ class GraphRunner:
         drafter: bool = False,
         device: torch.device | str | None = None,
         attention_backend: str | None = None,
+        lazy_capture: bool = False,
+        graph_memory_budget: int | None = None,
     ):
         if config is None:
             config = CompilationConfig()
@@ -101,14 +118,46 @@ class GraphRunner:
             )
         self.max_num_reqs = max_num_reqs
         self._per_request = frozenset(per_request)
+        self._request_row = frozenset(i.name for i in inputs if i.request_row)  # rebased per micro-batch half
+        if self._request_row and not per_request:
+            raise ValueError(
+                f"request_row inputs {sorted(self._request_row)} hold rows of per-request inputs, but this runner "
+                "has none: add the per='request' inputs they index"
+            )
         self._request_rows = {name: max_num_reqs for name in per_request}  # other inputs: the step's token rows
+        downgrades = []  # what this runner does not do of what config asked, in words
+        effective = effective_mode(config)
+        if effective != config.cudagraph_mode:
+            downgrades.append(
+                f"platform {config.platform!r} finds no GPU: cudagraph_mode {config.cudagraph_mode.name} -> NONE"
+            )
         mode = resolve_cudagraph_mode(
-            effective_mode(config), attention_support, attention_split=attention_split,
+            effective, attention_support, attention_split=attention_split,
             uniform_decode_query_len=uniform_decode_query_len,
         )
+        if mode != effective:
+            downgrades.append(
+                f"attention support {AttentionGraphSupport(attention_support).name}: cudagraph_mode {effective.name} -> "
+                f"{mode.name}"
+            )
         self._ubatching = config.use_ubatching and not drafter
-        if self._ubatching and config.use_breakable:
-            mode = without_piecewise(mode)
+        if config.use_ubatching and drafter:
+            downgrades.append("use_ubatching: a drafter's steps are never micro-batched")
+        if self._ubatching and config.use_breakable and mode.has_piecewise_cudagraphs():
+            resolved = without_piecewise(mode)
+            downgrades.append(
+                f"use_ubatching with use_breakable=True: cudagraph_mode {mode.name} -> {resolved.name} (no breakable "
+                "wrapper captures PIECEWISE graphs; use_breakable=False keeps per-piece graphs)"
+            )
+            mode = resolved
+        if self._ubatching:
+            eager = eager_halves(mode, config)
+            if eager:
+                logger.warning("use_ubatching: %s", eager)
+                downgrades.append(f"use_ubatching: {eager}")
+        #: Each way this runner falls short of ``config`` (a mode lowered, a feature dropped), in words;
+        #: empty when it does all that was asked. Micro-batching's also log a warning.
+        self.downgrades: tuple[str, ...] = tuple(downgrades)
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.attention_backend = attention_backend
@@ -129,6 +178,40 @@ class GraphRunner:
         self.steps = 0  # steps run by a micro-batching runner (named in its errors)
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
+        self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
+        self.lazy = LazyCapture()  # captured keys, demand for the others, capture measurements
+        self._lazy_capture = self._budget = None
+        self.lazy_capture = lazy_capture
+        self.graph_memory_budget = graph_memory_budget
+
+    @property
+    def lazy_capture(self) -> bool:
+        """Steps never capture: one without a graph runs eagerly and counts as demand (``capture_idle``)."""
+        return self._lazy_capture
+
+    @lazy_capture.setter
+    def lazy_capture(self, value: bool) -> None:
+        if value is not True and value is not False:
+            raise ValueError(f"lazy_capture must be a bool, got {value!r}")
+        self._lazy_capture = value
+        self._route_lazily = value or self._budget is not None
+
+    @property
+    def graph_memory_budget(self) -> int | None:
+        """Bytes this runner's graphs may add to the graph pool (None: no limit)."""
+        return self._budget
+
+    @graph_memory_budget.setter
+    def graph_memory_budget(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {value!r}")
+        self._budget = value
+        self._route_lazily = bool(self._lazy_capture) or value is not None
+
+    @property
+    def demand(self) -> dict[Key, int]:
+        """Steps that ran without the graph they dispatched to, per ``(mode, descriptor)`` not captured."""
+        return {k: d.steps for k, d in self.lazy.demand.items()}
 
     @property
     def mode(self) -> CUDAGraphMode:
@@ -144,13 +227,42 @@ class GraphRunner:
         self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
         capturing: bool = False,
     ) -> Any:
-        attrs = dict(self.context_fn(dict(views)), **extra) if self.context_fn else dict(extra)
+        attrs = dict(self.context_fn(dict(views))) if self.context_fn else {}
+        guard = None
+        if mode == CUDAGraphMode.FULL and self.context_fn is not None:
+            guard = self._guard_context(("step", desc), desc, context_tensors(attrs), self._full_entries())
+        attrs.update(extra)
         if capturing:
             attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
-        elif self.capture_closed:
+        elif self.capture_closed or self._route_lazily:
             attrs.setdefault("allow_capture", False)
         with set_forward_context(mode, desc, **attrs):
-            return self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+            out = self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+        if guard is not None:
+            guard()
+        return out
+
+    def _full_entries(self) -> dict | None:
+        """The FULL entries of plain (not micro-batched) steps, by descriptor."""
+        m = self.model
+        if isinstance(m, UBatchWrapper) or isinstance(m, CUDAGraphWrapper) and m.runtime_mode == CUDAGraphMode.FULL:
+            return m.entries
+        return None
+
+    def _guard_context(
+        self, key: tuple, desc: BatchDescriptor, now: dict[str, tuple], entries: dict | None
+    ) -> Callable[[], Any] | None:
+        """Before a FULL call: refuse ``context_fn`` tensors (``now``: :func:`context_tensors`) other than
+        those the graph of ``desc`` captured. When this call may capture ``desc``, returns what records
+        them once it did (a failed capture records nothing)."""
+        if entries is None:
+            return None
+        if desc in entries:
+            known = self._captured_context.get(key)
+            if known is not None:
+                check_captured_context(known, now, desc)
+            return None
+        return lambda: desc in entries and self._captured_context.__setitem__(key, now)
 
     def run(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
@@ -189,6 +301,9 @@ class GraphRunner:
             elif num_reqs != reqs:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
         context = {} if context is None else check_context(context, replays=self._replays)
+        if self.config.debug_checks:
+            for name in self._request_row:
+                check_request_rows(self.inputs[name], batch[name], 0, reqs, where=f" (the step has {reqs} requests)")
         if self._ubatching:
             lens = _ubatch.check_query_lens(query_lens, n, reqs)
             return _ubatch.run_step(self, batch, n, num_reqs, uniform_decode, context, fit, lens)
@@ -198,6 +313,9 @@ class GraphRunner:
         if mode != CUDAGraphMode.NONE and not fit:
             logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
             mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
+        wanted = None
+        if self._route_lazily and mode != CUDAGraphMode.NONE:
+            mode, desc, wanted = self.lazy.route(self.dispatcher, mode, desc, n)
         if mode == CUDAGraphMode.FULL and context:
             check_full_context(context, self._buffer_storages)
         self.last_mode = mode
@@ -205,8 +323,20 @@ class GraphRunner:
             _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
         if mode == CUDAGraphMode.NONE:
             rows = self._request_rows
-            views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
-            return self._call(views, mode, desc, context)
+            if wanted is None:
+                views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
+                return self._call(views, mode, desc, context)
+            # A step a graph will serve later runs on the buffers' first rows, marked as the capture's
+            # warm-ups mark them: Dynamo traces the one graph those use, not one per size (nor another
+            # for inference tensors), so neither later steps nor capture_idle compile again.
+            for name, t in batch.items():
+                fill(self.buffers[name], t, rows.get(name, n), self.inputs[name].pad)
+            views = self._views(n)
+            mark_token_views(views, self.inputs)
+            began = time.perf_counter()
+            out = self._call(views, mode, desc, context)
+            self.lazy.note_eager(wanted, time.perf_counter() - began)
+            return out
         padded = desc.num_tokens
         rows = self._request_rows
         for name, t in batch.items():
@@ -219,6 +349,8 @@ class GraphRunner:
     def clear_graphs(self) -> None:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
         clear_graphs(self.model)
+        self.lazy.forget()
+        self._captured_context.clear()
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
         """Warm up and capture every descriptor the dispatcher can emit, largest first.
@@ -227,8 +359,33 @@ class GraphRunner:
         previous step's data, and ``context_fn`` gets the same padded views as on a step.
         With ``disable_after`` (default) later steps of this runner never capture: an
         unseen descriptor raises :class:`CaptureDisabledError` instead of capturing mid-serving.
+        With a ``graph_memory_budget`` the descriptors are captured by the lazy policy (no
+        time limit): none predicted past the budget, and those left out run eagerly.
         """
-        return capture_all(self, disable_after, progress)
+        if self._budget is None:
+            return capture_all(self, disable_after, progress)
+        keys = [(mode, d) for mode, descs in self.dispatcher.capture_descriptors() for d in descs]
+        began, segments = time.perf_counter(), graphs_created()
+        before = self.lazy.grown
+        captured = capture_within(self, keys, math.inf, self._budget)
+        added = self.lazy.grown - before
+        self.report = CaptureReport(
+            len(captured), time.perf_counter() - began,
+            f"{len(captured)} of {len(keys)} descriptors within graph_memory_budget={self._budget}", added,
+            graphs_created() - segments,
+        )
+        self.capture_closed = disable_after
+        return self.report
+
+    def capture_idle(
+        self, max_seconds: float, *, clock: Callable[[], float] = time.perf_counter
+    ) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """Capture descriptors that steps asked for (largest first) within ``max_seconds`` and ``graph_memory_budget``; returns the ``(mode, descriptor)`` pairs
+        captured. Starts no capture predicted to overrun either (:mod:`.lazy`). Call it between
+        steps, on the thread that runs them."""
+        if not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool) or not max_seconds >= 0:
+            raise ValueError(f"capture_idle: max_seconds must be a number of seconds >= 0, got {max_seconds!r}")
+        return capture_within(self, list(self.lazy.demand), float(max_seconds), self._budget, clock)
 
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
         """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
@@ -249,9 +406,32 @@ def without_piecewise(mode: CUDAGraphMode) -> CUDAGraphMode:
     """Micro-batching replaces the breakable wrapper: PIECEWISE graphs have no capturer then."""
     if mode.has_piecewise_cudagraphs():
         resolved = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full_cudagraphs() else CUDAGraphMode.NONE
-        logger.info("use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper)", mode.name, resolved.name)
+        logger.warning(
+            "use_ubatching: cudagraph_mode %s -> %s (no breakable wrapper captures PIECEWISE graphs; "
+            "use_breakable=False keeps per-piece graphs)", mode.name, resolved.name,
+        )
         return resolved
     return mode
+
+
+def eager_halves(mode: CUDAGraphMode, config: CompilationConfig) -> str:
+    """Which graph steps micro-batching runs eagerly instead (in two threads), in words; "" for none.
+
+    Only a uniform decode step dispatched FULL has a micro-batched graph; any other step that
+    reaches its threshold within the capture sizes loses its graph.
+    """
+    largest = config.sizes[-1] if config.sizes else 0
+    lost = []
+    if mode.decode_mode() == CUDAGraphMode.PIECEWISE and config.dbo_decode_token_threshold <= largest:
+        lost.append(f"decode steps of {config.dbo_decode_token_threshold}+ tokens (PIECEWISE)")
+    if mode.mixed_mode() != CUDAGraphMode.NONE and config.dbo_prefill_token_threshold <= largest:
+        lost.append(f"steps with a prompt of {config.dbo_prefill_token_threshold}+ tokens ({mode.mixed_mode().name})")
+    if not lost:
+        return ""
+    return (
+        f"micro-batched {' and '.join(lost)} run eagerly in two threads, without a graph (only uniform decode "
+        "steps dispatched FULL replay micro-batched graphs)"
+    )
 
 
 def _drafter_mode(mode: CUDAGraphMode) -> CUDAGraphMode:

@@ -56,7 +56,9 @@ def capture_all(runner: Any, disable_after: bool, progress: bool | None) -> Capt
     with bulk_capture(), _progress(total, progress) as bar:
         for mode, descs in plan:
             for desc in descs:
+                began = time.perf_counter()
                 runner._capture_one(mode, desc, platform)
+                runner.lazy.note_capture(mode, desc, time.perf_counter() - began, None)  # growth: only the total
                 bar.update(1)
                 bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
     added = platform.memory() - before if platform else 0

@@ -27,6 +27,10 @@ class StaticInput:
     ``per="token"``: one row per token (padded to the captured size). ``per="request"``:
     one row per request, always ``max_num_reqs`` rows. A tensor narrower than ``shape`` is
     padded with ``pad`` in every mode; a wider one cannot fit and the step runs eagerly.
+
+    ``request_row=True`` (per-token integer inputs, ``pad=0``): each value is a row of the
+    per-request inputs (a token's request). A micro-batched step gives each half only its own
+    requests' rows, so the runner rebases these values per half; ``debug_checks`` checks them.
     """
 
     name: str
@@ -34,6 +38,7 @@ class StaticInput:
     dtype: torch.dtype = torch.long
     pad: int | float = 0
     per: str = "token"
+    request_row: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -57,6 +62,35 @@ class StaticInput:
         if self.per not in PER_VALUES:
             raise ValueError(f"StaticInput {self.name!r}: per must be 'token' or 'request', got {self.per!r}")
         _check_pad(self.name, self.pad, self.dtype)
+        if not isinstance(self.request_row, bool):
+            raise TypeError(f"StaticInput {self.name!r}: request_row must be True or False, got {self.request_row!r}")
+        if self.request_row and (
+            self.per != "token" or self.dtype.is_floating_point or self.dtype.is_complex or self.dtype == torch.bool
+            or self.pad != 0
+        ):
+            raise ValueError(
+                f"StaticInput {self.name!r}: request_row=True marks a per-token integer input holding rows of the "
+                f"per-request inputs, padded with row 0 (the first row of every micro-batch half); got "
+                f"per={self.per!r}, dtype={self.dtype}, pad={self.pad!r}"
+            )
+
+
+def check_request_rows(
+    spec: StaticInput, value: torch.Tensor, lo: int, hi: int, first: int = 0, where: str = ""
+) -> None:
+    """Under ``debug_checks``: every value of a ``request_row`` input lies in ``lo..hi-1``, or a clear error.
+
+    ``value`` holds the step's tokens from token ``first``; ``where`` says which tokens those are.
+    """
+    bad = (value < lo) | (value >= hi)
+    if bool(bad.any()):
+        token = int(bad.reshape(bad.shape[0], -1).any(-1).nonzero()[0, 0])
+        raise IndexError(
+            f"GraphRunner.run (debug_checks): input {spec.name!r} (request_row=True) holds request row "
+            f"{value[token].tolist()} at token {first + token}{where}; valid rows are {lo}..{hi - 1}. Its values "
+            "index the step's per-request inputs (rows 0..R-1 of the whole step; the runner rebases them for "
+            "each micro-batch half, which sees only its own requests)"
+        )
 
 
 def _check_pad(name: str, pad: Any, dtype: torch.dtype) -> None:
@@ -210,6 +244,30 @@ def check_full_context(context: Mapping[str, Any], buffer_storages: set[int]) ->
                     "a FULL graph replays the tensors it read at capture and would ignore it. Make it a "
                     "StaticInput and build it in context_fn from the step's views"
                 )
+
+
+def context_tensors(attrs: Mapping[str, Any], prefix: str = "") -> dict[str, tuple]:
+    """``path -> (address, shape, dtype)`` of every tensor among ``attrs``' leaves: what a FULL graph baked in."""
+    return {
+        prefix + path: (leaf.data_ptr(), tuple(leaf.shape), leaf.dtype)
+        for key, value in attrs.items()
+        for path, leaf in context_leaves(value, key)
+        if isinstance(leaf, torch.Tensor)
+    }
+
+
+def check_captured_context(captured: Mapping[str, tuple], now: Mapping[str, tuple], desc: Any) -> None:
+    """On a FULL replay: ``context_fn`` returned the tensors the graph of ``desc`` captured, or a clear error."""
+    if now == captured:
+        return
+    path = next((p for p in sorted(set(captured) | set(now)) if captured.get(p) != now.get(p)))
+    was, got = (f"0x{t[0]:x} {list(t[1])} {t[2]}" if t else "absent" for t in (captured.get(path), now.get(path)))
+    raise ValueError(
+        f"GraphRunner.run: context_fn's {path!r} is not the tensor the FULL graph of {desc} captured (captured: "
+        f"{was}; now: {got}); a FULL replay reads the capture-time tensor and would ignore the new one. Update "
+        "context tensors in place (a KV cache too), or call runner.clear_graphs() and capture() again after "
+        "replacing them"
+    )
 
 
 def input_names(field: str, given: Sequence[str] | None, names: list[str], default: list[str]) -> list[str]:

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from ..context import BatchDescriptor, set_forward_context
 from ..modes import CUDAGraphMode
 from ..ubatch.wrapper import UBatchSlice
-from .static_inputs import StaticInput, check_full_context, eager_tensor, fill
+from .static_inputs import StaticInput, check_full_context, check_request_rows, context_tensors, eager_tensor, fill
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
 
@@ -131,6 +131,8 @@ def run_step(
     mode, desc = runner.dispatcher.dispatch(total, uniform_decode=uniform, num_reqs=num_reqs if total == n else None)
     if mode != _NONE and not agreed.fit:  # one rank's inputs are too wide for the buffers: every rank eagerly
         mode, desc = _NONE, BatchDescriptor(total)
+    if runner._route_lazily and mode != _NONE:  # lazy capture: no graph yet runs eagerly
+        mode, desc, _ = runner.lazy.route(runner.dispatcher, mode, desc, total)
     if mode == _FULL and context:
         check_full_context(context, runner._buffer_storages)
     runner.last_ubatched = agreed.ubatch
@@ -149,16 +151,39 @@ def run_step(
         return tree_map(lambda o: _unpad(o, n, padded), out)
     # a uniform decode batch splits the same way every step of a descriptor (plain FULL mode keys it relaxed)
     canonical = canonical_rows(desc.num_tokens, q) if mode == _FULL and uniform else None
-    if canonical is not None and runner._per_request and canonical[0] // q + agreed.rows[1] // q > runner.max_num_reqs:
-        canonical = None  # the second half's requests would not fit the per-request buffers at the graph's offset
+    if canonical is not None:
+        # Fill the graph's first half before its second: the second half's requests then start at request
+        # row canonical[0] // q and need at most max(n - canonical[0], q) // q rows after it, which fits
+        # max_num_reqs whenever the step does. Every rank derives its split the same way from its n.
+        first = min(canonical[0], n - q)
+        largest_second = max(agreed.num_tokens - canonical[0], q)  # of any rank: the same check on every rank
+        if runner._per_request and (canonical[0] + largest_second) // q > runner.max_num_reqs:
+            canonical = None  # the second half's requests would not fit the per-request buffers at the graph's offset
+        else:
+            agreed = dataclasses.replace(agreed, split=(first, first // q))
     if canonical is None:  # only uniform decode splits the same way every step: the rest runs eagerly
         mode, halves = _NONE, agreed.rows
     else:
         halves = canonical
     runner.last_mode = mode
+    if runner.config.debug_checks:
+        _check_half_rows(runner, batch, agreed.split, n, num_reqs)
     out = _run_halves(runner, batch, agreed, mode, desc, halves, context)
     cut = agreed.split[0]
     return tree_map(lambda o: _unsplit(o, cut, n, halves), out)
+
+
+def _check_half_rows(
+    runner: Any, batch: Mapping[str, torch.Tensor], split: tuple[int, int], n: int, num_reqs: int | None
+) -> None:
+    """Under ``debug_checks``: each half's ``request_row`` values name only that half's requests."""
+    cut, first_reqs = split
+    for name in runner._request_row:
+        t = batch[name]
+        check_request_rows(runner.inputs[name], t[:cut], 0, first_reqs,
+                           where=f" (micro-batch 0: tokens 0..{cut - 1}, requests 0..{first_reqs - 1})")
+        check_request_rows(runner.inputs[name], t[cut:], first_reqs, num_reqs, first=cut,
+                           where=f" (micro-batch 1: tokens {cut}..{n - 1}, requests {first_reqs}..{num_reqs - 1})")
 
 
 def request_rows(runner: Any, mode: CUDAGraphMode, halves: tuple[int, int], agreed: Agreement) -> int:
@@ -194,7 +219,10 @@ def _layout(
             dst = torch.empty((rows, *shape), dtype=spec.dtype, device=runner.device)
         cut = split[1] if per_request else split[0]
         second = rows0 if per_request else halves[0]  # where the second half's rows start
-        _place(dst, t.to(device=runner.device, dtype=spec.dtype), cut, (0, second), spec.pad)
+        value = t.to(device=runner.device, dtype=spec.dtype)
+        if name in runner._request_row:  # the second half's requests start at its own per-request row 0
+            value = torch.cat([value[:cut], value[cut:] - split[1]])
+        _place(dst, value, cut, (0, second), spec.pad)
         views[name] = dst
     return views
 
@@ -206,22 +234,32 @@ def call_halves(
     """Run the wrapped model on a laid-out step: each half gets its views and its own context."""
     q = runner.dispatcher.uniform_decode_query_len
     slices = []
+    tensors: dict[str, tuple] = {}  # context_fn's tensors of both halves: what a FULL graph bakes in
     for i, (start, size) in enumerate(((0, halves[0]), (halves[0], halves[1]))):
         part = {
             k: (v[:rows0] if i == 0 else v[rows0:]) if k in runner._per_request else v[start:start + size]
             for k, v in views.items()
         }
-        attrs = dict(runner.context_fn(dict(part)), **context) if runner.context_fn else dict(context)
+        own = dict(runner.context_fn(dict(part))) if runner.context_fn else {}
+        if mode == _FULL and runner.context_fn:
+            tensors.update(context_tensors(own, prefix=f"micro-batch {i}: "))
+        attrs = dict(own, **context)
         half_desc = BatchDescriptor(size, size // q, True) if mode == _FULL else BatchDescriptor(size)
         args = tuple(part[a] for a in runner.model_args)
         slices.append(UBatchSlice(args, {k: part[k] for k in runner.model_kwargs}, half_desc, attrs, size))
     extra: dict[str, Any] = {"ubatch_slices": slices}
     if capturing:
         extra["allow_capture"] = True
-    elif runner.capture_closed:
+    elif runner.capture_closed or runner._route_lazily:
         extra["allow_capture"] = False
+    guard = None
+    if mode == _FULL and runner.context_fn:
+        guard = runner._guard_context(("ubatch", desc), desc, tensors, runner.model.ubatch_entries)
     with set_forward_context(mode, desc, **extra):
-        return runner.model(*[views[a] for a in runner.model_args], **{k: views[k] for k in runner.model_kwargs})
+        out = runner.model(*[views[a] for a in runner.model_args], **{k: views[k] for k in runner.model_kwargs})
+    if guard is not None:
+        guard()
+    return out
 
 
 def _unpad(o: Any, n: int, padded: int) -> Any:

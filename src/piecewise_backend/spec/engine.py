@@ -26,8 +26,11 @@ import torch
 
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
+from ..hf.arguments import check_generate, generation_eos
 from ..hf.engine import adapt, kv_shape
 from ..hf.mixers import candidates
+from ..hf.sampling import SamplingParams, per_request
+from ..hf.host_breaks import no_full_graphs
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
@@ -43,15 +46,20 @@ class _Side:
         self, model: torch.nn.Module, config: CompilationConfig, *, drafter: bool, query_len: int,
         support: AttentionGraphSupport, max_num_reqs: int, max_model_len: int, block_size: int, num_blocks: int | None,
     ):
-        layers, kv_heads, head_dim = kv_shape(model.config)
+        self.model = model
+        adapted = adapt(model)
+        # HFEngine's layout source: the probe of the attention modules (the config's fields can be
+        # wrong: multi-query gpt_bigcode, MLA's K/V head dims)
+        layers, kv_heads, head_dim = kv_shape(adapted)
         param = next(model.parameters())
         self.cache = kv.PagedKVCache(
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size), dtype=param.dtype, device=param.device,
         )
+        config = no_full_graphs(config, adapted.host_breaks)  # a break point: no FULL graph holds it
         self.backend = make_backend(config)
         self.runner = GraphRunner(
-            torch.compile(adapt(model), backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
+            torch.compile(adapted, backend=self.backend), config, [StaticInput("input_ids"), *self.cache.static_inputs()],
             model_kwargs=["input_ids", kv.POSITIONS], context_fn=self.cache.context_fn, max_num_reqs=max_num_reqs,
             attention_support=min(support, self.cache.attention_graph_support), attention_backend=self.cache.attention_backend,
             uniform_decode_query_len=query_len, drafter=drafter, device=param.device,
@@ -127,6 +135,7 @@ class SpecEngine:
             if limit is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len={max_model_len} exceeds {type(m).__name__}'s max_position_embeddings={limit}")
         self.k = k
+        self.vocab_size: int = vocab[0]
         verify = sorted({r * (k + 1) for r in range(1, max_num_reqs + 1)} | set(config.sizes))
         if not getattr(config, "_max_derived", True):
             verify = [s for s in verify if s <= config.max_capture_size]
@@ -140,6 +149,7 @@ class SpecEngine:
         self.max_step_tokens = self.target.runner.dispatcher.max_size
         self.stats = SpecStats()
         self._state: RequestStates | None = None
+        self._on_token: Callable[[int, int], None] | None = None
 
     def cached_tokens(self) -> dict[int, tuple[int, int]]:
         """Per running request of the current :meth:`generate` call: how many of its tokens hold
@@ -173,23 +183,32 @@ class SpecEngine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
         on_round: Callable[[RoundInfo], None] | None = None,
     ) -> list[list[int]]:
         """Greedy completions of ``prompts`` (token ids, without the prompt), equal to the target's own
-        greedy decoding; :attr:`stats` holds this call's totals."""
-        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(budgets) != len(prompts) or any(not isinstance(b, int) or b < 1 for b in budgets):
-            raise ValueError(f"max_new_tokens must be a positive int or one per prompt ({len(prompts)}), got {max_new_tokens!r}")
-        for i, p in enumerate(prompts):
-            # the last verify step of a request writes k positions past its next-to-last token
-            if not p or len(p) + budgets[i] + self.k - 1 > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} tokens + {budgets[i]} new + {self.k - 1} (speculative tokens - 1) must be "
-                    f"in 1..max_model_len={self.max_model_len}"
-                )
+        greedy decoding; :attr:`stats` holds this call's totals. ``sampling`` must be greedy (None or
+        temperature 0): acceptance compares drafts with the target's argmax. ``on_token(request_index,
+        token_id)`` is called for each token kept, in order, as its round ends. ``eos_token_id`` as in
+        :meth:`HFEngine.generate <piecewise_backend.hf.HFEngine.generate>` (None: the target's
+        ``generation_config.eos_token_id``)."""
+        if any(not p.greedy for p in per_request(sampling, len(prompts))):
+            raise ValueError(
+                "SpecEngine accepts drafts greedily (equal to the target's argmax), so it cannot sample: "
+                f"sampling={sampling!r} needs rejection sampling, which it does not have; use temperature 0, "
+                "or HFEngine to sample"
+            )
+        # the last verify step of a request writes k positions past its next-to-last token
+        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                              eos_token_id=eos_token_id, default_eos=generation_eos(self.target.model),
+                              reserve=self.k - 1, reserve_reason="speculative tokens - 1")
+        prompts, budgets = args.prompts, args.budgets
+        self._check_blocks(prompts, budgets)
         self.stats = SpecStats()
-        state = self._state = RequestStates(prompts, budgets, eos_token_id)
+        state = self._state = RequestStates(prompts, budgets, args.eos)
+        self._on_token = on_token
         try:
             with torch.inference_mode():
                 while state.waiting or state.running:
@@ -203,6 +222,20 @@ class SpecEngine:
                         side.cache.free(r)
             self._state = None
         return state.outputs
+
+    def _check_blocks(self, prompts: Sequence[Sequence[int]], budgets: list[int]) -> None:
+        """SpecEngine does not preempt: refuse up front a batch whose requests running together could
+        need more KV blocks than a cache has (the ``max_num_reqs`` largest ones at once)."""
+        cache = self.target.cache
+        needs = sorted((cache.blocks_for(len(p) + b + self.k - 1) for p, b in zip(prompts, budgets)), reverse=True)
+        worst = sum(needs[: self.max_num_reqs])
+        total = min(cache.allocator.num_blocks, self.drafter.cache.allocator.num_blocks)
+        if worst > total:
+            raise ValueError(
+                f"SpecEngine has no preemption: {min(len(needs), self.max_num_reqs)} of these requests running together "
+                f"may need {worst} KV blocks, the caches have {total}; raise num_blocks, lower max_num_reqs, or use "
+                "HFEngine, which preempts and recomputes"
+            )
 
     def _admit(self, state: RequestStates) -> None:
         tokens = sum(state.length(r) - state.target_len[r] + self.k for r in state.running)
@@ -250,6 +283,9 @@ class SpecEngine:
                 a += 1
             length = state.length(r)
             kept = state.extend(r, drafts[r][:a] + [verdict[a]])
+            if self._on_token is not None:
+                for token in state.outputs[r][-kept:]:
+                    self._on_token(r, token)
             accepted.append(a)
             emitted.append(kept)
             if state.done(r):

@@ -48,7 +48,7 @@ class SpecStats:
 class RequestStates:
     """Per-request bookkeeping of one :meth:`SpecEngine.generate` call."""
 
-    def __init__(self, prompts: Sequence[Sequence[int]], budgets: list[int], eos: int | None):
+    def __init__(self, prompts: Sequence[Sequence[int]], budgets: list[int], eos: frozenset[int] = frozenset()):
         self.prompts, self.budgets, self.eos = [list(p) for p in prompts], budgets, eos
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.waiting, self.running = list(range(len(prompts))), []
@@ -68,7 +68,7 @@ class RequestStates:
         for t in tokens:
             self.outputs[r].append(t)
             kept += 1
-            if len(self.outputs[r]) >= self.budgets[r] or t == self.eos:
+            if len(self.outputs[r]) >= self.budgets[r] or t in self.eos:
                 self._finished[r] = True
                 break
         return kept

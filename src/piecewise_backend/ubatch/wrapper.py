@@ -114,15 +114,18 @@ class UBatchWrapper(_GraphWrapper):
         if len(slices) != NUM_UBATCHES or not all(isinstance(s, UBatchSlice) for s in slices):
             raise ValueError(f"ubatch_slices must be {NUM_UBATCHES} UBatchSlice, got {slices!r}")
         if ctx.runtime_mode == _FULL and self.split is not None:
-            rows = tuple(s.num_tokens for s in slices)
-            known = self._split_rows.setdefault(ctx.batch_descriptor, rows)
-            if known != rows:
+            desc, rows = ctx.batch_descriptor, tuple(s.num_tokens for s in slices)
+            known = self._split_rows.get(desc) if desc in self.split.entries else None  # none without a graph
+            if known is not None and known != rows:
                 raise ValueError(
-                    f"UBatchWrapper: {ctx.batch_descriptor} was captured micro-batched with halves of {known} "
+                    f"UBatchWrapper: {desc} was captured micro-batched with halves of {known} "
                     f"tokens, this step has {rows}; a FULL micro-batched step must split every step of a "
                     "descriptor the same way (GraphRunner splits uniform decode batches in the middle)"
                 )
-            return self.split(*args, **kwargs)
+            out = self.split(*args, **kwargs)
+            if desc in self.split.entries:  # recorded only once its capture succeeded
+                self._split_rows[desc] = rows
+            return out
         return self._run_halves(*args, **kwargs)
 
     def _run_halves(self, *args: Any, **kwargs: Any) -> Any:

@@ -57,3 +57,54 @@ def hf_factory():
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
+
+
+@torch.library.custom_op("pb_test_cli::context_scale", mutates_args=())
+def context_scale(x: torch.Tensor) -> torch.Tensor:
+    """Multiplies by the forward context's ``scale``: an op that reads the context, as attention reads its metadata."""
+    import piecewise_backend as pb
+
+    return x * pb.get_forward_context().scale
+
+
+@context_scale.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _ReadsContext(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(128, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pb_test_cli.context_scale(self.emb(ids)).sum(-1)
+
+
+def context_model_factory():
+    return _ReadsContext()
+
+
+def scale_context(ids: torch.Tensor) -> dict:
+    """The forward context of a step of ``ids`` (what --context supplies): its ``scale``."""
+    return {"scale": float(len(ids))}
+
+
+def fixed_context() -> dict:
+    return {"scale": 0.5}
+
+
+def not_a_dict_context() -> list:
+    return [1, 2]
+
+
+class _Breaks(torch.nn.Module):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = ids.float() * 2
+        h = h[h > 4]  # boolean-mask indexing: Dynamo breaks the graph here
+        return h.sum()
+
+
+def graph_break_factory():
+    return _Breaks()

@@ -26,6 +26,32 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("pb_test::host_scale", mutates_args=())
+def host_scale(x: torch.Tensor) -> torch.Tensor:
+    """An op that reads device data on the host (``float(t)``), as an attention with host metadata does."""
+    return x * float(x.abs().max())
+
+
+@host_scale.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class HostReading(torch.nn.Module):
+    """embedding -> ``pb_test::host_scale`` -> linear; ``outside=True`` reads the host outside the op too."""
+
+    def __init__(self, outside: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin, self.outside = torch.nn.Embedding(16, 4), torch.nn.Linear(4, 4), outside
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        if self.outside:
+            h = h * h.sum().item()
+        return self.lin(torch.ops.pb_test.host_scale(h))
+
+
 def compile_model(model: torch.nn.Module, config: pb.CompilationConfig = SIM) -> tuple[torch.nn.Module, pb.PiecewiseBackend]:
     backend = pb.make_backend(config)
     return torch.compile(model, backend=backend), backend
@@ -299,6 +325,45 @@ class NoGradAttention(torch.nn.Module):
         h = attention_without_grad(self.l1(x))
         torch._C._set_grad_enabled(True)  # ... and the next compiled piece re-enables it: a replay skips this
         return self.l2(h)
+
+
+# --- a toy LM on the library's paged KV cache (kv tests, the composition matrix) ---
+
+PAGED_LM = dict(heads=4, kv_heads=2, head_dim=8, layers=2, vocab=64)
+
+
+class PagedTinyLM(torch.nn.Module):
+    """docs/engine.md's TinyLM: input_ids (tokens,) -> logits (tokens, vocab); attention is pb_kv::paged_attention."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 2, vocab: int = 64):
+        super().__init__()
+        from piecewise_backend import kv  # noqa: F401  (registers pb_kv::paged_attention)
+
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        width = heads * head_dim
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, (heads + 2 * kv_heads) * head_dim) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h, kvh, d = self.heads, self.kv_heads, self.head_dim
+        x, n = self.embed(input_ids), input_ids.shape[0]
+        for layer, qkv in enumerate(self.qkv):
+            q, k, v = qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
+            out = torch.empty(n, h, d, device=x.device)
+            torch.ops.pb_kv.paged_attention(q.reshape(n, h, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d), out, layer,
+                                            d**-0.5, -1)
+            x = x + out.reshape(n, h * d)
+        return self.head(x)
+
+
+def paged_cache(model: PagedTinyLM, **kw) -> "pb.kv.PagedKVCache":
+    """A PagedKVCache laid out for ``model`` (16 blocks of 4 tokens, 16 tokens per request unless given)."""
+    from piecewise_backend import kv
+
+    kw = dict(dict(num_blocks=16, block_size=4, max_model_len=16), **kw)
+    return kv.PagedKVCache(len(model.qkv), model.kv_heads, model.head_dim, **kw)
 
 
 _FAILED_GRAPHS: list[torch.cuda.CUDAGraph] = []

@@ -51,7 +51,7 @@ class CudaRecorder:
         self.graph = torch.cuda.CUDAGraph()
         self.began = self.done = False
         try:
-            self.graph.capture_begin(pool=self.gen.id)
+            self.graph.capture_begin(pool=self.gen.id, capture_error_mode=platform.capture_error_mode())
             self.began = True
         except BaseException as e:
             self.done = True
@@ -69,11 +69,13 @@ class CudaRecorder:
                 warnings.simplefilter("always")
                 self._capture_end()
         except Exception as e:
+            unjoined = self.platform.unjoined_streams()
             recover(self.platform, self.graph, self.gen, e, began=True)
             raise CaptureInvalidatedError(
-                f"CUDA invalidated this graph capture ({e}); an illegal operation ran while it was open. "
-                f"The platform released the capture and later captures use a fresh pool: {RULES}, then capture again"
+                f"CUDA invalidated this graph capture ({e}){_unjoined_cause(e, unjoined)}. The platform released "
+                f"the capture and later captures use a fresh pool: {RULES}, then capture again"
             ) from e
+        self.platform.segment_ended()
         self.platform._route_breaks()  # a break may follow: its results come from the pool too
         empty = False
         for w in caught:
@@ -99,6 +101,24 @@ class CudaRecorder:
             recover(self.platform, self.graph, self.gen, e, began=True)
         else:
             self.gen.adopt(self.graph)  # parked: a reset here would free the stream's cuBLAS workspace
+
+
+def _unjoined_cause(error: BaseException, unjoined: list[Any]) -> str:
+    """Why CUDA refused the capture's end, in words: the side streams not joined back, named."""
+    if unjoined:
+        names = ", ".join(str(s) for s in unjoined)
+        return (
+            f": side stream {names} joined the capture and was not joined back before the segment ended; "
+            "make the capture stream wait for it (torch.cuda.current_stream().wait_stream(side)) before the break "
+            "or the end of the capture"
+        )
+    text = str(error).lower()
+    if "fork" in text or "join" in text:
+        return (
+            ": a side stream joined the capture and was not joined back (one the platform did not see fork, or one "
+            "that launched work after its last join)"
+        )
+    return "; an illegal operation ran while it was open"
 
 
 def graph_of(segment: Any) -> Any:

@@ -40,9 +40,9 @@ from ...context import _CONTEXT, set_forward_context
 from ...modes import CUDAGraphMode
 from ..base import gc_managed
 from .graphs import _EMPTY_WARNING, CudaGraphSegment, CudaRecorder, EmptyGraph  # noqa: F401 (re-exported)
-from .pools import Generations
+from .pools import Generations, PrivatePool
 from .recovery import CaptureInvalidatedError  # noqa: F401 (re-exported: pb.CaptureInvalidatedError)
-from .streams import capture_open, captures_open, exclusive, on_stream, warm_blas, workspaces_cleared
+from .streams import capture_open, captures_open, exclusive, on_stream, tracking_forks, warm_blas, workspaces_cleared
 
 _platforms: dict[int, CudaPlatform] = {}
 _platforms_lock = threading.Lock()
@@ -96,10 +96,11 @@ class CudaPlatform:
             raise RuntimeError(self.broken)
 
     @contextlib.contextmanager
-    def capture_scope(self) -> Iterator[None]:
+    def capture_scope(self, collect: bool | None = None) -> Iterator[None]:
+        """Around one whole capture; ``collect``: collect garbage first (None: unless a bulk capture manages gc)."""
         self._usable()
         with exclusive("capturing"):
-            if not gc_managed():
+            if collect if collect is not None else not gc_managed():
                 gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
             with torch.cuda.device(self.device):
                 # outside any capture (ending a generation drops its MemPool); the current one stays: this
@@ -108,13 +109,78 @@ class CudaPlatform:
                 torch.cuda.synchronize()
                 with capture_open():
                     try:
-                        with on_stream(self.stream):
+                        with on_stream(self.stream), tracking_forks(self.stream) as self._local.forks:
                             try:
                                 yield
                             finally:
                                 self._stop_routing()
                     finally:
-                        self._local.warmed = None
+                        self._local.warmed = self._local.forks = None
+
+    def unjoined_streams(self) -> list[Any]:
+        """Side streams that joined this thread's open capture and were not joined back (see ForkTracker)."""
+        forks = getattr(self._local, "forks", None)
+        return [] if forks is None else forks.unjoined()
+
+    def segment_ended(self) -> None:
+        forks = getattr(self._local, "forks", None)
+        if forks is not None:
+            forks.reset()
+
+    def capture_error_mode(self) -> str:
+        """CUDA's stream-capture error mode for this thread's next segment (``breakable_graph`` sets it)."""
+        return getattr(self._local, "error_mode", "global")
+
+    def new_pool(self) -> PrivatePool:
+        """A private graph pool (a ``pb.BreakableGraph`` of its own): captures use it inside :meth:`capturing_into`."""
+        return PrivatePool()
+
+    @contextlib.contextmanager
+    def capturing_into(self, pool: PrivatePool, stream: Any = None, capture_error_mode: str = "global") -> Iterator[None]:
+        """One capture into ``pool`` (on ``stream``, or the pool's own capture stream), with CUDA's
+        ``capture_error_mode``. A pool keeps the stream of its first capture: graphs of one stream share its
+        cuBLAS workspace. A capture CUDA invalidated retires the pool's generation; the next one makes a new."""
+        if not isinstance(pool, PrivatePool):
+            raise TypeError(f"the CUDA platform captures into a PrivatePool (BreakableGraph.pool()), got {type(pool).__name__}")
+        gens = self.generations
+        with exclusive("switching pools"), torch.cuda.device(self.device):
+            if stream is not None:
+                _check_stream(stream, self.device)
+            if pool.gen is None:
+                pool.gen = gens.new_private(pool, stream)
+            elif stream is not None and stream.cuda_stream != pool.gen.stream.cuda_stream:
+                raise ValueError(
+                    f"this graph pool captures on {pool.gen.stream} (the stream of its first capture; graphs of one "
+                    f"pool share that stream's cuBLAS workspace), not {stream}: pass stream=None or that stream, or "
+                    "give this graph a pool of its own"
+                )
+            gen, shared = pool.gen, gens.current
+            gens.current = gen
+        self._local.error_mode = capture_error_mode
+        # as torch.cuda.graph: no gc.collect() unless torch asks for one (force_cudagraph_gc)
+        collect = bool(getattr(torch.compiler.config, "force_cudagraph_gc", False)) and not gc_managed()
+        try:
+            with self.capture_scope(collect):
+                yield
+        finally:
+            self._local.error_mode = "global"
+            with exclusive("switching pools"), torch.cuda.device(self.device):
+                if gens.current is not gen:  # a failed capture retired the pool's generation (recovery.py)
+                    gens.forget_private(gen)
+                    pool.gen = None
+                    unused, gens.current = gens.current, shared
+                    gens._end(unused, "made after a failed capture, never used")
+                gens.current = shared
+
+    def pool_memory(self, pool: PrivatePool) -> int:
+        """Bytes ``pool`` holds (a device sync: call it outside captures)."""
+        if pool.gen is None:
+            return 0
+        with exclusive("measuring memory"), torch.cuda.device(self.device):
+            if captures_open():
+                raise RuntimeError("CudaPlatform.pool_memory() synchronizes the device, which invalidates an open capture")
+            torch.cuda.synchronize()
+            return self.generations.pool_bytes(torch.cuda.memory_snapshot()).get(pool.gen.id, 0)
 
     @contextlib.contextmanager
     def warmup_scope(self) -> Iterator[None]:
@@ -216,3 +282,15 @@ class CudaPlatform:
 
     def describe(self, amount: int) -> str:
         return f"{amount / 2**20:.1f} MiB in the CUDA graph pool of cuda:{self.device}"
+
+
+def _check_stream(stream: Any, device: int) -> None:
+    if not hasattr(stream, "cuda_stream"):
+        raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+    if stream.device_index != device:
+        raise ValueError(f"stream {stream} is on cuda:{stream.device_index}, but this capture runs on cuda:{device}")
+    if stream.cuda_stream == torch.cuda.default_stream(device).cuda_stream:
+        raise ValueError(
+            f"stream {stream} is the default stream: CUDA graphs are captured on a side stream "
+            "(pass torch.cuda.Stream(), or stream=None for the pool's own)"
+        )

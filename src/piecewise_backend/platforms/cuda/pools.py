@@ -31,7 +31,8 @@ _PARK_LIMIT = 256  # dead graphs parked in the current generation before later c
 class Generation:
     """Graphs captured on one stream into one pool; destroyed together."""
 
-    def __init__(self, device: int, stream: Any) -> None:
+    def __init__(self, device: int, stream: Any, own_stream: bool = True) -> None:
+        self.own_stream = own_stream  # False: a caller's stream (breakable_graph(stream=)), never reused for another
         with torch.cuda.device(device):
             self.mempool: Any = torch.cuda.MemPool()  # holds a (device) use of its id while the generation lives
         self.id: tuple[int, int] = tuple(self.mempool.id)
@@ -64,6 +65,19 @@ class Generation:
         self.mempool = None
 
 
+class PrivatePool:
+    """A pool of its own (a ``pb.BreakableGraph``'s, or the graphs sharing it): a private generation,
+    made at the first capture into it with the stream that capture asks for (else a capture stream
+    of its own). A capture CUDA invalidated retires it (as any failed generation); the next capture
+    makes a new one. It ends once this object is dropped and none of its graphs is used."""
+
+    def __init__(self) -> None:
+        self.gen: Generation | None = None
+
+    def __repr__(self) -> str:
+        return f"PrivatePool({'unused' if self.gen is None else f'pool {self.gen.id}, stream {self.gen.stream}'})"
+
+
 class Generations:
     """The current generation, older ones whose graphs still live, and the pools of ended ones."""
 
@@ -71,6 +85,7 @@ class Generations:
         self.device = device
         self.older: list[Generation] = []  # moved away from (failed capture, scratch pool, park limit)
         self.saved: list[Generation] = []  # set aside by fresh_pool()
+        self.private: list[tuple[Generation, weakref.ref[PrivatePool]]] = []  # of live or recently dropped PrivatePools
         self.retired: dict[tuple[int, int], str] = {}  # ended generations' pools -> why (memory may remain)
         self.failed_captures = 0
         self.leaked_host_uses = 0  # host-allocator uses failed captures leaked: no binding releases them
@@ -81,7 +96,17 @@ class Generations:
         self.current = self._new()
 
     def all(self) -> list[Generation]:
-        return [*self.older, *self.saved, *([self.current] if self.current is not None else [])]
+        current = [self.current] if self.current is not None and all(self.current is not g for g, _ in self.private) else []
+        return [*self.older, *self.saved, *(g for g, _ in self.private), *current]
+
+    def new_private(self, owner: PrivatePool, stream: Any = None) -> Generation:
+        """A generation for ``owner`` alone, on ``stream`` (a caller's) or a capture stream of its own."""
+        gen = self._new() if stream is None else Generation(self.device, stream, own_stream=False)
+        self.private.append((gen, weakref.ref(owner)))
+        return gen
+
+    def forget_private(self, gen: Generation) -> None:
+        self.private = [(g, o) for g, o in self.private if g is not gen]
 
     def _new(self) -> Generation:
         taken = {g.stream.cuda_stream for g in self.all()}
@@ -98,9 +123,16 @@ class Generations:
     def _end(self, gen: Generation, why: str) -> None:
         if gen.failures:
             why += f"; {gen.failures} failed capture(s) in it, {gen.leaked} leaked device use(s) given back"
+        # A caller's stream may carry another generation (two graphs captured on one stream): its graphs
+        # baked in that stream's cuBLAS workspace, which a reset() here would free. Park ours there instead.
+        heir = next((g for g in self.all() if g is not gen and g.stream.cuda_stream == gen.stream.cuda_stream), None)
+        if heir is not None:
+            heir.graphs.extend(gen.graphs)
+            gen.graphs.clear()
         gen.end()
         self.retired[gen.id] = why
-        self.spare_streams.append(gen.stream)
+        if gen.own_stream and heir is None:
+            self.spare_streams.append(gen.stream)
 
     def collect(self, current: bool = True) -> None:
         """End every generation none of whose graphs is used any more. Call outside captures.
@@ -109,6 +141,9 @@ class Generations:
         for gen in [g for g in self.older if not g.live]:
             self.older.remove(gen)
             self._end(gen, "its graphs were dropped")
+        for gen, owner in [(g, o) for g, o in self.private if o() is None and not g.live and g is not self.current]:
+            self.forget_private(gen)
+            self._end(gen, "its BreakableGraph pool was dropped")
         if not current:
             return
         if self.current.graphs and not self.current.live:

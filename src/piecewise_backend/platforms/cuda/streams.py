@@ -101,6 +101,85 @@ def new_comm_stream(device: int, compute: Any) -> Any:
     )
 
 
+class ForkTracker:
+    """Side streams that joined an open capture and were not joined back, to name them when CUDA
+    refuses a segment's end ("capture sequence contains a fork that was not joined").
+
+    A stream joins a capture by waiting on an event recorded on a stream of the capture (a fork);
+    it is joined back once the capture stream waits on an event recorded on it, directly or
+    through another side stream that is joined back. Work a side stream launches after its join
+    is not seen (no launch is traced): CUDA still refuses that capture, and the error says so.
+    """
+
+    def __init__(self, origin: Any) -> None:
+        self.origin = origin.cuda_stream
+        self.reset()
+
+    def reset(self) -> None:
+        """A segment ended (CUDA checked its joins): start over for the next one."""
+        self.members: set[int] = {self.origin}
+        self.forked: dict[int, Any] = {}  # raw stream -> the stream object, in fork order
+        self.into: dict[int, int] = {}  # side stream -> the side stream that waited on it
+        self._events: dict[int, tuple[Any, Any, bool]] = {}  # id -> (event kept alive, stream, capturing)
+
+    def recorded(self, event: Any, stream: Any) -> None:
+        self._events[id(event)] = (event, stream, stream.cuda_stream in self.members)
+
+    def waited(self, event: Any, stream: Any) -> None:
+        seen = self._events.get(id(event))
+        if seen is None or seen[0] is not event:
+            return
+        _, source, in_capture = seen
+        sid, src = stream.cuda_stream, source.cuda_stream
+        if in_capture and sid not in self.members:  # a fork: the waiting stream joins the capture
+            self.members.add(sid)
+            self.forked[sid] = stream
+        elif sid == self.origin:
+            self._joined(src)
+        elif sid in self.forked and src in self.forked and src != sid:
+            self.into[src] = sid
+
+    def _joined(self, sid: int) -> None:
+        self.forked.pop(sid, None)
+        for side in [s for s, target in self.into.items() if target == sid]:
+            del self.into[side]
+            self._joined(side)
+
+    def unjoined(self) -> list[Any]:
+        return list(self.forked.values())
+
+
+@contextlib.contextmanager
+def tracking_forks(origin: Any) -> Iterator[ForkTracker]:
+    """For the duration, ``torch.cuda.Event.record`` / ``.wait`` (every Python path of stream
+    synchronization: ``Stream.wait_stream``, ``wait_event``, ``record_event`` go through them) also
+    tell a :class:`ForkTracker` of the capture on ``origin``."""
+    tracker = ForkTracker(origin)
+    cls = torch.cuda.Event
+    saved = {name: cls.__dict__.get(name) for name in ("record", "wait")}
+    record, wait = cls.record, cls.wait
+
+    def traced_record(self: Any, stream: Any = None) -> None:
+        stream = torch.cuda.current_stream() if stream is None else stream
+        record(self, stream)
+        tracker.recorded(self, stream)
+
+    def traced_wait(self: Any, stream: Any = None) -> None:
+        stream = torch.cuda.current_stream() if stream is None else stream
+        wait(self, stream)
+        tracker.waited(self, stream)
+
+    cls.record, cls.wait = traced_record, traced_wait
+    try:
+        yield tracker
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, value)
+
+
 def note_workspaces_cleared(stream: Any) -> None:
     """``stream``'s cuBLAS workspaces were freed (torch >= 2.12 frees them when a graph captured on it is reset)."""
     _cleared[stream.cuda_stream] = _cleared.get(stream.cuda_stream, 0) + 1

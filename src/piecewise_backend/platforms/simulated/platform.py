@@ -276,6 +276,29 @@ class SimulatedPlatform:
     def owns(self, t: torch.Tensor) -> bool:
         return self.pool.owns(t)
 
+    def new_pool(self) -> SimPool:
+        """A private graph pool (a ``pb.BreakableGraph`` of its own): captures use it inside :meth:`capturing_into`."""
+        return SimPool()
+
+    @contextlib.contextmanager
+    def capturing_into(self, pool: SimPool, stream: Any = None, capture_error_mode: str = "global") -> Iterator[None]:
+        """Around one capture: it allocates from ``pool`` instead of the shared one. No streams on the CPU:
+        ``stream`` must be None; ``capture_error_mode`` changes nothing (one capture runs at a time)."""
+        if not isinstance(pool, SimPool):
+            raise TypeError(f"the simulated platform captures into a SimPool, got {type(pool).__name__}")
+        if stream is not None:
+            raise ValueError(f"the simulated platform has no CUDA streams: capture with stream=None, got {stream!r}")
+        shared, self.pool = self.pool, pool
+        try:
+            with self.capture_scope():
+                yield
+        finally:
+            self.pool = shared
+
+    def pool_memory(self, pool: SimPool) -> int:
+        """Bytes ``pool`` holds."""
+        return pool.reserved()
+
     def begin(self) -> _SimRecorder:
         return _SimRecorder(self)
 

@@ -46,7 +46,8 @@ _REPEAT_INTERLEAVE = {
 def raise_host_sync(what: str) -> NoReturn:
     raise RuntimeError(
         f"operation not permitted when stream is capturing: {what} needs the host to read device "
-        "data (a sync or a data-dependent shape); move it out of the captured region"
+        "data (a sync or a data-dependent shape); move it out of the captured region, "
+        "or into a break (a pb.eager_break function runs eagerly between graph segments)"
     )
 
 

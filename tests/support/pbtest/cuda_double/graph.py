@@ -126,6 +126,9 @@ class FakeStream:
         return event
 
     def wait_event(self, event: FakeEvent) -> None:
+        event.wait(self)  # torch.cuda.Stream.wait_event is event.wait(self)
+
+    def _wait(self, event: FakeEvent) -> None:
         # CUDA cudaStreamWaitEvent: an event recorded in a capture makes the waiting stream join
         # that capture (a fork); the legacy default stream cannot (cudaErrorStreamCaptureImplicit).
         fake = current()
@@ -169,7 +172,7 @@ class FakeEvent:
             self.clock[stream.id] = stream.seq
 
     def wait(self, stream: FakeStream | None = None) -> None:
-        (current().current_stream() if stream is None else stream).wait_event(self)
+        (current().current_stream() if stream is None else stream)._wait(self)
 
     def query(self) -> bool:
         """cudaEventQuery: illegal on an event recorded in an open capture; a potentially unsafe call while
@@ -198,7 +201,9 @@ class FakeCUDAGraph:
         self.replays = 0
         self.workspaces: list[Segment] = []  # cuBLAS workspaces the captured kernels address
 
-    def capture_begin(self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global") -> None:
+    def capture_begin(
+        self, pool: tuple[int, int] | None = None, capture_error_mode: str = "global", check_input_liveness: bool = False
+    ) -> None:  # check_input_liveness: torch 2.13 torch.cuda.graph passes it (debug checks the double does not model)
         fake = self.fake
         # CG capture_begin: one graph per instance, never on the default stream.
         if self.has_graph_exec:

@@ -1,0 +1,368 @@
+"""The composition matrix: every engine x cudagraph_mode x use_ubatching x use_breakable x CPU attention backend.
+
+Each cell builds one engine on the simulated platform with eager pieces, runs a small workload
+(prompts, decode steps, a request joining mid-decode) and compares it with its reference: eager
+logits for ``GraphRunner`` + ``PagedKVCache`` (tests/support/pbtest's ``PagedTinyLM``), HF
+``model.generate`` tokens for ``HFEngine`` and ``SpecEngine``. Outcomes:
+
+* ``works``: equals its reference, doing all the config asked;
+* ``downgraded``: equals its reference, with a feature dropped, saying what (``runner.downgrades``);
+* ``refused``: construction raised an error naming the combination;
+* ``not offered``: the engine has no option for this axis (named);
+* ``wrong`` / ``crash``: a difference from the reference, or an error after construction: a bug.
+
+Run: python scripts/compat_matrix.py [--engines runner hf spec] [--out docs/compatibility.md]
+Dynamo is reset before every cell (each cell compiles its own models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import dataclasses
+import itertools
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # PagedTinyLM: the toy model the kv tests use
+
+import piecewise_backend as pb  # noqa: E402
+from piecewise_backend import attention, kv  # noqa: E402
+
+ENGINES = ("runner", "hf", "spec")
+MODES = tuple(m.name for m in pb.CUDAGraphMode)
+OUTCOMES = ("works", "downgraded", "refused", "not offered", "wrong", "crash")
+BLOCK = 4
+CAPTURE_SIZES = [2, 4, 8, 16]
+ATOL = 1e-4  # eager logits vs a graph's: the same ops, in the same order up to chunking
+#: Micro-batching splits decode steps of 2 requests and up, and steps with a prompt of 4 tokens and up.
+UBATCH_THRESHOLDS = dict(dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)
+
+
+def cpu_backends() -> list[str]:
+    """The registered attention backends that run on the CPU (for a float32 cache of BLOCK-token blocks)."""
+    cpu = torch.device("cpu")
+    return sorted(n for n, b in attention.attention_backends().items() if b.available(cpu, BLOCK, torch.float32) is None)
+
+
+#: The library's CPU backends, read when this module loads (before a user or a test registers its own).
+BACKENDS = tuple(cpu_backends())
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    engine: str
+    mode: str
+    ubatching: bool
+    breakable: bool
+    backend: str
+
+    def config(self) -> pb.CompilationConfig:
+        return pb.CompilationConfig(
+            cudagraph_mode=self.mode, use_ubatching=self.ubatching, use_breakable=self.breakable,
+            platform="simulated", compile_pieces="eager", capture_sizes=CAPTURE_SIZES, **UBATCH_THRESHOLDS,
+        )
+
+    def key(self) -> tuple[str, str, str, str]:
+        """The cell's columns on the page."""
+        return self.mode, _on(self.ubatching), _on(self.breakable), self.backend
+
+
+@dataclasses.dataclass
+class Result:
+    cell: Cell
+    outcome: str
+    why: str = ""  # what was downgraded, refused, not offered, or went wrong
+    ran: str = ""  # the modes the steps ran, and how many were micro-batched
+    seconds: float = 0.0
+
+    def row(self) -> str:
+        return "| " + " | ".join([*self.cell.key(), self.outcome, self.ran, _cell_text(self.why)]) + " |"
+
+
+def all_cells(engines: Sequence[str] = ENGINES) -> list[Cell]:
+    return [
+        Cell(e, m, u, b, a)
+        for e, m, u, b, a in itertools.product(engines, MODES, (False, True), (True, False), BACKENDS)
+    ]
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _cell_text(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+class _Steps:
+    """The runtime mode of every step and whether it was micro-batched, read from the runners."""
+
+    def __init__(self) -> None:
+        self.modes: collections.Counter[str] = collections.Counter()
+        self.split = 0
+
+    def add(self, runner: pb.GraphRunner) -> None:
+        self.modes[runner.last_mode.name] += 1
+        self.split += bool(runner.last_ubatched)
+
+    def text(self) -> str:
+        modes = ", ".join(f"{m} {n}" for m, n in sorted(self.modes.items(), key=lambda kv_: MODES.index(kv_[0])))
+        return f"{modes}; {self.split} split" if self.split else modes
+
+
+# --- the workloads ---------------------------------------------------------------------------
+
+PROMPTS = ([5, 6, 7], [8, 9], [10, 11, 12, 13])  # + a request joining mid-decode
+LATE = [14, 15]
+
+
+def _runner_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """GraphRunner + PagedKVCache on PagedTinyLM; every step's logits against an eager reference cache."""
+    from pbtest.helpers import PagedTinyLM, paged_cache
+
+    config = cell.config()
+    model = PagedTinyLM().eval()
+    cache = paged_cache(model, max_model_len=32, attention_backend=cell.backend)
+    ref_cache = paged_cache(model, max_model_len=32, attention_backend="reference")
+    runner = pb.GraphRunner(
+        torch.compile(model, backend=pb.make_backend(config)), config,
+        [pb.StaticInput("input_ids"), *cache.static_inputs()], model_args=["input_ids"], context_fn=cache.context_fn,
+        max_num_reqs=4, attention_support=cache.attention_graph_support, attention_backend=cache.attention_backend,
+    )
+
+    def workload(steps: _Steps) -> str | None:
+        lens = {r: len(p) for r, p in enumerate(PROMPTS)}
+        schedule = [
+            [(r, 0, n) for r, n in lens.items()],  # three prompts: 9 tokens, PIECEWISE-sized
+            [(r, n, 1) for r, n in lens.items()],  # decode of 3
+            [*((r, n + 1, 1) for r, n in lens.items()), (3, 0, len(LATE))],  # 3 decodes and a new prompt
+            [*((r, n + 2, 1) for r, n in lens.items()), (3, len(LATE), 1)],  # decode of 4
+        ]
+        with torch.inference_mode():
+            runner.capture(progress=False)
+            for i, chunks in enumerate(schedule):
+                n = sum(c for _, _, c in chunks)
+                ids = (torch.arange(n) * 7 + i) % 64
+                uniform = all(c == 1 for _, _, c in chunks)
+                out = runner.run(input_ids=ids, uniform_decode=uniform, num_reqs=len(chunks) if uniform else None,
+                                 query_lens=[c for _, _, c in chunks], **cache.step_inputs(chunks))
+                steps.add(runner)
+                with pb.set_forward_context(attn_metadata=ref_cache.metadata(ref_cache.step_inputs(chunks))):
+                    expected = model(ids)
+                diff = (out - expected).abs().max().item()
+                if not diff <= ATOL:
+                    return f"step {i} ({runner.last_mode.name}): max |logits - eager| = {diff:.3g}"
+        return None
+
+    return [runner], workload
+
+
+_EXPECTED: dict[tuple[str, int], list[list[int]]] = {}
+
+
+def _generate(arch: str, layers: int, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """HF greedy ``generate`` of a fresh tiny model (computed once per process)."""
+    key = (arch, layers)
+    if key not in _EXPECTED:
+        from piecewise_backend.hf import tiny_random_model
+
+        model = tiny_random_model(arch, num_hidden_layers=layers)
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([list(p)])
+                gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                     eos_token_id=None, pad_token_id=0)
+                out.append(gen[0, ids.shape[1]:].tolist())
+        _EXPECTED[key] = out
+    return _EXPECTED[key]
+
+
+GEN_TOKENS = 5
+
+
+def _compare(outputs: list[list[int]], expected: list[list[int]]) -> str | None:
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        if got != want:
+            return f"request {i}: tokens {got} != generate's {want}"
+    return None
+
+
+def _hf_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """HFEngine on a tiny llama: four prompts (more than max_num_reqs=3: one joins mid-decode) vs generate."""
+    from piecewise_backend.hf import HFEngine, tiny_random_model
+
+    engine = HFEngine(tiny_random_model("llama", num_hidden_layers=2), cell.config(), max_num_reqs=3,
+                      max_model_len=32, block_size=BLOCK, attention_backend=cell.backend)
+    prompts = [*PROMPTS, LATE]
+
+    def workload(steps: _Steps) -> str | None:
+        engine.capture()
+        # eos_token_id=[]: no stop token, as the reference (the default would stop at the model's eos)
+        outputs = engine.generate(prompts, GEN_TOKENS, eos_token_id=[], on_step=lambda info: steps.add(engine.runner))
+        return _compare(outputs, _generate("llama", 2, prompts, GEN_TOKENS))
+
+    return [engine.runner], workload
+
+
+def _spec_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """SpecEngine, k=2, a 1-layer drafter of a 2-layer tiny llama: the target's greedy tokens vs generate."""
+    from piecewise_backend.hf import tiny_random_model
+    from piecewise_backend.spec import SpecEngine, truncated_drafter
+
+    target = tiny_random_model("llama", num_hidden_layers=2)
+    engine = SpecEngine(target, truncated_drafter(target, 1), cell.config(), num_speculative_tokens=2,
+                        max_num_reqs=3, max_model_len=32, block_size=BLOCK)
+    prompts = [*PROMPTS, LATE]
+
+    def workload(steps: _Steps) -> str | None:
+        engine.capture()
+        outputs = engine.generate(prompts, GEN_TOKENS, eos_token_id=[],  # no stop token, as the reference
+                                  on_round=lambda info: steps.add(engine.target.runner))
+        return _compare(outputs, _generate("llama", 2, prompts, GEN_TOKENS))
+
+    return [engine.target.runner, engine.drafter.runner], workload
+
+
+BUILDERS = {"runner": _runner_cell, "hf": _hf_cell, "spec": _spec_cell}
+
+
+def not_offered(cell: Cell) -> str | None:
+    """Why the engine has no way to ask for this cell, or None."""
+    if cell.engine == "spec" and cell.backend != "bounded":
+        return (
+            "SpecEngine takes no attention_backend: its caches use 'auto' (bounded on the CPU); see the "
+            "bounded rows"
+        )
+    return None
+
+
+def run_cell(cell: Cell) -> Result:
+    """Build the cell's engine and run its workload; the outcome and what it says."""
+    reason = not_offered(cell)
+    if reason is not None:
+        return Result(cell, "not offered", reason)
+    torch._dynamo.reset()  # each cell compiles its own models: no cell inherits another's cache entries
+    start = time.perf_counter()
+    try:
+        runners, workload = BUILDERS[cell.engine](cell)
+    except (ValueError, TypeError) as e:
+        return Result(cell, "refused", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start)
+    names = ["", "drafter: "] if cell.engine == "spec" else [""]
+    downgrades = [name + d for name, r in zip(names, runners) for d in r.downgrades]
+    steps = _Steps()
+    try:
+        wrong = workload(steps)
+    except Exception as e:  # after construction: a bug, whatever it is
+        first = str(e).splitlines()[0] if str(e) else ""
+        return Result(cell, "crash", f"{type(e).__name__}: {first}", steps.text(), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if wrong is not None:
+        return Result(cell, "wrong", wrong, steps.text(), seconds)
+    return Result(cell, "downgraded" if downgrades else "works", "; ".join(downgrades), steps.text(), seconds)
+
+
+def run(cells: Iterable[Cell], progress: Callable[[Result], None] | None = None) -> list[Result]:
+    results = []
+    logging.getLogger("piecewise_backend").setLevel(logging.ERROR)  # downgrades are read from the runners
+    for cell in cells:
+        result = run_cell(cell)
+        results.append(result)
+        if progress is not None:
+            progress(result)
+    return results
+
+
+# --- the page --------------------------------------------------------------------------------
+
+TITLES = {
+    "runner": "`GraphRunner` + `PagedKVCache` (a toy LM; reference: eager logits of every step)",
+    "hf": "`HFEngine` (tiny llama; reference: `model.generate`)",
+    "spec": "`SpecEngine` (tiny llama, 1-layer drafter, k=2; reference: the target's `model.generate`)",
+}
+HEADER = "| cudagraph_mode | use_ubatching | use_breakable | attention backend | outcome | steps ran | why |"
+
+
+def render(results: Sequence[Result]) -> str:
+    """docs/compatibility.md for ``results`` (every cell of every engine run)."""
+    counts = collections.Counter(r.outcome for r in results)
+    summary = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
+    lines = [
+        "# Compatibility: which features compose",
+        "",
+        "Written by `python scripts/compat_matrix.py` (do not edit by hand). Every engine x",
+        "`cudagraph_mode` x `use_ubatching` x `use_breakable` x attention backend that runs on the CPU,",
+        "on the simulated platform with eager pieces (`capture_sizes` "
+        f"{CAPTURE_SIZES}, micro-batching from {UBATCH_THRESHOLDS['dbo_decode_token_threshold']} decode tokens or "
+        f"{UBATCH_THRESHOLDS['dbo_prefill_token_threshold']} tokens with a prompt).",
+        "Each cell runs prompts, decode steps and a request joining mid-decode, and compares with its",
+        "reference. Outcomes: **works** (equals its reference, doing all that was asked); **downgraded**",
+        "(equals its reference with a feature dropped, named under *why*: the runner's `.downgrades`,",
+        "also a warning for micro-batching); **refused** (the engine's constructor raised, naming the",
+        "combination); **not offered** (the engine has no option for it); **wrong** / **crash** (a bug).",
+        "*Steps ran*: the runtime mode of each step (the target's, for `SpecEngine`), and how many were",
+        "split into two micro-batches.",
+        "",
+        f"Total: {len(results)} cells: {summary}. Tensor parallelism is not in the matrix yet: `HFEngine` and",
+        "`SpecEngine` take no process group, and `GraphRunner` on a sharded model (`parallel.shard_toy_llama`,",
+        "2 gloo ranks) is checked against the unsharded model by `examples/tensor_parallel.py --check`",
+        "([distributed.md](distributed.md)).",
+        "",
+    ]
+    for engine in ENGINES:
+        rows = [r for r in results if r.cell.engine == engine]
+        if not rows:
+            continue
+        lines += [f"## {TITLES[engine]}", "", HEADER, "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [r.row() for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+ROW = re.compile(r"^\| (\w+) \| (on|off) \| (on|off) \| (\w+) \| ([\w ]+?) \| (.*?) \| (.*) \|$")
+
+
+def parse(page: str) -> dict[Cell, tuple[str, str, str]]:
+    """The page's cells: ``Cell -> (outcome, steps ran, why)``."""
+    cells = {}
+    engine = None
+    for line in page.splitlines():
+        if line.startswith("## "):
+            engine = next(e for e, t in TITLES.items() if line == f"## {t}")
+        m = ROW.match(line)
+        if m and engine is not None and m.group(1) in MODES:
+            mode, ub, br, backend, outcome, ran, why = m.groups()
+            cells[Cell(engine, mode, ub == "on", br == "on", backend)] = (outcome, ran, why)
+    return cells
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "compatibility.md"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # tiny models: threads cost more than they save
+
+    def show(r: Result) -> None:
+        print(f"{r.cell.engine:6} {' '.join(r.cell.key()):40} {r.outcome:11} {r.seconds:5.1f}s {r.ran}  {r.why[:120]}",
+              flush=True)
+
+    results = run(all_cells(args.engines), show)
+    Path(args.out).write_text(render(results))
+    bugs = [r for r in results if r.outcome in ("wrong", "crash")]
+    print(f"wrote {args.out}: {len(results)} cells, {len(bugs)} wrong or crashed")
+    return 1 if bugs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The arguments of an engine's ``generate``, checked in one place for every engine.
+
+:class:`~piecewise_backend.hf.HFEngine` and :class:`~piecewise_backend.spec.SpecEngine` take the
+same prompts, budgets and stop tokens; :func:`check_generate` turns them into plain lists of ints or raises a
+``ValueError`` (a ``TypeError`` for a value of the wrong kind: text, a bare int, a set) that names
+the bad value and what is valid, before any request is admitted. A prompt may be a list or tuple
+of ints, a 1-D integer tensor or a numpy integer array; a float id is refused, never truncated.
+Imports neither transformers nor numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+#: What a prompt may be, for the error messages.
+PROMPT_KINDS = "a list or tuple of ints, a 1-D integer tensor or a 1-D numpy integer array"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateArgs:
+    """What :func:`check_generate` returns: every prompt as a list of ints, one budget per prompt,
+    and the stop tokens (empty: stop at the budget only)."""
+
+    prompts: list[list[int]]
+    budgets: list[int]
+    eos: frozenset[int]
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (numpy's integer scalars count: they are ``numbers.Integral``)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_array(value: Any) -> bool:
+    """A torch tensor or a numpy array (duck-typed: neither is imported here)."""
+    return hasattr(value, "ndim") and hasattr(value, "shape") and hasattr(value, "tolist")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def prompt_ids(prompt: Any, where: str) -> list[int]:
+    """``prompt`` as a list of ints; refuses text, 2-D batches and non-integer ids (the error starts with ``where``,
+    e.g. ``"prompt 0"``)."""
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError(f"{where} is text ({_show(prompt)}): generate takes token ids; tokenize it first")
+    if is_int(prompt):
+        raise TypeError(f"{where} is an int ({prompt}), not a sequence of token ids: prompts is a list of "
+                        "prompts, so wrap a single prompt as [prompt]")
+    if _is_array(prompt):
+        if prompt.ndim != 1:
+            raise ValueError(f"{where} is a {prompt.ndim}-D {type(prompt).__name__} of shape {tuple(prompt.shape)}; "
+                             f"a prompt is {PROMPT_KINDS} (a batch of prompts is a list of them, without padding)")
+        ids = prompt.tolist()
+    elif isinstance(prompt, Sequence):
+        ids = list(prompt)
+    else:
+        raise TypeError(f"{where} is a {type(prompt).__name__} ({_show(prompt)}); a prompt is {PROMPT_KINDS}")
+    for position, t in enumerate(ids):
+        if not is_int(t):
+            raise ValueError(f"{where}: token id {_show(t)} ({type(t).__name__}) at position {position} is "
+                             "not an integer; token ids are ints (a float id is not rounded)")
+    return [int(t) for t in ids]
+
+
+def budgets(max_new_tokens: Any, num_prompts: int) -> list[int]:
+    """``max_new_tokens`` (a positive int, or one per prompt) as one budget per prompt."""
+    if is_int(max_new_tokens):
+        per_prompt = [max_new_tokens] * num_prompts
+    elif isinstance(max_new_tokens, (list, tuple)) and len(max_new_tokens) == num_prompts:
+        per_prompt = list(max_new_tokens)
+    else:
+        raise ValueError(f"max_new_tokens must be a positive int or one per prompt (a list or tuple of "
+                         f"{num_prompts} positive ints), got {_show(max_new_tokens)}")
+    for i, b in enumerate(per_prompt):
+        if not is_int(b) or b < 1:
+            where = "max_new_tokens" if is_int(max_new_tokens) else f"max_new_tokens[{i}]"
+            raise ValueError(f"{where} must be a positive int (tokens to generate), got {_show(b)}")
+    return [int(b) for b in per_prompt]
+
+
+def eos_ids(eos_token_id: Any, default: Any = None, *, vocab_size: int | None = None) -> frozenset[int]:
+    """The stop tokens: ``eos_token_id`` (an int, or a list/tuple of ints; ``[]``: none), or, when it is
+    None, ``default`` (the model's ``generation_config.eos_token_id``, as ``model.generate`` uses)."""
+    given = eos_token_id is not None
+    value, source = (eos_token_id, "eos_token_id") if given else (default, "the model's generation_config.eos_token_id")
+    if value is None:
+        return frozenset()
+    ids = [value] if is_int(value) else list(value) if isinstance(value, (list, tuple)) else None
+    if ids is None or not all(is_int(t) for t in ids):
+        raise ValueError(f"{source} must be an int, a list or tuple of ints ([]: no stop token), or None "
+                         f"(the model's generation_config.eos_token_id), got {_show(value)}")
+    if given and vocab_size is not None:
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"eos_token_id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1}): "
+                             "it would never stop a request")
+    return frozenset(int(t) for t in ids)
+
+
+def generation_eos(model: Any) -> Any:
+    """The stop token(s) ``model.generate`` uses by default: ``model.generation_config.eos_token_id`` (None without one)."""
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+
+
+def check_generate(
+    prompts: Any,
+    max_new_tokens: Any,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    eos_token_id: Any = None,
+    default_eos: Any = None,
+    reserve: int = 0,
+    reserve_reason: str = "",
+) -> GenerateArgs:
+    """Check the arguments of ``generate`` for an engine of ``vocab_size`` tokens and ``max_model_len``
+    positions. Each request needs ``len(prompt) + budget + reserve <= max_model_len`` (``reserve``:
+    positions past the last token an engine writes, e.g. speculative decoding's ``k - 1``, said in
+    the error as ``reserve_reason``). ``eos_token_id``: see :func:`eos_ids` (``default_eos``: the
+    model's, from :func:`generation_eos`)."""
+    if isinstance(prompts, (str, bytes)) or _is_array(prompts) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list or tuple of prompts (each {PROMPT_KINDS}), got "
+                        f"{type(prompts).__name__} {_show(prompts)}" + (
+                            "; a padded batch would serve its padding as prompt tokens" if _is_array(prompts) else ""))
+    ids = [prompt_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+    per_prompt = budgets(max_new_tokens, len(ids))
+    extra = f" + {reserve} ({reserve_reason})" if reserve_reason else ""
+    for i, p in enumerate(ids):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token id")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:  # an embedding lookup out of range: IndexError here, a device-side assert inside a CUDA graph
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary (ids 0..{vocab_size - 1})")
+        if len(p) + per_prompt[i] + reserve > max_model_len:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + {per_prompt[i]} new{extra} must be in "
+                             f"1..max_model_len={max_model_len}")
+    return GenerateArgs(ids, per_prompt, eos_ids(eos_token_id, default_eos, vocab_size=vocab_size))

@@ -1,0 +1,182 @@
+"""Which tokens run in the next step: chunked prefill under a token budget, and preemption.
+
+A :class:`Request` is a prompt, the tokens generated so far, and how many of them have K/V in the
+cache (``computed``). To produce its next token a request needs K/V for every token but its last
+and the logits at its last one; a step gives it a *chunk* of its uncomputed tokens.
+:meth:`Scheduler.schedule` plans one step:
+
+1. running requests in decode (one token left to compute) first, then running requests still
+   prefilling, each up to the step's token budget (``max_num_batched_tokens``): a prompt longer
+   than the budget is prefilled in chunks over several steps, and decode tokens never wait for it;
+2. when a running request's chunk needs KV blocks and none are free, the newest running request is
+   preempted: its blocks are freed, it forgets its K/V (``computed = 0``) and goes back to the front
+   of the queue, keeping its tokens; when blocks free up it prefills its prompt and tokens again
+   (recompute) and continues where it was. The oldest request always makes progress, so every
+   request completes;
+3. waiting requests (preempted ones first, then new ones in arrival order) join while a request
+   row, the budget and free blocks allow, unless this step preempted (they would take the blocks
+   the running requests need).
+
+Blocks are reserved while planning, so each check sees what the chunks before it took. A request
+that needs more blocks than the whole cache is refused when it is added (:meth:`Scheduler.check_fits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Hashable
+
+from ..kv.cache import PagedKVCache
+from ..state.cache import StateCache
+from .sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's state. ``slot`` keys its block table; ``order`` is its arrival (newest: largest)."""
+
+    request_id: Hashable
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    key: int  # the request part of its sampling noise (sampling.request_key of its id)
+    stop_token_ids: frozenset[int]
+    order: int
+    on_token: Callable[[Hashable, int], None] | None = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose K/V the cache holds
+    finish_reason: str | None = None  # "length", "stop" or "cancelled" once finished
+    preemptions: int = 0
+    report: bool = True  # its output goes to the online API's results (generate reads its own)
+
+    @property
+    def slot(self) -> int:
+        return self.order
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        """Tokens ``start .. start + count`` of the prompt followed by the output."""
+        p = len(self.prompt)
+        if start + count <= p:
+            return self.prompt[start:start + count]
+        return (self.prompt + self.output)[start:start + count]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step: ``(request, first position, token count)`` per scheduled request, in layout order,
+    and the requests preempted while planning it."""
+
+    chunks: list[tuple[Request, int, int]]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, _, n in self.chunks)
+
+
+class Scheduler:
+    """Plans steps over ``cache``: at most ``max_num_reqs`` requests and ``max_num_batched_tokens`` tokens each."""
+
+    def __init__(self, cache: PagedKVCache, max_num_reqs: int, max_num_batched_tokens: int, states: StateCache | None = None):
+        self.cache = cache
+        self.states = states  # the engine's StateCache (None without state layers): slots freed with the blocks
+        self.max_num_reqs = max_num_reqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # holding blocks, in admission order
+        self.preemptions = 0  # over this scheduler's life
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, where: str = "a request") -> None:
+        """Refuse up front a request that could not run even alone: its K/V would not fit the cache."""
+        tokens = prompt_len + max_new_tokens - 1  # the last token produced is never fed back
+        need = self.cache.blocks_for(tokens)
+        total = self.cache.allocator.num_blocks
+        if need > total:
+            raise ValueError(
+                f"{where}: {prompt_len} prompt tokens + {max_new_tokens} new need {need} KV blocks of "
+                f"{self.cache.block_size} tokens ({tokens} tokens of K/V), but the cache has {total} blocks in all: "
+                f"raise num_blocks (or block_size), or ask for fewer tokens"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(len(request.prompt), request.max_new_tokens)
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Drop ``request`` (finished or cancelled), freeing its blocks at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """Free ``request``'s blocks and state slot (a preempted one restarts from a zeroed slot)."""
+        if request.slot in self.cache.tables:
+            self.cache.free(request.slot)
+        if self.states is not None and request.slot in self.states.slots:
+            self.states.free(request.slot)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.computed = 0
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step (reserving its blocks); an empty plan when nothing can run."""
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Request, int, int]] = []
+        preempted: list[Request] = []
+        decoding = [r for r in self.running if r.length - r.computed == 1]
+        prefilling = [r for r in self.running if r.length - r.computed > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted while planning this step
+                continue
+            count = min(request.length - request.computed, budget)
+            while self.cache.blocks_needed(request.slot, request.computed + count) > self.cache.num_free_blocks:
+                victim = max(self.running, key=lambda r: r.order)
+                planned = next((c for c in chunks if c[0] is victim), None)
+                if planned is not None:  # give its chunk's tokens back to the budget
+                    chunks.remove(planned)
+                    budget += planned[2]
+                    count = min(request.length - request.computed, budget)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request in preempted:
+                continue
+            self.cache.reserve(request.slot, request.computed + count)
+            chunks.append((request, request.computed, count))
+            budget -= count
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_reqs:
+            request = self.waiting[0]
+            count = min(request.length - request.computed, budget)
+            if self.cache.blocks_needed(request.slot, request.computed + count) > self.cache.num_free_blocks:
+                break
+            self.cache.reserve(request.slot, request.computed + count)
+            self.running.append(self.waiting.popleft())
+            chunks.append((request, request.computed, count))
+            budget -= count
+        return StepPlan(chunks, preempted)
+
+    def release_all(self) -> list[Request]:
+        """Drop every request (after an error, or on cancel-all), freeing their blocks; returns them."""
+        dropped = [*self.running, *self.waiting]
+        for request in dropped:
+            self.remove(request)
+        return dropped

@@ -1,0 +1,219 @@
+"""Lazy capture: serve before any capture, then capture what traffic asked for in idle time.
+
+A runner with ``lazy_capture=True`` (or a ``graph_memory_budget``) never captures inside a step.
+A step whose dispatched ``(mode, descriptor)`` has no graph yet runs eagerly (or, for a FULL key,
+on the PIECEWISE graph of its size when that one is captured) and counts as *demand* for the
+graph it wanted. :func:`capture_within` (``GraphRunner.capture_idle``) then captures demanded
+descriptors between steps, on the serving thread, under two limits:
+
+* **time**: no capture starts that is predicted to overrun the time left. A capture is predicted to
+  take as long as the slowest one measured so far in its mode (any mode before that), and the very
+  first one :data:`CAPTURE_COST_STEPS` times the fastest eager step that asked for it (warm-ups,
+  the capture itself and its replay);
+* **memory**: no capture starts that is predicted to take the bytes this runner's graphs added to
+  the pool past the budget. The pool's growth is measured after every capture; a capture larger
+  than every graph so far is predicted as the largest capture that grew the pool, scaled by tokens
+  (an overestimate: part of a capture's cost is fixed), and one within that size at the most a
+  capture within the pool's largest added (before any was measured: as a growing one).
+  With a budget and nothing measured yet, the smallest demanded descriptor goes first: its growth
+  is the measurement the rest are predicted from (measuring with the capture estimator instead
+  would capture too, and spend the slice). A capture that overran the budget anyway is dropped.
+
+Order: largest first, as at startup (section 4.6): entries hold their capture memory weakly, so a
+smaller capture reuses what a larger one left in the pool and the pool costs about its largest
+capture; a capture larger than all before it is the one that grows the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..capture.memory import release_cached
+from ..capture.session import bulk_capture
+from ..context import BatchDescriptor
+from ..modes import CUDAGraphMode
+from ..observability import logger
+from ..platforms.registry import get_platform, resolve_platform_name
+from . import agreement as _parallel
+from .assembly import drop_graph
+
+_NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+#: The first capture's predicted seconds, in eager steps of its descriptor: warm-ups, the capture
+#: (the simulator records every op: about 3 eager steps), its replay, and margin.
+CAPTURE_COST_STEPS = 8
+
+Key = tuple[CUDAGraphMode, BatchDescriptor]
+
+
+@dataclasses.dataclass
+class Demand:
+    """Steps that wanted a graph that was not captured, and the fastest eager one (host seconds)."""
+
+    steps: int = 0
+    eager_seconds: float = math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureRecord:
+    """One capture: its key, seconds, pool bytes it added (None: not measured), whether it was larger
+    than every capture before it."""
+
+    mode: CUDAGraphMode
+    desc: BatchDescriptor
+    seconds: float
+    growth: int | None
+    frontier: bool
+
+
+class LazyCapture:
+    """A runner's captured keys, the demand for the others, and the measurements predictions use."""
+
+    def __init__(self) -> None:
+        self.captured: set[Key] = set()
+        self.demand: dict[Key, Demand] = {}
+        self.history: list[CaptureRecord] = []
+        self.grown = 0  # pool bytes this runner's measured captures added
+        self.too_large: set[Key] = set()  # captured once, overran the budget, dropped
+
+    # ------------------------------------------------------------------ the step path
+
+    def route(self, dispatcher: Any, mode: CUDAGraphMode, desc: BatchDescriptor, n: int) -> tuple[CUDAGraphMode, BatchDescriptor, Key | None]:
+        """What a step dispatched to ``(mode, desc)`` runs: the graph when captured, else a PIECEWISE
+        graph of its size (for a FULL key), else eagerly; the third item is the key it wanted (None: captured)."""
+        key = (mode, desc)
+        if key in self.captured:
+            return mode, desc, None
+        self.demand.setdefault(key, Demand()).steps += 1
+        if mode == _FULL:
+            relaxed = dispatcher._mixed_piecewise.get(desc.num_tokens)
+            if relaxed is not None and (_PIECEWISE, relaxed) in self.captured:
+                return _PIECEWISE, relaxed, None
+        return _NONE, dispatcher._eager_key(n), key
+
+    def note_eager(self, key: Key, seconds: float) -> None:
+        demand = self.demand[key]
+        demand.eager_seconds = min(demand.eager_seconds, seconds)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def note_capture(self, mode: CUDAGraphMode, desc: BatchDescriptor, seconds: float, growth: int | None) -> None:
+        frontier = desc.num_tokens > self.frontier
+        self.history.append(CaptureRecord(mode, desc, seconds, growth, frontier))
+        self.captured.add((mode, desc))
+        self.demand.pop((mode, desc), None)
+        if growth is not None:
+            self.grown += growth
+
+    def forget(self) -> None:
+        """The runner's graphs were dropped: nothing is captured (measurements are kept)."""
+        self.captured.clear()
+        self.grown = 0
+
+    @property
+    def frontier(self) -> int:
+        """The most tokens of any graph captured so far (0: none)."""
+        return max((d.num_tokens for _, d in self.captured), default=0)
+
+    # ------------------------------------------------------------------ predictions
+
+    def predict_seconds(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> float:
+        same = [r.seconds for r in self.history if r.mode == mode] or [r.seconds for r in self.history]
+        if same:
+            return max(same)
+        eager = self.demand.get((mode, desc), Demand()).eager_seconds
+        return CAPTURE_COST_STEPS * eager if math.isfinite(eager) else 0.0
+
+    def predict_growth(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> int | None:
+        """Pool bytes the capture of ``(mode, desc)`` is predicted to add (None: nothing measured)."""
+        measured = [r for r in self.history if r.growth is not None]
+        same = [r for r in measured if r.mode == mode] or measured
+        if not same:
+            return None
+        if desc.num_tokens <= self.frontier:
+            reusing = [r.growth for r in same if not r.frontier]
+            if reusing:  # within the pool's largest graph: what such captures added
+                return max(reusing)
+        growing = [r for r in same if r.frontier] or same
+        ref = max(growing, key=lambda r: r.desc.num_tokens)  # scaled from the largest: fixed costs make it an overestimate
+        return math.ceil(ref.growth * desc.num_tokens / ref.desc.num_tokens)
+
+    def order(self, keys: Iterable[Key], budget: int | None) -> list[Key]:
+        """Largest first (PIECEWISE before FULL at one size); with a budget and nothing measured, the smallest first."""
+        ordered = sorted(keys, key=lambda k: (-k[1].num_tokens, k[0] != _PIECEWISE, not k[1].uniform))
+        if budget is not None and ordered and not any(r.growth is not None for r in self.history):
+            ordered.insert(0, ordered.pop())
+        return ordered
+
+
+def capture_within(
+    runner: Any, keys: Iterable[Key], max_seconds: float, budget: int | None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[Key]:
+    """Capture ``keys`` (as ordered by :meth:`LazyCapture.order`) within ``max_seconds`` and ``budget``;
+    returns the keys captured, in capture order. Steps must not run meanwhile (one thread)."""
+    if _parallel.distributed():
+        raise RuntimeError(
+            "capture_idle in a process group: ranks would predict different times and capture different graphs, "
+            "then dispatch different steps; capture up front with capture() on every rank instead"
+        )
+    lazy: LazyCapture = runner.lazy
+    start = clock()
+    plan = lazy.order((k for k in keys if k not in lazy.captured and k not in lazy.too_large), budget)
+    name = resolve_platform_name(runner.config.platform)
+    if not plan or name is None:
+        return []
+    platform = get_platform(name)
+    captured: list[Key] = []
+    with _Bulk() as bulk:
+        for mode, desc in plan:
+            left = max_seconds - (clock() - start)
+            if lazy.predict_seconds(mode, desc) > left or left <= 0:
+                continue
+            predicted = lazy.predict_growth(mode, desc)
+            if budget is not None and predicted is not None and lazy.grown + predicted > budget:
+                continue
+            bulk.enter()
+            if not captured:
+                for buf_name, buf in runner.buffers.items():  # never a previous step's data (real KV slots)
+                    buf.fill_(runner.inputs[buf_name].pad)
+            before, began = platform.memory(), clock()
+            runner._capture_one(mode, desc, platform)
+            lazy.note_capture(mode, desc, clock() - began, platform.memory() - before)
+            if budget is not None and lazy.grown > budget:
+                grew = lazy.history[-1].growth or 0
+                drop_graph(runner.model, mode, desc)
+                release_cached(platform)
+                lazy.captured.discard((mode, desc))
+                lazy.too_large.add((mode, desc))
+                lazy.grown += platform.memory() - before - grew
+                logger.info("capture of %s %s took the pool past graph_memory_budget=%d: dropped", mode.name, desc, budget)
+                if lazy.grown > budget:
+                    break  # the pool did not give the memory back: stop here
+                continue
+            captured.append((mode, desc))
+    if captured:
+        logger.info("captured %d graphs in %.2f s of %.2f s given", len(captured), clock() - start, max_seconds)
+    return captured
+
+
+class _Bulk:
+    """``bulk_capture()`` entered at the first capture only (its gc.collect costs time too)."""
+
+    def __init__(self) -> None:
+        self._cm: Any = None
+
+    def enter(self) -> None:
+        if self._cm is None:
+            self._cm = bulk_capture()
+            self._cm.__enter__()
+
+    def __enter__(self) -> _Bulk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(*exc)

@@ -1,0 +1,538 @@
+"""pb.breakable_graph / pb.BreakableGraph (DESIGN.md 4.10): the compile-free capture, on the simulator
+(values) and on the CPU double of torch.cuda (CUDA's rules: pools, streams, capture modes)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import piecewise_backend as pb
+from piecewise_backend.capture import EagerSegment, capture_active
+from piecewise_backend.platforms import base as platforms_base
+from pbtest import cuda_double
+from pbtest.helpers import SIM, CountingMLP, compile_model, saved_splitting_ops, segment_kinds
+
+M = pb.CUDAGraphMode
+
+
+def sim_graph(**kwargs) -> pb.BreakableGraph:
+    return pb.BreakableGraph(platform="simulated", **kwargs)
+
+
+# ---------------------------------------------------------------- the peer's README workload
+
+
+@pb.eager_break
+def dynamic_scale(x: torch.Tensor) -> None:
+    if x.sum().item() > 0:  # a host read: legal in a break only
+        x.clamp_(min=0)
+
+
+def workload(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src * 2)
+    dynamic_scale(dst)
+    dst.add_(1.0)
+
+
+def test_peer_readme_workload_replays_with_live_values():
+    static_input, result = torch.empty(6), torch.empty(6)
+    for _ in range(3):  # warm-up, as the peer's README does
+        static_input.fill_(1.0)
+        workload(static_input, result)
+    g = pb.BreakableGraph()  # "auto": the simulator on a CPU
+    with pb.breakable_graph(g):
+        workload(static_input, result)
+    assert g.platform.name == "simulated" and segment_kinds(g) == "G E G"
+    for values in ([-1.0, 3.0, -2.0, 4.0, 0.5, -0.5], [-3.0, 1.0, -3.0, 1.0, -3.0, 1.0]):
+        static_input.copy_(torch.tensor(values))
+        g.replay()
+        expected = torch.empty(6)
+        workload(static_input.clone(), expected)
+        assert torch.equal(result, expected), (values, result, expected)
+    # the first input clamps (sum > 0), the second does not: the break read live values both times
+    assert result.min() < 0
+
+
+def test_capture_does_not_execute_the_graph_segments():
+    x, out = torch.full((4,), 2.0), torch.zeros(4)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        out.copy_(x * 5)
+    assert torch.equal(out, torch.zeros(4))  # as torch.cuda.graph: captured, not run
+    g.replay()
+    assert torch.equal(out, torch.full((4,), 10.0))
+
+
+def test_alias_is_the_same_class():
+    assert pb.BreakableCUDAGraph is pb.BreakableGraph
+
+
+# ---------------------------------------------------------------- breaks
+
+
+@pb.eager_break
+def fresh_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * float(x.max().item())  # a fresh tensor, computed from a host read
+
+
+def test_break_may_return_a_fresh_tensor_copied_into_place_on_replay():
+    x, out = torch.ones(4), torch.zeros(4)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        h = fresh_scale(x + 1)
+        out.copy_(h - 1)
+    x.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    g.replay()
+    h = x + 1
+    assert torch.equal(out, h * h.max() - 1)
+
+
+def test_break_inside_a_break_runs_inline():
+    inner_calls = []
+
+    @pb.eager_break
+    def inner(x):
+        inner_calls.append(capture_active())
+        x.add_(1)
+
+    @pb.eager_break
+    def outer(x):
+        inner(x)
+        x.mul_(2)
+
+    x = torch.zeros(3)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        x.add_(1)
+        outer(x)
+    assert segment_kinds(g) == "G E G" and g.num_breaks == 1  # one break: inner ran inside outer's
+    x.zero_()
+    g.replay()
+    assert torch.equal(x, torch.full((3,), 4.0)) and inner_calls == [True, False]
+
+
+def test_force_break_splits_with_no_eager_work():
+    x = torch.zeros(2)
+    pb.force_break()  # outside a capture: nothing
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        x.add_(1)
+        pb.force_break()
+        x.mul_(3)
+    assert segment_kinds(g) == "G G"
+    g.replay()
+    assert torch.equal(x, torch.full((2,), 3.0))
+
+
+def test_is_in_breakable_graph():
+    seen = []
+
+    @pb.eager_break
+    def probe():
+        seen.append(pb.is_in_breakable_graph())
+
+    assert not pb.is_in_breakable_graph()
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        seen.append(pb.is_in_breakable_graph())
+        probe()
+    g.replay()  # a replay is not a capture
+    assert seen == [True, True, False] and not pb.is_in_breakable_graph()
+    # a wrapper's FULL capture does not break: not a breakable graph
+    full = pb.CUDAGraphWrapper(lambda x: (seen.append(pb.is_in_breakable_graph()), x * 2)[1], M.FULL, config=SIM)
+    with pb.set_forward_context(M.FULL, pb.BatchDescriptor(2)):
+        full(torch.ones(2))
+    assert seen[-1] is False
+
+
+def test_capture_stub_runs_at_capture_and_the_real_body_on_replay():
+    calls = []
+
+    def stub(out, x):
+        calls.append("stub")
+        out.zero_()
+
+    @pb.eager_break(capture_stub=stub)
+    def expensive(out, x):
+        calls.append("real")
+        out.copy_(x * 10)
+
+    x, out, final = torch.ones(2), torch.zeros(2), torch.zeros(2)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        expensive(out, x + 1)
+        final.copy_(out + 1)
+    assert calls == ["stub"]
+    g.replay()
+    assert calls == ["stub", "real"] and torch.equal(final, torch.full((2,), 21.0))
+    expensive(out, x)  # outside a capture: the real body
+    assert calls[-1] == "real"
+
+
+def test_capture_stub_applies_in_a_wrappers_capture_too():
+    calls = []
+
+    @pb.eager_break(capture_stub=lambda x: (calls.append("stub"), x * 0)[1])
+    def scale(x):
+        calls.append("real")
+        return x * 2
+
+    w = pb.BreakableCUDAGraphWrapper(lambda x: scale(x + 1) - 1, M.PIECEWISE, config=SIM)
+    x = torch.ones(3)
+    with pb.set_forward_context(M.PIECEWISE, pb.BatchDescriptor(3)):
+        out = w(x)  # captures (the stub), then replays once (the real body)
+        assert calls == ["stub", "real"] and torch.equal(out, torch.full((3,), 3.0))
+        x.fill_(2.0)
+        assert torch.equal(w(x), torch.full((3,), 5.0))
+
+
+def test_enable_false_leaves_the_function_unchanged():
+    def f(x):
+        return x
+
+    assert pb.eager_break(f, enable=False) is f
+    assert pb.eager_break(enable=False)(f) is f
+    assert pb.eager_break(f) is not f and pb.eager_break(f).__pb_break_point__ is f
+    with pytest.raises(TypeError, match="capture_stub must be callable"):
+        pb.eager_break(f, capture_stub=3)
+
+
+def test_barrier_fn_runs_before_each_break_at_capture_only():
+    order = []
+
+    @pb.eager_break
+    def brk():
+        order.append("break")
+
+    g = sim_graph()
+    with pb.breakable_graph(g, barrier_fn=lambda: order.append("barrier")):
+        brk()
+        brk()
+    assert order == ["barrier", "break", "barrier", "break"]
+    g.replay()
+    assert order[4:] == ["break", "break"]
+
+
+def test_the_librarys_own_break_points_break_it_too():
+    # a splitting piece of the backend (a compiled model) and a wrapped model, called inside
+    with saved_splitting_ops():
+        pb.register_splitting_op("pb_test::double")
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.lin(torch.ops.pb_test.double(self.lin(x)))
+
+        torch._dynamo.reset()
+        model = Model()
+        compiled, _ = compile_model(model)
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            compiled(x)  # trace and compile before the capture (a capture runs no compiler)
+            out = torch.empty(3, 4)
+            g = sim_graph()
+            with pb.breakable_graph(g):
+                out.copy_(compiled(x))
+            assert segment_kinds(g) == "G E G"
+            x.copy_(torch.randn(3, 4))
+            g.replay()
+            torch.testing.assert_close(out, model(x))
+    torch._dynamo.reset()
+
+
+def test_a_wrapper_called_inside_becomes_part_of_its_graph():
+    mlp = CountingMLP(4)
+    w = pb.BreakableCUDAGraphWrapper(mlp, config=SIM)
+    x, out = torch.randn(2, 4), torch.empty(2, 4)
+    g = sim_graph()
+    with torch.no_grad(), pb.breakable_graph(g), pb.set_forward_context(M.PIECEWISE, pb.BatchDescriptor(2)):
+        out.copy_(w(x))
+    assert w.entries == {} and mlp.calls == 1  # no entry of its own: recorded into g
+    calls = mlp.calls
+    g.replay()
+    assert mlp.calls == calls  # no Python of the model on replay
+    with torch.no_grad():
+        torch.testing.assert_close(out, mlp(x))
+
+
+# ---------------------------------------------------------------- failures, each with its cause
+
+
+def test_nested_captures_raise():
+    outer = sim_graph()
+    with pytest.raises(RuntimeError, match="captures do not nest"):
+        with pb.breakable_graph(outer):
+            with pb.breakable_graph(sim_graph()):
+                pass
+    assert not capture_active() and outer.segments == []
+    w = pb.BreakableCUDAGraphWrapper(lambda x: x + 1, config=SIM)
+    with pb.set_forward_context(M.PIECEWISE, pb.BatchDescriptor(2)):
+        inner = pb.BreakableGraph(platform="simulated")
+
+        def body(x):
+            with pb.breakable_graph(inner):
+                return x * 2
+
+        w2 = pb.BreakableCUDAGraphWrapper(body, config=SIM)
+        with pytest.raises(RuntimeError, match="captures do not nest"):
+            w2(torch.ones(2))
+        assert w2.entries == {} and not capture_active()
+        torch.testing.assert_close(w(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_exception_in_the_body_leaves_nothing_open_and_the_next_capture_works():
+    x = torch.ones(2)
+    g = sim_graph()
+    with pytest.raises(KeyError, match="boom"):
+        with pb.breakable_graph(g):
+            x.mul_(7)
+            dynamic_scale(x)
+            raise KeyError("boom")
+    assert not capture_active() and not pb.is_in_breakable_graph() and g.segments == []
+    assert torch.equal(x, torch.ones(2))  # the captured write was undone, as a capture never ran it
+    with pytest.raises(RuntimeError, match="before any capture"):
+        g.replay()
+    with pb.breakable_graph(g):  # the same graph captures again
+        x.mul_(7)
+    g.replay()
+    assert torch.equal(x, torch.full((2,), 7.0))
+
+
+def test_a_host_read_outside_a_break_raises_as_cuda_would():
+    x = torch.ones(3)
+    g = sim_graph()
+    with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing.*eager_break"):
+        with pb.breakable_graph(g):
+            y = x * 2
+            if y.sum().item() > 0:
+                y.clamp_(min=0)
+    assert not capture_active() and g.segments == []
+
+
+def test_replay_after_reset_raises_and_a_new_capture_works():
+    x = torch.ones(2)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        x.add_(1)
+    g.reset()
+    with pytest.raises(RuntimeError, match=r"replay\(\) after reset\(\)"):
+        g.replay()
+    with pb.breakable_graph(g):
+        x.add_(2)
+    g.replay()
+    assert torch.equal(x, torch.full((2,), 3.0))
+    with pytest.raises(RuntimeError, match="already holds a capture"):
+        with pb.breakable_graph(g):
+            pass
+
+
+def test_bad_arguments_name_the_value_and_what_is_valid():
+    with pytest.raises(ValueError, match="platform must be one of .*'gpu'"):
+        pb.BreakableGraph(platform="gpu")
+    with pytest.raises(TypeError, match="pool must be another graph's pool"):
+        pb.BreakableGraph(pool=(0, 1), platform="simulated")
+    with pytest.raises(TypeError, match="captures into a pb.BreakableGraph"):
+        with pb.breakable_graph(object()):
+            pass
+    with pytest.raises(ValueError, match="capture_error_mode must be one of"):
+        with pb.breakable_graph(sim_graph(), capture_error_mode="strict"):
+            pass
+    with pytest.raises(TypeError, match="barrier_fn must be a callable"):
+        with pb.breakable_graph(sim_graph(), barrier_fn=1):
+            pass
+    with pytest.raises(ValueError, match="no CUDA streams"):
+        with pb.breakable_graph(sim_graph(), stream=object()):
+            pass
+    assert not capture_active()
+
+
+def test_captures_on_two_threads_run_one_at_a_time():
+    # the one real difference from breakable-cuda-graphs: one capture at a time per process
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def first():
+        with pb.breakable_graph(sim_graph()):
+            order.append("first in")
+            inside.set()
+            release.wait(20)
+        order.append("first out")
+
+    def second():
+        with pb.breakable_graph(sim_graph()):
+            order.append("second in")
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    assert inside.wait(20)
+    t2 = threading.Thread(target=second)
+    t2.start()
+    t2.join(0.3)
+    assert t2.is_alive() and order == ["first in"]
+    release.set()
+    t1.join(20)
+    t2.join(20)
+    assert order == ["first in", "first out", "second in"]
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_each_graph_has_a_pool_of_its_own_unless_given_one():
+    a, b = sim_graph(), sim_graph()
+    assert a.pool() is not b.pool() and a.pool().handle is not b.pool().handle
+    shared = pb.BreakableGraph(pool=a.pool(), platform="simulated")
+    assert shared.pool() is a.pool()
+    x = torch.ones(256)
+    with pb.breakable_graph(a):
+        y = x * 2
+        x.copy_(y + 1)
+    assert a.memory_bytes > 0 and a.pool().memory_bytes() == a.memory_bytes
+    assert b.pool().memory_bytes() == 0  # another graph's pool saw nothing
+    assert g_shared_capture_reuses(shared, x) == 0  # the freed block of a's capture is reused
+
+
+def g_shared_capture_reuses(g: pb.BreakableGraph, x: torch.Tensor) -> int:
+    with pb.breakable_graph(g):
+        y = x * 3
+        x.copy_(y)
+    return g.memory_bytes
+
+
+def test_breaks_hold_capture_memory_only_weakly():
+    seen = {}
+
+    @pb.eager_break
+    def keep(h):
+        seen["h"] = h
+        return None
+
+    g = sim_graph()
+    x = torch.ones(64)
+    with pb.breakable_graph(g):
+        keep(x * 2)  # a capture-time tensor, referenced only by the break
+    (seg,) = [s for s in g.segments if isinstance(s, EagerSegment)]
+    assert pb.is_weak(seg.args[0]) and g.pool().handle.owns(seg.args[0])
+    assert not pb.is_weak(seen["h"])
+    del seen["h"]
+    assert g.pool().handle.allocated() == 0  # nothing but weak views: the block is free for the next capture
+
+
+# ---------------------------------------------------------------- the CUDA platform (CPU double)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    with cuda_double.installed() as fake:
+        yield fake
+        cuda_double.check_clean(fake)
+
+
+def device_workload(fake, *, fork: str | None = None):
+    """The peer's workload as a GPU runs it, told to the double; ``fork``: where a side stream forks unjoined."""
+    fake.launch(writes="dst")
+    side = torch.cuda.Stream()
+    if fork:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fake.launch()
+        if fork == "joined":
+            torch.cuda.current_stream().wait_stream(side)
+    host_break(fake)
+    fake.launch(reads="dst")
+    return side
+
+
+@pb.eager_break
+def host_break(fake) -> None:
+    fake.host_sync(".item()")  # legal between segments
+
+
+def test_cuda_private_pools_streams_and_modes(fake, monkeypatch):
+    monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: True])
+    g1 = pb.BreakableGraph()  # "auto": CUDA (the double says a GPU is present)
+    assert g1.platform.name == "cuda"
+    with pb.breakable_graph(g1):
+        device_workload(fake)
+    assert segment_kinds(g1) == "G E G"
+    pools = {s.graph.pool_id for s in g1.segments if not isinstance(s, EagerSegment)}
+    assert len(pools) == 1 and pools != {g1.platform.pool_id}  # one pool, not the wrappers' shared one
+    g1.replay()
+    g2 = pb.BreakableGraph(pool=g1.pool())
+    s = torch.cuda.Stream()
+    with pytest.raises(ValueError, match="captures on .*stream of its first capture"):
+        with pb.breakable_graph(g2, stream=s):
+            pass
+    with pb.breakable_graph(g2, capture_error_mode="thread_local"):
+        device_workload(fake)
+    assert {seg.graph.pool_id for seg in g2.segments if not isinstance(seg, EagerSegment)} == pools
+    assert all(x.graph.capture.mode == "thread_local" for x in g2.segments if hasattr(x, "graph"))
+    g3 = pb.BreakableGraph()
+    with pb.breakable_graph(g3, stream=s):
+        device_workload(fake)
+    assert {x.graph.stream for x in g3.segments if hasattr(x, "graph")} == {s}
+    assert {x.graph.pool_id for x in g3.segments if hasattr(x, "graph")}.isdisjoint(pools)
+    with pytest.raises(ValueError, match="default stream"):
+        with pb.breakable_graph(pb.BreakableGraph(), stream=torch.cuda.default_stream()):
+            pass
+
+
+@pytest.mark.parametrize("where", ["break", "end"])
+def test_cuda_unjoined_side_stream_is_named(fake, monkeypatch, where):
+    monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: True])
+    g = pb.BreakableGraph()
+    with pytest.raises(pb.CaptureInvalidatedError, match=r"side stream FakeStream\(id=\d+.* was not joined back") as info:
+        with pb.breakable_graph(g):
+            if where == "break":
+                device_workload(fake, fork="unjoined")
+            else:
+                fake.launch()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fake.launch()
+    note = "the break 'host_break'" if where == "break" else "the end of the capture"
+    assert any(note in n for n in info.value.__notes__)
+    assert not capture_active() and g.segments == []
+    with pb.breakable_graph(g):  # the next capture works (a fresh pool)
+        device_workload(fake, fork="joined")
+    assert segment_kinds(g) == "G E G"
+    g.replay()
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["default", "force_cudagraph_gc"])
+def test_cuda_gc_collected_at_most_once_per_capture_of_64_breaks(fake, monkeypatch, force):
+    # as torch.cuda.graph: no collection unless torch.compiler.config.force_cudagraph_gc, then one, never per segment
+    monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: False])
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+    g = pb.BreakableGraph()
+    with torch.compiler.config.patch(force_cudagraph_gc=force), pb.breakable_graph(g):
+        for _ in range(64):
+            fake.launch()
+            host_break(fake)
+        fake.launch()
+    assert g.num_breaks == 64 and g.num_graphs == 65 and len(collected) == int(force)
+    g.replay()
+
+
+def test_cuda_private_pool_ends_with_its_last_graph(fake, monkeypatch):
+    monkeypatch.setattr(platforms_base, "_gc_probe", [lambda: True])
+    g = pb.BreakableGraph()
+    with pb.breakable_graph(g):
+        device_workload(fake)
+    platform = g.platform
+    gen = g.pool().handle.gen
+    assert gen.id in {tuple(p.id) for p in platform.pools}  # counted in the platform's memory and owner tests
+    shared = pb.BreakableGraph(pool=g.pool())
+    del g
+    platform.release_cached()
+    assert gen.id in {tuple(p.id) for p in platform.pools}  # the pool object lives on in `shared`
+    del shared
+    platform.release_cached()
+    assert gen.id not in {tuple(p.id) for p in platform.pools} and gen.id in platform.generations.retired
