@@ -176,3 +176,21 @@ def test_every_graph_mode_serves_state_layers(mode):
     want = {"NONE": {"NONE"}, "PIECEWISE": {"PIECEWISE"}, "FULL": {"FULL", "PIECEWISE"}, "FULL_DECODE_ONLY": {"FULL", "NONE"}}
     assert {s.mode.name for s in steps} == want[mode]
     assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+
+
+def test_chunked_prefill_and_preemption_keep_the_states_right():
+    """Prompts prefilled 4 tokens a step continue from their slot's state; with too few KV blocks for all,
+    the newest requests are preempted, their slots freed, and recomputed from a zeroed slot later."""
+    model = hf.tiny_random_model("qwen3_next")
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, max_num_reqs=3, max_model_len=32, block_size=4, num_blocks=6,
+                         max_num_batched_tokens=4)
+    engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    steps: list[hf.StepInfo] = []
+    outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
+    assert any(s.preempted for s in steps), steps
+    assert max(s.num_tokens for s in steps) <= 4
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+    assert engine.states.slots == {}
