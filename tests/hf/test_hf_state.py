@@ -194,3 +194,21 @@ def test_chunked_prefill_and_preemption_keep_the_states_right():
     assert max(s.num_tokens for s in steps) <= 4
     assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
     assert engine.states.slots == {}
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_micro_batched_decode_steps_keep_each_halfs_slots(mode):
+    """use_ubatching splits pure-decode steps of >= 2 requests in two halves: each half's tokens carry their own
+    requests' state rows (absolute rows, not rebased), so no half reads or writes the other's states."""
+    model = hf.tiny_random_model("qwen3_next")
+    reference = copy.deepcopy(model)
+    config = CONFIG.replace(cudagraph_mode=mode, use_ubatching=True, dbo_decode_token_threshold=2)
+    engine = hf.HFEngine(model, config, max_num_reqs=3, max_model_len=32, block_size=4)
+    engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    split: list[bool] = []
+    outputs = engine.generate(prompts, [5, 7, 9], on_step=lambda s: split.append(engine.runner.last_ubatched))
+    assert sum(split) >= 3, split  # several steps ran as two micro-batches
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+    assert engine.states.slots == {}
