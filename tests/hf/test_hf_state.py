@@ -61,6 +61,7 @@ def test_engine_serves_state_layers_and_chunked_attention_like_generate(arch):
     assert pb.CUDAGraphMode.PIECEWISE in {s.mode for s in steps if not s.uniform_decode}
     assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
     assert len(engine.cache.key_caches) == SERVED[arch]  # the KV cache holds attention layers only
+    assert len(engine.backend.splits) == 1  # one Dynamo graph, split at its state and attention ops only
     assert (engine.states is None) == (arch == "llama4_text")
     if engine.states is not None:
         assert engine.states.slots == {}  # every finished request gave its slot back

@@ -109,6 +109,9 @@ class TokensFirst(torch.nn.Module):
         self.state_specs = list(state_specs)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # A step has >= 1 token: with the unbacked token count known non-zero, a model's
+        # ``reshape(..., -1, d)`` needs no data-dependent guard (qwen3_next broke its graph there).
+        torch._check(input_ids.shape[0] >= 1)
         return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
 
 
