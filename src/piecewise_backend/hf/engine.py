@@ -40,7 +40,7 @@ from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
 from ..state.cache import StateCache, StateSpec
 from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal
-from .arguments import check_generate, generation_eos
+from .arguments import check_attention_backend, check_generate, generation_eos
 from .sampling import SamplingParams, per_request
 from .serving import RequestOutput, ServingLoop, StepInfo
 from .host_breaks import install_host_breaks, no_full_graphs
@@ -235,10 +235,12 @@ class HFEngine:
         why = length_refusal(model, max(max_model_len, *config.sizes))
         if why is not None:
             raise ValueError(why)
+        param = next(model.parameters())
+        # before adapt, which changes the model
+        check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
         adapted = adapt(model)
         config = no_full_graphs(config, adapted.host_breaks)
         layers, kv_heads, head_dim = kv_shape(adapted)
-        param = next(model.parameters())
         self.cache = kv.PagedKVCache(
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
