@@ -87,11 +87,14 @@ def budgets(max_new_tokens: Any, num_prompts: int) -> list[int]:
     return [int(b) for b in per_prompt]
 
 
-def eos_ids(eos_token_id: Any, default: Any = None, *, vocab_size: int | None = None) -> frozenset[int]:
+def eos_ids(
+    eos_token_id: Any, default: Any = None, *, vocab_size: int | None = None, name: str = "eos_token_id"
+) -> frozenset[int]:
     """The stop tokens: ``eos_token_id`` (an int, or a list/tuple of ints; ``[]``: none), or, when it is
-    None, ``default`` (the model's ``generation_config.eos_token_id``, as ``model.generate`` uses)."""
+    None, ``default`` (the model's ``generation_config.eos_token_id``, as ``model.generate`` uses).
+    ``name``: the argument's name in the errors (``add_request`` calls it ``stop_token_ids``)."""
     given = eos_token_id is not None
-    value, source = (eos_token_id, "eos_token_id") if given else (default, "the model's generation_config.eos_token_id")
+    value, source = (eos_token_id, name) if given else (default, "the model's generation_config.eos_token_id")
     if value is None:
         return frozenset()
     ids = [value] if is_int(value) else list(value) if isinstance(value, (list, tuple)) else None
@@ -101,7 +104,7 @@ def eos_ids(eos_token_id: Any, default: Any = None, *, vocab_size: int | None = 
     if given and vocab_size is not None:
         outside = [t for t in ids if not 0 <= t < vocab_size]
         if outside:
-            raise ValueError(f"eos_token_id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1}): "
+            raise ValueError(f"{name} {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1}): "
                              "it would never stop a request")
     return frozenset(int(t) for t in ids)
 
