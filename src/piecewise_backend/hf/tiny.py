@@ -33,8 +33,12 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_i
 _CONSTRAINED = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok")
 #: A tiny model above this many parameters means a size field was not shrunk: refused, not allocated.
 MAX_PARAMS = 50_000_000
-#: Sizes for types whose fields TINY cannot name generically (mamba2: heads * head_dim must be expand * hidden).
-TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {"mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16}}
+#: Sizes for types whose fields TINY cannot name generically (mamba2: heads * head_dim must be expand * hidden;
+#: falcon_h1: transformers 5.17's Mamba2 scan materializes chunk^2 * heads * state floats, 24 GiB at its defaults).
+TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
+    "mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16},
+    "falcon_h1": {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16},
+}
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
 #: The config fields that give a tiny model the layer mix of released checkpoints, for types whose
