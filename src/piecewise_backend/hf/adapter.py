@@ -21,6 +21,7 @@ from torch.utils.module_tracker import ModuleTracker
 from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
 from . import mixers
+from .buffers import recording_self_assignments, self_assigned
 
 PROBE_IMPLEMENTATION = "pb_probe"
 #: ``layer_types`` / ``layers_block_type`` entries served (others are refused): attention by the paged
@@ -60,6 +61,8 @@ class ProbeResult:
     ignores_positions: bool = False  # q/k differ along the row for one token at one position_id
     #: attention modules that called the interface without a ``layer_idx`` of their own, first seen first
     unindexed: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+    #: buffers the forward assigns back to themselves, as ``(module, name)`` (see :mod:`.buffers`)
+    self_assigned: list[tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
     #: layers whose state kernels are routed to the pb_state ops, by layer index (see :mod:`.mixers`)
     state_layers: dict[int, mixers.StateLayer] = dataclasses.field(default_factory=dict)
 
@@ -175,7 +178,8 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         # the probe follows the ones Dynamo will trace.
         torch.compiler.is_compiling = lambda: True
         with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result) as reads, \
-                sim_rules.watching_host_reads(reads), mixers.recording(model) as states:
+                sim_rules.watching_host_reads(reads), mixers.recording(model) as states, \
+                recording_self_assignments() as assigned:
             positions = torch.arange(tokens, device=param.device)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False)
             # One token repeated at one position: every row's q/k must be equal (attention gives zeros here),
@@ -190,6 +194,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         model.set_attn_implementation(previous)
     result.compare_masks()
     result.state_layers = {i: l for i, l in states.layers.items() if l.calls}
+    result.self_assigned = self_assigned(assigned)
     # Close, not equal: a kernel may round one row differently from another.
     result.ignores_positions = any(
         not all(torch.allclose(t.float(), t[:, :, :1].expand_as(t).float(), rtol=1e-4, atol=1e-5) for t in qk)
