@@ -143,6 +143,30 @@ def test_stop_token_ids_end_a_request_and_keep_the_stop_token(engine):
     assert engine.generate([PROMPTS[0]], 6, eos_token_id=stop) == [cut]
 
 
+def test_an_online_request_stops_at_the_models_eos_where_generate_does(engine, monkeypatch):
+    """``stop_token_ids=None`` is ``generate``'s ``eos_token_id=None``: the model's generation_config.eos_token_id
+    (an int or a list, as HF configs hold either); ``[]``: none; the same checks and errors."""
+    full = engine.generate([PROMPTS[0]], 6, eos_token_id=[])[0]
+    eos = [full[2], 255]
+    monkeypatch.setattr(engine.model.generation_config, "eos_token_id", eos)
+    stopped = engine.generate([PROMPTS[0]], 6)[0]
+    assert len(stopped) < len(full) and stopped[-1] in eos and stopped == full[: len(stopped)]
+    rid = engine.add_request(PROMPTS[0], 6)
+    (result,) = list(engine.results())
+    assert (result.request_id, result.token_ids, result.finish_reason) == (rid, stopped, "stop")
+    engine.add_request(PROMPTS[0], 6, stop_token_ids=[])  # no stop token: as eos_token_id=[]
+    (result,) = list(engine.results())
+    assert (result.token_ids, result.finish_reason) == (full, "length")
+    monkeypatch.setattr(engine.model.generation_config, "eos_token_id", full[2])  # an int
+    engine.add_request(PROMPTS[0], 6)
+    assert [r.token_ids for r in engine.results()] == engine.generate([PROMPTS[0]], 6)
+    with pytest.raises(ValueError, match=r"stop_token_ids 256 is outside the vocabulary \(ids 0..255\)"):
+        engine.add_request(PROMPTS[0], 6, stop_token_ids=[3, 256])
+    with pytest.raises(ValueError, match=r"stop_token_ids must be an int, a list or tuple of ints \(\[\]: no stop token\)"):
+        engine.add_request(PROMPTS[0], 6, stop_token_ids=[2.5])
+    assert not engine.has_unfinished_requests()
+
+
 def test_requests_added_from_callbacks_and_other_threads_are_served(engine):
     streamed: list[tuple[object, int]] = []
 

@@ -36,7 +36,7 @@ SAMPLE = [
     Cell("hf", "FULL_DECODE_ONLY", True, True, "bounded"),  # micro-batched FULL decode graphs
     Cell("hf", "PIECEWISE", False, False, "reference"),  # per-piece graphs
     Cell("spec", "FULL_AND_PIECEWISE", True, False, "bounded"),
-    Cell("spec", "FULL", False, True, "reference"),  # not offered: SpecEngine takes no attention_backend
+    Cell("spec", "FULL", False, True, "reference"),  # both caches on the reference backend
 ]
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 
 import pytest
 import torch
 
 import piecewise_backend as pb
-from piecewise_backend import kv
+from piecewise_backend import attention, kv
+from piecewise_backend.attention import backends as attention_backends
 
 pytest.importorskip("transformers")
 from piecewise_backend import hf, spec  # noqa: E402
@@ -295,6 +298,56 @@ def test_engine_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
         engine.generate([[5.5, 6.9]], 2)
     assert engine.target.cache.tables == {} and engine.drafter.cache.tables == {}
+
+
+#: The library's backends that serve a float32 CPU cache (the attention backends of docs/compatibility.md).
+CPU_BACKENDS = sorted(n for n, b in attention.attention_backends().items()
+                      if b.available(torch.device("cpu"), 4, torch.float32) is None)
+
+
+@pytest.mark.parametrize("name", ["auto", *CPU_BACKENDS])
+def test_attention_backend_serves_both_caches_and_matches_generate(name, monkeypatch):
+    """``attention_backend`` as HFEngine's: both caches run it (the op calls it for each), the engine
+    reports it, and the tokens are the target's greedy ones (partial acceptance: both caches roll back)."""
+    assert {"bounded", "reference"} <= set(CPU_BACKENDS)
+    used = "bounded" if name == "auto" else name
+    calls: list[int] = []
+    original = attention_backends.get_attention_backend(used)
+
+    def spy(q, key_cache, *args, **kwargs):
+        calls.append(key_cache.data_ptr())
+        return original.fn(q, key_cache, *args, **kwargs)
+
+    monkeypatch.setitem(attention_backends._BACKENDS, used, dataclasses.replace(original, fn=spy))
+    engine, reference, _ = captured(2, "FULL_AND_PIECEWISE", draft_layers=1, attention_backend=name)
+    assert engine.attention_backend == engine.target.cache.attention_backend == engine.drafter.cache.attention_backend == used
+    assert engine.target.runner.attention_backend == engine.drafter.runner.attention_backend == used
+    calls.clear()
+    outputs = engine.generate(PROMPTS, 6, eos_token_id=[])
+    assert outputs == [greedy(reference, p, 6) for p in PROMPTS]
+    assert engine.stats.accepted < engine.stats.proposed  # rejected drafts: both caches rolled back
+    caches = {side: {c.data_ptr() for c in getattr(engine, side).cache.key_caches} for side in ("target", "drafter")}
+    assert caches["target"] & set(calls) and caches["drafter"] & set(calls), "each cache's attention ran the backend"
+
+
+def test_a_bad_attention_backend_is_refused_naming_the_valid_ones_before_either_model_is_touched():
+    target = hf.tiny_random_model("llama", num_hidden_layers=2)
+    drafter = spec.truncated_drafter(target, 1)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    valid = re.escape(str(["auto", *CPU_BACKENDS]))
+    cases = [
+        ("flash", ValueError, rf"unknown attention backend 'flash': attention_backend is one of {valid} for this cache"),
+        ("varlen", ValueError, rf"attention backend 'varlen' cannot serve a torch.float32 cache on cpu with "
+                               rf"block_size=16: .*; valid for this cache: {valid}"),
+        (None, TypeError, rf"attention_backend must be a backend's name, one of {valid} for this cache, got NoneType None"),
+    ]
+    for bad, error, message in cases:
+        for make in (lambda: spec.SpecEngine(target, drafter, config, num_speculative_tokens=2, attention_backend=bad),
+                     lambda: hf.HFEngine(target, config, attention_backend=bad)):  # one validator, one message
+            with pytest.raises(error, match=message):
+                make()
+    # refused before adapt: both models keep their own attention
+    assert target.config._attn_implementation != hf.ATTN_IMPLEMENTATION != drafter.config._attn_implementation
 
 
 def test_spec_engine_streams_kept_tokens_and_refuses_sampling_and_a_batch_it_would_run_out_of_blocks_for():

@@ -121,6 +121,12 @@ def test_chunked_and_recurrent_delta_rule_agree_and_chain():
     assert_close(torch.stack(steps), whole, rtol=0, atol=1e-5)
 
 
+def _transformers_at_least(version: str) -> bool:
+    import transformers
+
+    return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= tuple(int(p) for p in version.split("."))
+
+
 def test_ssd_kernels_match_transformers():
     nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
     g = torch.Generator().manual_seed(2)
@@ -130,8 +136,10 @@ def test_ssd_kernels_match_transformers():
     ref, ref_state = nh.mamba2_chunk_scan(x, dt, A, B, Cm, 8, D=D, dt_bias=bias, initial_states=s0, dt_softplus=True,
                                           return_final_states=True, dt_limit=(0.0, float("inf")))
     y, state = st.ssd_sequence(x[0], dt[0], A, B[0], Cm[0], D, bias, s0[0], 8)
-    assert_close(y, ref[0], rtol=0, atol=0)
-    assert_close(state, ref_state[0], rtol=0, atol=0)
+    # ssd_sequence contracts as 5.24's einsums do, bit for bit; 5.17 broadcasts and sums (its rounding differs)
+    atol = 0 if _transformers_at_least("5.24") else 2e-6
+    assert_close(y, ref[0], rtol=0, atol=atol)
+    assert_close(state, ref_state[0], rtol=0, atol=atol)
     states = r(3, SH, SP, SN)
     x1, dt1, B1, C1 = r(3, SH, SP), r(3, SH), r(3, SG, SN), r(3, SG, SN)
     hf_states = states.clone()

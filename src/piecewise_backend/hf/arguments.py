@@ -5,7 +5,8 @@ same prompts, budgets and stop tokens; :func:`check_generate` turns them into pl
 ``ValueError`` (a ``TypeError`` for a value of the wrong kind: text, a bare int, a set) that names
 the bad value and what is valid, before any request is admitted. A prompt may be a list or tuple
 of ints, a 1-D integer tensor or a numpy integer array; a float id is refused, never truncated.
-Imports neither transformers nor numpy.
+:func:`check_attention_backend` checks the one constructor argument both engines share in meaning,
+``attention_backend``, before either touches its model. Imports neither transformers nor numpy.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any
+
+from ..attention.backends import attention_backends, describe, select_attention_backends
 
 #: What a prompt may be, for the error messages.
 PROMPT_KINDS = "a list or tuple of ints, a 1-D integer tensor or a 1-D numpy integer array"
@@ -84,11 +87,14 @@ def budgets(max_new_tokens: Any, num_prompts: int) -> list[int]:
     return [int(b) for b in per_prompt]
 
 
-def eos_ids(eos_token_id: Any, default: Any = None, *, vocab_size: int | None = None) -> frozenset[int]:
+def eos_ids(
+    eos_token_id: Any, default: Any = None, *, vocab_size: int | None = None, name: str = "eos_token_id"
+) -> frozenset[int]:
     """The stop tokens: ``eos_token_id`` (an int, or a list/tuple of ints; ``[]``: none), or, when it is
-    None, ``default`` (the model's ``generation_config.eos_token_id``, as ``model.generate`` uses)."""
+    None, ``default`` (the model's ``generation_config.eos_token_id``, as ``model.generate`` uses).
+    ``name``: the argument's name in the errors (``add_request`` calls it ``stop_token_ids``)."""
     given = eos_token_id is not None
-    value, source = (eos_token_id, "eos_token_id") if given else (default, "the model's generation_config.eos_token_id")
+    value, source = (eos_token_id, name) if given else (default, "the model's generation_config.eos_token_id")
     if value is None:
         return frozenset()
     ids = [value] if is_int(value) else list(value) if isinstance(value, (list, tuple)) else None
@@ -98,9 +104,28 @@ def eos_ids(eos_token_id: Any, default: Any = None, *, vocab_size: int | None = 
     if given and vocab_size is not None:
         outside = [t for t in ids if not 0 <= t < vocab_size]
         if outside:
-            raise ValueError(f"eos_token_id {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1}): "
+            raise ValueError(f"{name} {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1}): "
                              "it would never stop a request")
     return frozenset(int(t) for t in ids)
+
+
+def check_attention_backend(attention_backend: Any, *, device: Any, dtype: Any, block_size: int) -> str:
+    """``attention_backend`` of an engine whose cache is on ``device`` with ``dtype`` and ``block_size``:
+    ``"auto"`` (the best one available, see :func:`~piecewise_backend.attention.select_attention_backends`)
+    or a registered backend's name that can serve that cache. Returns the choice in words (an
+    engine's ``.attention_backend``, e.g. ``"bounded"``); the error names the value and the valid ones."""
+    registered = attention_backends()
+    valid = ["auto", *sorted(n for n, b in registered.items() if b.available(device, block_size, dtype) is None)]
+    if not isinstance(attention_backend, str):
+        raise TypeError(f"attention_backend must be a backend's name, one of {valid} for this cache, "
+                        f"got {type(attention_backend).__name__} {_show(attention_backend)}")
+    if attention_backend != "auto" and attention_backend not in registered:
+        raise ValueError(f"unknown attention backend {attention_backend!r}: attention_backend is one of {valid} for "
+                         f"this cache (registered: {sorted(registered)})")
+    try:
+        return describe(select_attention_backends(attention_backend, device, block_size, dtype))
+    except ValueError as e:  # registered, but not for this device, block size or dtype
+        raise ValueError(f"{e}; valid for this cache: {valid}") from None
 
 
 def generation_eos(model: Any) -> Any:

@@ -40,7 +40,7 @@ from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
 from ..state.cache import StateCache, StateSpec
 from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal
-from .arguments import check_generate, generation_eos
+from .arguments import check_attention_backend, check_generate, eos_ids, generation_eos
 from .buffers import drop_self_assignments
 from .sampling import SamplingParams, per_request
 from .serving import RequestOutput, ServingLoop, StepInfo
@@ -237,10 +237,12 @@ class HFEngine:
         why = length_refusal(model, max(max_model_len, *config.sizes))
         if why is not None:
             raise ValueError(why)
+        param = next(model.parameters())
+        # before adapt, which changes the model
+        check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
         adapted = adapt(model)
         config = no_full_graphs(config, adapted.host_breaks)
         layers, kv_heads, head_dim = kv_shape(adapted)
-        param = next(model.parameters())
         self.cache = kv.PagedKVCache(
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
@@ -316,17 +318,20 @@ class HFEngine:
         max_new_tokens: int,
         *,
         sampling: SamplingParams | None = None,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: int | Sequence[int] | None = None,
         request_id: Hashable | None = None,
         on_token: Callable[[Hashable, int], None] | None = None,
     ) -> Hashable:
         """Queue a request while others run (any thread); returns its id (default: the next free int).
 
-        It joins the next step that has room. ``stop_token_ids`` end it (the stop token is kept);
-        ``on_token(request_id, token_id)`` is called as each of its tokens is produced.
+        It joins the next step that has room. ``stop_token_ids`` end it (the stop token is kept), as
+        :meth:`generate`'s ``eos_token_id``: an int or a list of ints (``[]``: none); None: the model's
+        ``generation_config.eos_token_id``. ``on_token(request_id, token_id)`` is called as each of
+        its tokens is produced.
         """
+        stops = eos_ids(stop_token_ids, generation_eos(self.model), vocab_size=self.vocab_size, name="stop_token_ids")
         return self._loop.add(
-            prompt, max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids, request_id=request_id,
+            prompt, max_new_tokens, sampling=sampling, stop_token_ids=sorted(stops), request_id=request_id,
             on_token=on_token,
         )
 

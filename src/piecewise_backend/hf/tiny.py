@@ -33,12 +33,19 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_i
 _CONSTRAINED = ("num_attention_heads", "num_key_value_heads", "head_dim", "num_experts_per_tok")
 #: A tiny model above this many parameters means a size field was not shrunk: refused, not allocated.
 MAX_PARAMS = 50_000_000
-#: Sizes for types whose fields TINY cannot name generically (mamba2: heads * head_dim must be expand * hidden).
+#: Sizes for types whose fields TINY cannot name generically. Mamba2 mixers: heads * head_dim must be
+#: expand * hidden, and transformers 5.17's chunked scan materializes chunk^2 * heads * state floats
+#: (8-24 GiB at the defaults of bamba, granitemoehybrid, falcon_h1).
+_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16}
 #: lfm2_moe's default config has no ``layer_types`` (its model indexes them) and makes its first two layers
 #: dense: a short convolution and an attention layer, the second with experts, as in its checkpoints.
 TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
-    "mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16, "chunk_size": 16},
+    "falcon_h1": {**_MAMBA2, "mamba_d_ssm": 128},
+    "bamba": _MAMBA2,
+    "granitemoehybrid": _MAMBA2,
+    "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16},
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0

@@ -26,7 +26,7 @@ import torch
 
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
-from ..hf.arguments import check_generate, generation_eos
+from ..hf.arguments import check_attention_backend, check_generate, generation_eos
 from ..hf.engine import adapt, kv_shape
 from ..hf.mixers import candidates
 from ..hf.sampling import SamplingParams, per_request
@@ -45,6 +45,7 @@ class _Side:
     def __init__(
         self, model: torch.nn.Module, config: CompilationConfig, *, drafter: bool, query_len: int,
         support: AttentionGraphSupport, max_num_reqs: int, max_model_len: int, block_size: int, num_blocks: int | None,
+        attention_backend: str,
     ):
         self.model = model
         adapted = adapt(model)
@@ -55,6 +56,7 @@ class _Side:
         self.cache = kv.PagedKVCache(
             layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
             num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size), dtype=param.dtype, device=param.device,
+            attention_backend=attention_backend,
         )
         config = no_full_graphs(config, adapted.host_breaks)  # a break point: no FULL graph holds it
         self.backend = make_backend(config)
@@ -97,7 +99,8 @@ class SpecEngine:
 
     ``drafter`` may be ``target`` itself (every draft is then accepted). Both models are switched
     to paged attention (:func:`~piecewise_backend.hf.adapt`). ``config`` is the target's; the
-    drafter uses ``drafter_config`` (default: ``config``) with ``drafter=True``. The target's
+    drafter uses ``drafter_config`` (default: ``config``) with ``drafter=True``. ``attention_backend``
+    is ``HFEngine``'s, for both models' caches (reported as ``.attention_backend``). The target's
     capture sizes gain every verify size ``r * (k + 1)`` up to ``max_num_reqs`` requests (within
     ``max_capture_size``), so each verify step has an exact FULL key.
     """
@@ -115,6 +118,7 @@ class SpecEngine:
         max_model_len: int = 128,
         block_size: int = 16,
         num_blocks: int | None = None,
+        attention_backend: str = "auto",
     ):
         k = num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -134,16 +138,22 @@ class SpecEngine:
             limit = getattr(m.config.get_text_config(), "max_position_embeddings", None)
             if limit is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len={max_model_len} exceeds {type(m).__name__}'s max_position_embeddings={limit}")
+            param = next(m.parameters())
+            check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
         self.k = k
         self.vocab_size: int = vocab[0]
         verify = sorted({r * (k + 1) for r in range(1, max_num_reqs + 1)} | set(config.sizes))
         if not getattr(config, "_max_derived", True):
             verify = [s for s in verify if s <= config.max_capture_size]
         target_config = config.replace(capture_sizes=verify) if config.cudagraph_mode != CUDAGraphMode.NONE else config
-        common = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks)
+        common = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+                      attention_backend=attention_backend)
         self.target = _Side(target, target_config, drafter=False, query_len=k + 1, support=target_attention_support, **common)
         self.drafter = _Side(drafter, drafter_config or config, drafter=True, query_len=1,
                              support=AttentionGraphSupport.ALWAYS, **common)
+        chosen = self.target.cache.attention_backend, self.drafter.cache.attention_backend
+        #: the caches' attention backend(s) in words, as ``HFEngine.attention_backend`` (both's, when they differ)
+        self.attention_backend = chosen[0] if chosen[0] == chosen[1] else f"target: {chosen[0]}; drafter: {chosen[1]}"
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_step_tokens = self.target.runner.dispatcher.max_size
