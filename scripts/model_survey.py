@@ -141,7 +141,9 @@ def table(results: list[Result], conditions: str) -> str:
         "different lengths, tokens compared with `model.generate`; a differing token passes only within the",
         "example's `LOGIT_TOL` of the best logit of the model's own forward over the same tokens: a tie, or",
         "generate's cached path leaving that forward, which the reason then names). Written by",
-        "`scripts/model_survey.py`; refused types exit 2 from `hf.adapt` with the reason shown.",
+        "`scripts/model_survey.py`; refused types exit 2 from `hf.adapt` with the reason shown. A pass's",
+        "`graphs` is how many Dynamo graphs the engine compiled (the example's `dynamo graphs: N`): 1 unless a",
+        "graph break cut the model (those are listed after the passes, with the first break).",
         "",
         f"Conditions: {conditions}",
         "",
@@ -171,7 +173,10 @@ def table(results: list[Result], conditions: str) -> str:
                 lines += ["| type | graphs | first graph break |", "| --- | --- | --- |"]
                 lines += [f"| {r.arch} | {r.graphs} | {_cell(r.graph_break, 600)} |" for r in several]
             else:
-                lines.append("None: every passing type compiled as one Dynamo graph.")
+                lines += ["None: every passing type compiled as one Dynamo graph. Breaks the library removed so far: a",
+                          "`reshape(..., -1, d)` on the unbacked token count (qwen3_next, olmo_hybrid: `TokensFirst` tells",
+                          "Dynamo a step has a token) and a buffer the forward assigns back to itself (ctrl: 9 graphs;",
+                          "`hf/buffers.py`)."]
             lines.append("")
     return "\n".join(lines)
 

@@ -127,6 +127,13 @@ def test_zamba_keeps_two_hybrid_layers_and_is_refused_for_its_shared_attention_b
         hf.adapt(model)
 
 
+def test_a_config_that_cannot_be_shrunk_says_so_even_with_several_text_configs():
+    """musicgen's shrunk config fails; looking for its layer types (get_text_config raises: a text encoder and
+    a decoder) must not replace that error with transformers' own."""
+    with pytest.raises(ValueError, match=r"cannot build 'musicgen' from a shrunk config \(AttributeError"):
+        hf.tiny_random_model("musicgen")
+
+
 def test_adapt_routes_each_state_layer_to_the_ops_by_what_it_calls():
     model = hf.tiny_random_model("qwen3_next")
     adapted = hf.adapt(model)

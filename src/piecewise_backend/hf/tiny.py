@@ -160,7 +160,10 @@ def _build_mixed(transformers: Any, arch: str, defaults: Any, sizes: dict[str, A
 
 def _layer_kinds(config: Any) -> list[str] | None:
     """The per-layer types a config declares (``layer_types`` or ``layers_block_type``), or None."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:  # several text configs (musicgen's text encoder and decoder): none to read
+        return None
     for field in ("layer_types", "layers_block_type"):
         try:
             kinds = getattr(text, field, None)
