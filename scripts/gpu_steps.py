@@ -61,7 +61,7 @@ class Step:
 GATE_S = 20
 
 STEPS: list[Step] = [
-    Step("smoke", 35, "gpu_smoke.py: CUDA init ~3 s, ~10 cases on eager pieces < 1 s each; was capped at 60 s unmeasured",
+    Step("smoke", 25, "gpu_smoke.py: CUDA init ~3 s, ~10 cases on eager pieces < 1 s each; was capped at 60 s unmeasured",
          command=("{py}", "scripts/gpu_smoke.py")),
     Step("headline", 85, "toy llama 8x512: 3 distinct Inductor pieces (~10 s each cold, Triton included) shared by "
          "FULL and breakable PIECEWISE, per-piece ~10 s (FX graph cache warm), reduce-overhead one whole-graph "
@@ -77,8 +77,9 @@ STEPS: list[Step] = [
          tests=("tests/platforms/test_sim_rules.py", "tests/core/test_inputs.py", "tests/kv/test_kv.py",
                 "tests/attention/test_attention.py", "tests/ubatch/test_ubatch.py", "tests/ubatch/test_ubatch_cuda.py"),
          workers=2),
-    Step("hf", 35, "5 architectures in one process on eager pieces (capture of 5 sizes, generate, reference generate: "
-         "~5 s each)", tests=("tests/hf/test_hf.py",)),
+    Step("hf", 45, "5 architectures, then 5 with state layers (qwen3_next, nemotron_h, mamba, lfm2, llama4_text), "
+         "in one process on eager pieces (capture of 5 sizes, generate, reference generate: ~4 s each)",
+         tests=("tests/hf/test_hf.py", "tests/hf/test_hf_state.py")),
     Step("example", 40, "hf_generate.py llama --check --lazy --sample: one cold Inductor compile of a 2-layer llama "
          "(3 pieces, ~25 s), 10 eager steps, capture_idle of the ~4 graphs they asked for, two more generate calls "
          "(< 1 s each); the one HF subprocess of the check",

@@ -247,3 +247,16 @@ def test_micro_batched_decode_steps_keep_each_halfs_slots(mode):
     assert sum(split) >= 3, split  # several steps ran as two micro-batches
     assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
     assert engine.states.slots == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "mamba", "lfm2", "llama4_text"])
+def test_state_layers_on_cuda(arch, capsys):
+    """The twins on CPU: test_engine_serves_state_layers_and_chunked_attention_like_generate (and the mode and
+    micro-batching tests). On a GPU the state ops run inside real FULL graphs (gathered and scattered by slot, no
+    host read) and at real breaks between PIECEWISE segments; eager pieces keep it to one process."""
+    assert _example().main(["--arch", model_type(arch), "--check", "--compile-pieces", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "platform: cuda" in out and "check: 5/5 requests match model.generate" in out
+    decode = re.findall(r"^step +\d+:.* decode -> (\w+)$", out, re.M)
+    assert decode and set(decode) == {"FULL"}, out

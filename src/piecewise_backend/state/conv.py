@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import current_state_metadata, one_token_per_request, runs, state_tensor, write_rows
+from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
 
 #: Activations the op applies after the convolution ("" = none).
 ACTIVATIONS = {"": None, "silu": F.silu, "swish": F.silu}
@@ -71,28 +71,10 @@ def causal_conv1d(
         raise ValueError(f"{op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     if meta.state_index.shape[0] < tokens:
         raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
-    read = meta.state_index[:tokens]
-    if one_token_per_request(op, x.device):  # one token per request (FULL decode): gather, step, scatter; no host read
-        y, new = conv_step(x, states.index_select(0, read), weight, bias, activation)
-        states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
-        out.copy_(y)
-        return
-    out.zero_()  # padding tokens: zeros
-    half = states.shape[0] // 2
-    singles = []
-    for row, start, count in runs(read, scratch=half - 1):
-        if count == 1:
-            singles.append((row, start))
-            continue
-        y, new = conv_sequence(x[start:start + count], states[row], weight, bias, activation)
-        states[(row + half) % states.shape[0]].copy_(new)
-        out[start:start + count] = y
-    if singles:  # the decoding requests of a mixed step, together
-        rows = torch.tensor([r for r, _ in singles], device=x.device)
-        at = torch.tensor([s for _, s in singles], device=x.device)
-        y, new = conv_step(x.index_select(0, at), states.index_select(0, rows), weight, bias, activation)
-        states.index_copy_(0, write_rows(rows, states.shape[0]), new.to(states.dtype))
-        out.index_copy_(0, at, y)
-
+    apply_state_op(
+        op, meta.state_index[:tokens], states, out,
+        step=lambda at, s: conv_step(pick(x, at), s, weight, bias, activation),
+        sequence=lambda part, s: conv_sequence(x[part], s, weight, bias, activation),
+    )
 
 register_splitting_op(causal_conv1d)

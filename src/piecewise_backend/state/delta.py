@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import current_state_metadata, one_token_per_request, runs, state_tensor, write_rows
+from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -114,30 +114,10 @@ def gated_delta_rule(
         raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
-    read = meta.state_index[:tokens]
-    if one_token_per_request(op, v.device):  # one token per request (FULL decode): gather, step, scatter; no host read
-        y, new = delta_step(q, k, v, g, beta, states.index_select(0, read), l2norm)
-        states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
-        out.copy_(y)
-        return
-    out.zero_()  # padding tokens: zeros
-    half = states.shape[0] // 2
-    singles = []
-    for row, start, count in runs(read, scratch=half - 1):
-        if count == 1:
-            singles.append((row, start))
-            continue
-        part = slice(start, start + count)
-        y, new = delta_sequence(q[part], k[part], v[part], g[part], beta[part], states[row], l2norm, chunk_size)
-        states[(row + half) % states.shape[0]].copy_(new)
-        out[part] = y
-    if singles:  # the decoding requests of a mixed step, together
-        rows = torch.tensor([r for r, _ in singles], device=v.device)
-        at = torch.tensor([s for _, s in singles], device=v.device)
-        pick = lambda t: t.index_select(0, at)  # noqa: E731
-        y, new = delta_step(pick(q), pick(k), pick(v), pick(g), pick(beta), states.index_select(0, rows), l2norm)
-        states.index_copy_(0, write_rows(rows, states.shape[0]), new.to(states.dtype))
-        out.index_copy_(0, at, y)
-
+    apply_state_op(
+        op, meta.state_index[:tokens], states, out,
+        step=lambda at, s: delta_step(pick(q, at), pick(k, at), pick(v, at), pick(g, at), pick(beta, at), s, l2norm),
+        sequence=lambda p, s: delta_sequence(q[p], k[p], v[p], g[p], beta[p], s, l2norm, chunk_size),
+    )
 
 register_splitting_op(gated_delta_rule)

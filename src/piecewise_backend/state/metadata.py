@@ -16,6 +16,7 @@ scratch slot. The state ops (:mod:`.conv`, :mod:`.delta`) take it from the forwa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -97,3 +98,49 @@ def runs(index: torch.Tensor, scratch: int) -> list[tuple[int, int, int]]:
                 out.append((values[start], start, i - start))
             start = i
     return out
+
+
+#: ``(tokens or None, gathered states) -> (outputs, new states)``: an op's one-token-per-request form on the
+#: tokens at ``tokens`` (None: all of them).
+StepFn = Callable[[torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``(one request's tokens, its state) -> (outputs, new state)``: an op's whole-sequence form.
+SequenceFn = Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def pick(t: torch.Tensor | None, tokens: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows ``tokens`` of a per-token tensor (all of it for None; None stays None)."""
+    return t if t is None or tokens is None else t.index_select(0, tokens)
+
+
+def apply_state_op(op: str, read: torch.Tensor, states: torch.Tensor, out: torch.Tensor,
+                   step: StepFn, sequence: SequenceFn) -> None:
+    """Run one state op over a step: read each token's state row, write the other copy, fill ``out``.
+
+    Inside a FULL step every token is one request's: gather, ``step``, scatter, no host read. Otherwise
+    (one host read of ``read``) each prefilling request runs ``sequence`` from its own state, so nothing
+    flows between the requests of a row, the decoding requests run ``step`` together, and padding
+    tokens get zeros.
+    """
+    rows = states.shape[0]
+    if one_token_per_request(op, out.device):
+        y, new = step(None, states.index_select(0, read))
+        states.index_copy_(0, write_rows(read, rows), new.to(states.dtype))
+        out.copy_(y)
+        return
+    out.zero_()
+    half = rows // 2
+    singles: list[tuple[int, int]] = []
+    for row, start, count in runs(read, scratch=half - 1):
+        if count == 1:
+            singles.append((row, start))
+            continue
+        part = slice(start, start + count)
+        y, new = sequence(part, states[row])
+        states[(row + half) % rows].copy_(new)
+        out[part] = y
+    if singles:
+        read_rows = torch.tensor([r for r, _ in singles], device=out.device)
+        at = torch.tensor([t for _, t in singles], device=out.device)
+        y, new = step(at, states.index_select(0, read_rows))
+        states.index_copy_(0, write_rows(read_rows, rows), new.to(states.dtype))
+        out.index_copy_(0, at, y)

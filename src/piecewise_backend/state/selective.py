@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import current_state_metadata, one_token_per_request, runs, state_tensor, write_rows
+from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
 
 
 def selective_sequence(
@@ -89,32 +89,12 @@ def selective_scan(
         )
     if meta.state_index.shape[0] < tokens:
         raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
-    read = meta.state_index[:tokens]
-    if one_token_per_request(op, u.device):  # one token per request (FULL decode): gather, step, scatter
-        y, new = selective_step(u, dt, A, B, C, D, z, dt_bias, states.index_select(0, read), dt_softplus)
-        states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
-        out.copy_(y)
-        return
-    out.zero_()  # padding tokens: zeros
-    half = states.shape[0] // 2
-    singles = []
-    for row, start, count in runs(read, scratch=half - 1):
-        if count == 1:
-            singles.append((row, start))
-            continue
-        part = slice(start, start + count)
-        y, new = selective_sequence(u[part], dt[part], A, B[part], C[part], D, None if z is None else z[part],
-                                    dt_bias, states[row], dt_softplus)
-        states[(row + half) % states.shape[0]].copy_(new)
-        out[part] = y
-    if singles:  # the decoding requests of a mixed step, together
-        rows = torch.tensor([r for r, _ in singles], device=u.device)
-        at = torch.tensor([s for _, s in singles], device=u.device)
-        pick = lambda t: None if t is None else t.index_select(0, at)  # noqa: E731
-        y, new = selective_step(pick(u), pick(dt), A, pick(B), pick(C), D, pick(z), dt_bias,
-                                states.index_select(0, rows), dt_softplus)
-        states.index_copy_(0, write_rows(rows, states.shape[0]), new.to(states.dtype))
-        out.index_copy_(0, at, y)
-
+    apply_state_op(
+        op, meta.state_index[:tokens], states, out,
+        step=lambda at, s: selective_step(pick(u, at), pick(dt, at), A, pick(B, at), pick(C, at), D, pick(z, at), dt_bias,
+                                          s, dt_softplus),
+        sequence=lambda p, s: selective_sequence(u[p], dt[p], A, B[p], C[p], D, None if z is None else z[p], dt_bias, s,
+                                                 dt_softplus),
+    )
 
 register_splitting_op(selective_scan)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import current_state_metadata, one_token_per_request, runs, state_tensor, write_rows
+from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
 
 
 def _dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool) -> torch.Tensor:
@@ -123,31 +123,11 @@ def ssd_scan(
         raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
-    read = meta.state_index[:tokens]
-    if one_token_per_request(op, x.device):  # one token per request (FULL decode): gather, step, scatter; no host read
-        y, new = ssd_step(x, dt, A, B, C, D, dt_bias, states.index_select(0, read), dt_softplus)
-        states.index_copy_(0, write_rows(read, states.shape[0]), new.to(states.dtype))
-        out.copy_(y)
-        return
-    out.zero_()  # padding tokens: zeros
-    half = states.shape[0] // 2
-    singles = []
-    for row, start, count in runs(read, scratch=half - 1):
-        if count == 1:
-            singles.append((row, start))
-            continue
-        part = slice(start, start + count)
-        y, new = ssd_sequence(x[part], dt[part], A, B[part], C[part], D, dt_bias, states[row], chunk_size,
-                              dt_softplus, (dt_min, dt_max))
-        states[(row + half) % states.shape[0]].copy_(new)
-        out[part] = y
-    if singles:  # the decoding requests of a mixed step, together
-        rows = torch.tensor([r for r, _ in singles], device=x.device)
-        at = torch.tensor([s for _, s in singles], device=x.device)
-        pick = lambda t: t.index_select(0, at)  # noqa: E731
-        y, new = ssd_step(pick(x), pick(dt), A, pick(B), pick(C), D, dt_bias, states.index_select(0, rows), dt_softplus)
-        states.index_copy_(0, write_rows(rows, states.shape[0]), new.to(states.dtype))
-        out.index_copy_(0, at, y)
-
+    apply_state_op(
+        op, meta.state_index[:tokens], states, out,
+        step=lambda at, s: ssd_step(pick(x, at), pick(dt, at), A, pick(B, at), pick(C, at), D, dt_bias, s, dt_softplus),
+        sequence=lambda p, s: ssd_sequence(x[p], dt[p], A, B[p], C[p], D, dt_bias, s, chunk_size, dt_softplus,
+                                           (dt_min, dt_max)),
+    )
 
 register_splitting_op(ssd_scan)
