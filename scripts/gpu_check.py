@@ -11,7 +11,8 @@ write more files to ``$OUT`` than the device brings back (8), or the backend doe
 The gate makes the tracked tree usable as it is, without network, dependencies or a change to the
 caller's environment: it installs the tree (``pip install --no-deps --no-build-isolation --no-index
 --target``) into a temporary folder, whose dist-info carries the ``torch_dynamo_backends`` entry
-point (the checkout's own egg-info is git-ignored and does not travel to the GPU machine), puts it
+point (the checkout's own egg-info is git-ignored and does not travel to the GPU machine; where pip
+cannot build it, setuptools < 70.1 without ``wheel``, the gate writes that dist-info itself), puts it
 on the steps' ``PYTHONPATH`` after the tree's ``src/``, and checks that
 ``torch.compile(f, backend="piecewise_breakable")`` resolves *by name* to this tree's code.
 
@@ -125,6 +126,26 @@ def merge_junit(parts: list[tuple[str, Path]], dest: Path) -> None:
     ET.ElementTree(merged).write(dest, encoding="utf-8", xml_declaration=True)
 
 
+def write_dist_info(site: Path) -> str | None:
+    """The installed metadata a build would write, from pyproject.toml alone: the name, version and entry
+    points (the code itself comes from ``src/`` on ``PYTHONPATH``); the cause if it cannot."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return "Python 3.11+ (tomllib) is needed to read pyproject.toml"
+    try:
+        project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+        name, version = project["name"], project["version"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError) as e:
+        return f"pyproject.toml has no readable [project] name and version ({type(e).__name__}: {e})"
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    groups = project.get("entry-points", {})
+    lines = [f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) for group, points in groups.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines))
+    return None
+
 class Check:
     def __init__(self, plan: bool) -> None:
         self.plan = plan
@@ -222,9 +243,12 @@ class Check:
         self.note(f"===== gate: {' '.join(pip)} {site} {stage}")
         proc = subprocess.run([*pip, str(site), str(stage)], cwd=self.work, env=self.env, capture_output=True, text=True)
         self.note(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
+        if proc.returncode != 0:  # e.g. setuptools < 70.1 without `wheel` has no bdist_wheel
             last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-            return f"installing the tree into {site} failed: {last[0]}"
+            cause = write_dist_info(site)
+            if cause:
+                return f"installing the tree into {site} failed: {last[0]}; writing its dist-info failed: {cause}"
+            self.say(f"note: pip could not install the tree ({last[0]}); wrote its dist-info by hand instead")
         paths = [str(ROOT / "src"), str(ROOT), str(site)]
         wheels = sorted((ROOT / ".whl").glob("*.whl"))
         if wheels:  # carried wheels (see docs/benchmarks.md): installed offline next to the tree

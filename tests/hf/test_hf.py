@@ -82,7 +82,8 @@ def test_adapt_refuses_what_it_cannot_serve():
     [
         # state kept by a family the state cache does not serve yet, or by a layer's own code (lightning attention)
         ("deepseek_v4", {}, r"layers of type \['compressed_sparse_attention', 'heavily_compressed_attention'\]"),
-        ("recurrent_gemma", {}, r"state between tokens in its own code \(RecurrentGemmaRecurrentBlock"),
+        # (transformers 5.17 declares its layers as layers_block_type ['recurrent', ...], which is refused first)
+        ("recurrent_gemma", {}, r"state between tokens in its own code \(RecurrentGemmaRecurrentBlock|layers of type \['recurrent'\]"),
         ("minimax", {}, r"state between tokens in its own code \(MiniMaxLightningAttention"),
         # differential attention calls the interface twice per layer with the same layer index
         ("diffllama", {}, "runs attention layer 0 more than once per forward"),

@@ -265,3 +265,13 @@ def test_cuda_marked_tests_use_no_fixture_they_do_not_request():
             problems += [f"{path.relative_to(ROOT)}::{fn.name} uses fixture {name!r}" for name in
                          sorted((used & fixtures) - params)]
     assert not problems, problems
+
+
+def test_the_gate_writes_the_dist_info_by_hand_where_pip_cannot_build(tmp_path):
+    """setuptools < 70.1 without `wheel` cannot build the tree (no bdist_wheel): the metadata the steps need,
+    the entry point above all, then comes from pyproject.toml alone."""
+    assert gpu_check.write_dist_info(tmp_path) is None
+    (dist,) = importlib.metadata.distributions(path=[str(tmp_path)])
+    assert dist.metadata["Name"] == "piecewise_backend"
+    points = {ep.name: ep.value for ep in dist.entry_points if ep.group == "torch_dynamo_backends"}
+    assert points == {"piecewise_breakable": "piecewise_backend.backend:piecewise_breakable"}

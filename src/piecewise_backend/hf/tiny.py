@@ -19,7 +19,7 @@ TINY = dict(
 TINY_IF_SET = dict(
     # mixture of experts: few small experts (the defaults allocate up to GBs: llama4, qwen3_5_moe, ...)
     num_local_experts=4, num_experts=4, n_routed_experts=4, moe_intermediate_size=32,
-    shared_expert_intermediate_size=32, intermediate_size_mlp=128, n_group=2, topk_group=1, first_k_dense_replace=1,
+    shared_expert_intermediate_size=32, expert_ffn_hidden_size=32, intermediate_size_mlp=128, n_group=2, topk_group=1, first_k_dense_replace=1,
     # multi-head latent attention (deepseek_v2/v3, minicpm3, ...): v's head dim differs from q/k's on purpose
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
     # chunked / sliding attention and per-layer inputs sized to the tiny model
@@ -46,6 +46,7 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "bamba": _MAMBA2,
     "granitemoehybrid": _MAMBA2,
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16},
+    "longcat_flash": {"num_layers": 1},  # its layer count (2 sublayers each); 5.17 does not derive it from num_hidden_layers
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
