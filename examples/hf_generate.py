@@ -5,7 +5,8 @@ prompts of different lengths that finish at different steps (steps with prompt t
 PIECEWISE graphs, pure decode steps one FULL graph), and with --check compares every request's
 tokens with ``model.generate(do_sample=False)`` (a differing token passes only if it ties the
 reference's best logit within LOGIT_TOL given the same prefix; see ``check``).
-Exit status: 0 served (and checked), 2 refused up front with the reason, 1 wrong tokens or a crash.
+It prints how many Dynamo graphs the engine compiled (``dynamo graphs: N``; more than one names the
+first graph break). Exit status: 0 served (and checked), 2 refused up front with the reason, 1 wrong tokens or a crash.
 Without CUDA it runs on the simulated graph platform and says so.
 
 ``--lazy`` serves before capturing (``lazy_capture=True``: the first steps run eagerly), then captures
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         same = drawn[0] == drawn[1]
         failed += not same
         print(f"sample: seed 0 drew {'the same' if same else 'DIFFERENT'} tokens twice")
+    splits = engine.backend.splits  # one per graph Dynamo compiled: more than one means a graph break (or a recompile)
+    cut = next((s.graph_break for s in splits if s.graph_break is not None), None)
+    print(f"dynamo graphs: {len(splits)}" + (f"; first graph break: {cut}" if cut else ""))
     if not args.check:
         return 1 if failed else 0
     ties: list[int] = []

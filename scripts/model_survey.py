@@ -3,7 +3,9 @@
 Each type runs in its own process with a timeout. Outcomes: ``pass`` (exit 0: served, tokens checked),
 ``refused`` (exit 2: refused up front by ``hf.adapt`` with the reason), ``not built`` (exit 2 from
 ``tiny_random_model``: the type's config cannot make a tiny model), ``wrong`` (exit 1 with a token
-mismatch), ``crash`` (exit 1 otherwise), ``timeout``.
+mismatch), ``crash`` (exit 1 otherwise), ``timeout``. A pass also records how many Dynamo graphs the
+engine compiled (the example's ``dynamo graphs: N`` line) and, for more than one, the first graph break:
+the tokens are right, but each break costs dispatch and leaves graphs without a splitting op.
 
 Run: python scripts/model_survey.py [--types llama mixtral ...] [--timeout 60] [--out docs/models.md]
 """
@@ -31,6 +33,8 @@ class Result:
     outcome: str
     reason: str
     seconds: float
+    graphs: int | None = None  #: Dynamo graphs the engine compiled (a pass), else None
+    graph_break: str = ""  #: the first graph break when graphs > 1 (or why there are several graphs)
 
 
 def causal_lm_types() -> list[str]:
@@ -49,7 +53,11 @@ def classify(arch: str, rc: int | None, out: str, seconds: float) -> Result:
         forward = [line.split(":")[0].removeprefix("FORWARD ") for line in lines if line.startswith("FORWARD ")]
         if forward:  # the engine equals the model's forward; HF's cached generate does not
             check += f"; generate's cached path disagrees with the model's own forward for {', '.join(forward)}"
-        return Result(arch, "pass", check, seconds)
+        graphs = next((line.removeprefix("dynamo graphs: ") for line in lines if line.startswith("dynamo graphs: ")), None)
+        count, _, cut = graphs.partition("; first graph break: ") if graphs is not None else ("", "", "")
+        if count.isdigit() and int(count) > 1 and not cut:
+            cut = "no graph break recorded (Dynamo recompiled: a guard failed)"
+        return Result(arch, "pass", check, seconds, int(count) if count.isdigit() else None, cut if count.isdigit() and int(count) > 1 else "")
     error = next((line.split("error: ", 1)[1] for line in lines if "hf_generate.py: error: " in line), None)
     if rc == 2 and error is not None:
         return Result(arch, "not built" if "cannot build" in error or any(s in error for s in _NOT_BUILT) else "refused", error, seconds)
@@ -133,31 +141,58 @@ def table(results: list[Result], conditions: str) -> str:
         "different lengths, tokens compared with `model.generate`; a differing token passes only within the",
         "example's `LOGIT_TOL` of the best logit of the model's own forward over the same tokens: a tie, or",
         "generate's cached path leaving that forward, which the reason then names). Written by",
-        "`scripts/model_survey.py`; refused types exit 2 from `hf.adapt` with the reason shown.",
+        "`scripts/model_survey.py`; refused types exit 2 from `hf.adapt` with the reason shown. A pass's",
+        "`graphs` is how many Dynamo graphs the engine compiled (the example's `dynamo graphs: N`): 1 unless a",
+        "graph break cut the model (those are listed after the passes, with the first break).",
         "",
         f"Conditions: {conditions}",
         "",
         "Counts: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES) + f" ({len(results)} types).",
         "",
     ]
+    several = [r for r in results if r.outcome == "pass" and (r.graphs or 0) > 1]
     for outcome in OUTCOMES:
         group = [r for r in results if r.outcome == outcome]
         if not group:
             continue
-        lines += [f"## {outcome} ({len(group)})", "", "| type | outcome | reason | seconds |", "| --- | --- | --- | --- |"]
-        lines += [f"| {r.arch} | {r.outcome} | {_cell(r.reason)} | {r.seconds:.1f} |" for r in group]
+        if outcome == "pass":  # with the number of Dynamo graphs: 1 unless a graph break cut the model
+            lines += [f"## {outcome} ({len(group)})", "", "| type | outcome | graphs | reason | seconds |", "| --- | --- | --- | --- | --- |"]
+            lines += [f"| {r.arch} | {r.outcome} | {'?' if r.graphs is None else r.graphs} | {_cell(r.reason)} | {r.seconds:.1f} |" for r in group]
+        else:
+            lines += [f"## {outcome} ({len(group)})", "", "| type | outcome | reason | seconds |", "| --- | --- | --- | --- |"]
+            lines += [f"| {r.arch} | {r.outcome} | {_cell(r.reason)} | {r.seconds:.1f} |" for r in group]
         lines.append("")
+        if outcome == "pass":
+            lines += [
+                f"## passes with more than one Dynamo graph ({len(several)})", "",
+                "The tokens are right, but a graph break cut the model outside its splitting ops: the pieces on",
+                "each side are separate graphs (more dispatch per step), and a graph without a splitting op is",
+                "captured whole by its PIECEWISE graphs. The first break Dynamo reported:", "",
+            ]
+            if several:
+                lines += ["| type | graphs | first graph break |", "| --- | --- | --- |"]
+                lines += [f"| {r.arch} | {r.graphs} | {_cell(r.graph_break, 600)} |" for r in several]
+            else:
+                lines += ["None: every passing type compiled as one Dynamo graph. Breaks the library removed so far: a",
+                          "`reshape(..., -1, d)` on the unbacked token count (qwen3_next, olmo_hybrid: `TokensFirst` tells",
+                          "Dynamo a step has a token) and a buffer the forward assigns back to itself (ctrl: 9 graphs;",
+                          "`hf/buffers.py`)."]
+            lines.append("")
     return "\n".join(lines)
 
 
 def parse(text: str) -> list[Result]:
     """The rows of a table written by :func:`table`."""
-    rows = []
+    rows, breaks = [], {}
     for line in text.splitlines():
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
         if len(cells) == 4 and cells[1] in OUTCOMES:
-            rows.append(Result(cells[0], cells[1], cells[2].replace("\\|", "|"), float(cells[3])))
-    return rows
+            rows.append(Result(cells[0], cells[1], cells[2], float(cells[3])))
+        elif len(cells) == 5 and cells[1] in OUTCOMES:
+            rows.append(Result(cells[0], cells[1], cells[3], float(cells[4]), int(cells[2]) if cells[2].isdigit() else None))
+        elif len(cells) == 3 and cells[1].isdigit():  # the section on passes with several graphs
+            breaks[cells[0]] = cells[2]
+    return [dataclasses.replace(r, graph_break=breaks.get(r.arch, "")) for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -488,7 +488,7 @@ def test_model_survey_classifies_each_exit_and_groups_the_table():
     sys.modules["model_survey"] = survey  # its dataclass looks its module up
     spec.loader.exec_module(survey)
     results = [
-        survey.classify("a", 0, "step 0: ...\ncheck: 5/5 requests match model.generate\n", 1.0),
+        survey.classify("a", 0, "step 0: ...\ndynamo graphs: 1\ncheck: 5/5 requests match model.generate\n", 1.0),
         survey.classify("b", 2, "usage: x\nhf_generate.py: error: BForCausalLM uses chunked attention\n", 0.5),
         survey.classify("c", 2, "hf_generate.py: error: tiny_random_model cannot build 'c' from a shrunk config (X)\n", 0.2),
         survey.classify("d", 1, "MISMATCH request 1: engine [1] != generate [2]\ncheck: 4/5 requests match model.generate\n", 2.0),
@@ -504,6 +504,28 @@ def test_model_survey_classifies_each_exit_and_groups_the_table():
     assert text.index("## pass (1)") < text.index("## refused (1)") < text.index("## timeout (1)")
     assert "| d | wrong | 4/5 requests match model.generate; first: MISMATCH request 1" in text
     assert survey.parse(text) == results  # what --merge reads back
+    assert "| a | pass | 1 | 5/5 requests match model.generate |" in text
+    assert "## passes with more than one Dynamo graph (0)" in text
+
+
+def test_model_survey_records_the_dynamo_graphs_of_a_pass_and_lists_the_graph_breaks():
+    spec = importlib.util.spec_from_file_location("model_survey", ROOT / "scripts" / "model_survey.py")
+    survey = importlib.util.module_from_spec(spec)
+    sys.modules["model_survey"] = survey
+    spec.loader.exec_module(survey)
+    out = ("dynamo graphs: 2; first graph break: Dynamo ended this graph at a graph break at m.py:7 (Could not guard | x)\n"
+           "check: 5/5 requests match model.generate\n")
+    results = [survey.classify("one", 0, "dynamo graphs: 1\ncheck: 5/5 requests match model.generate\n", 1.0),
+               survey.classify("two", 0, out, 2.0),
+               survey.classify("again", 0, "dynamo graphs: 3\ncheck: 5/5 requests match model.generate\n", 2.0),
+               survey.classify("old", 0, "check: 5/5 requests match model.generate\n", 1.0)]
+    assert [(r.graphs, r.graph_break[:20]) for r in results] == [
+        (1, ""), (2, "Dynamo ended this gr"), (3, "no graph break recor"), (None, "")]
+    text = survey.table(results, "test conditions")
+    assert "## passes with more than one Dynamo graph (2)" in text
+    assert "| two | 2 | Dynamo ended this graph at a graph break at m.py:7 (Could not guard \\| x) |" in text
+    assert "| old | pass | ? |" in text
+    assert survey.parse(text) == results
 
 
 def test_probe_leaves_torch_as_it_found_it():

@@ -56,7 +56,7 @@ def serve(model: torch.nn.Module, capture: bool = True) -> tuple[list[list[int]]
 
 # type -> attention layers of its tiny model (the KV cache holds those only)
 SERVED = {"qwen3_next": 1, "olmo_hybrid": 1, "lfm3": 2, "llama4_text": 2, "nemotron_h": 1, "falcon_h1": 2, "mamba2": 0,
-          "mamba": 0, "jamba": 1}
+          "mamba": 0, "jamba": 1, "lfm2_moe": 1}
 
 
 @pytest.mark.parametrize("arch", sorted(SERVED))
@@ -108,6 +108,30 @@ def test_tokens_depend_on_the_state_so_the_check_can_fail(monkeypatch):
 def test_tiny_models_keep_a_layer_of_every_type(arch, kinds):
     assert set(hf.tiny_random_model(model_type(arch)).config.get_text_config().layer_types) == kinds
     assert set(hf.tiny_random_model(arch, num_hidden_layers=1).config.get_text_config().layer_types) < kinds  # sizes win
+
+
+def test_tiny_lfm2_moe_keeps_a_convolution_an_attention_and_an_experts_layer():
+    """Its default config has no layer_types (its model indexes them) and two dense layers first."""
+    model = hf.tiny_random_model("lfm2_moe")
+    assert model.config.layer_types == ["conv", "full_attention"]
+    assert [hasattr(layer.feed_forward, "experts") for layer in model.model.layers] == [False, True]
+
+
+@pytest.mark.parametrize("arch, module", [("zamba", "ZambaAttention"), ("zamba2", "Zamba2Attention")])
+def test_zamba_keeps_two_hybrid_layers_and_is_refused_for_its_shared_attention_block(arch, module):
+    """Their default layer lists keep the full depth (no shrunk config validated); two hybrid layers keep the
+    shared attention block of their checkpoints, which passes the layer at call time: one module, many layers."""
+    model = hf.tiny_random_model(arch)
+    assert model.config.layers_block_type == ["linear_attention", "hybrid"] * 2
+    with pytest.raises(ValueError, match=rf"a shared attention block: {module}.forward takes the layer as an argument"):
+        hf.adapt(model)
+
+
+def test_a_config_that_cannot_be_shrunk_says_so_even_with_several_text_configs():
+    """musicgen's shrunk config fails; looking for its layer types (get_text_config raises: a text encoder and
+    a decoder) must not replace that error with transformers' own."""
+    with pytest.raises(ValueError, match=r"cannot build 'musicgen' from a shrunk config \(AttributeError"):
+        hf.tiny_random_model("musicgen")
 
 
 def test_adapt_routes_each_state_layer_to_the_ops_by_what_it_calls():

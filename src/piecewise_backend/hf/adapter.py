@@ -10,6 +10,7 @@ device-to-host reads (``nonzero``, ``.item()``, boolean-mask indexing) that no g
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.utils.module_tracker import ModuleTracker
 from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
 from . import mixers
+from .buffers import recording_self_assignments, self_assigned
 
 PROBE_IMPLEMENTATION = "pb_probe"
 #: ``layer_types`` / ``layers_block_type`` entries served (others are refused): attention by the paged
@@ -57,6 +59,10 @@ class ProbeResult:
     masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)
     qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
     ignores_positions: bool = False  # q/k differ along the row for one token at one position_id
+    #: attention modules that called the interface without a ``layer_idx`` of their own, first seen first
+    unindexed: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+    #: buffers the forward assigns back to themselves, as ``(module, name)`` (see :mod:`.buffers`)
+    self_assigned: list[tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
     #: layers whose state kernels are routed to the pb_state ops, by layer index (see :mod:`.mixers`)
     state_layers: dict[int, mixers.StateLayer] = dataclasses.field(default_factory=dict)
 
@@ -112,8 +118,9 @@ def probe_attention_forward(
     """AttentionInterface entry of the probe: records the layer's layout, returns zeros of the output's shape."""
     result = _RECORD[-1]
     layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise ValueError(f"{type(module).__name__} has no layer_idx: the paged cache cannot tell its layers apart")
+    if layer is None:  # refused after the forward (layout_refusal), which would fail on a raise here
+        result.unindexed.append(module)
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     result.qk.setdefault(layer, (query.detach().clone(), key.detach().clone()))
     if layer in result.layers:
         result.layers[layer].calls += 1
@@ -171,7 +178,8 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         # the probe follows the ones Dynamo will trace.
         torch.compiler.is_compiling = lambda: True
         with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result) as reads, \
-                sim_rules.watching_host_reads(reads), mixers.recording(model) as states:
+                sim_rules.watching_host_reads(reads), mixers.recording(model) as states, \
+                recording_self_assignments() as assigned:
             positions = torch.arange(tokens, device=param.device)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False)
             # One token repeated at one position: every row's q/k must be equal (attention gives zeros here),
@@ -186,6 +194,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         model.set_attn_implementation(previous)
     result.compare_masks()
     result.state_layers = {i: l for i, l in states.layers.items() if l.calls}
+    result.self_assigned = self_assigned(assigned)
     # Close, not equal: a kernel may round one row differently from another.
     result.ignores_positions = any(
         not all(torch.allclose(t.float(), t[:, :, :1].expand_as(t).float(), rtol=1e-4, atol=1e-5) for t in qk)
@@ -283,6 +292,16 @@ def graph_safe_experts(model: torch.nn.Module) -> str | None:
     return chosen
 
 
+def _shared(module: torch.nn.Module) -> str:
+    """Why ``module`` lacks a layer of its own, when its forward says so: it takes the layer at call time."""
+    try:
+        takes = "layer_idx" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return (f" (a shared attention block: {type(module).__name__}.forward takes the layer as an argument, "
+            "so one module serves several layers)") if takes else ""
+
+
 def layout_refusal(name: str, result: ProbeResult) -> str | None:
     """Why the probe's findings rule the model out, or None."""
     if result.host_reads:
@@ -290,8 +309,12 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
             f"{name} reads device data on the host in its forward ({result.host_reads[0]}): "
             "a data-dependent shape or a sync, which a CUDA graph would replay with the values seen at capture"
         )
-    if not result.layers and not result.state_layers:
+    if not result.layers and not result.state_layers and not result.unindexed:
         return f"{name} calls no attention through transformers' AttentionInterface and has no state layer it routes"
+    if result.unindexed:
+        module = result.unindexed[0]
+        return (f"{name} calls attention from {type(module).__name__}, which has no layer_idx{_shared(module)}; "
+                "the paged cache cannot tell its layers apart")
     for layer in result.state_layers.values():
         why = layer.refusal(name)
         if why:
@@ -309,7 +332,8 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
         return f"{name} has non-causal attention (layer {bidirectional}, {kind}); paged attention is causal only"
     twice = [i for i, l in result.layers.items() if l.calls > 1]
     if twice:
-        return f"{name} runs attention layer {twice[0]} more than once per forward; the paged cache holds one K/V per layer"
+        return (f"{name} runs attention layer {twice[0]} more than once per forward{_shared(result.layers[twice[0]].module)}; "
+                "the paged cache holds one K/V per layer")
     extra = next(((i, l.extra) for i, l in result.layers.items() if l.extra), None)
     if extra is not None:
         return f"{name} passes {list(extra[1])} to attention (layer {extra[0]}); the paged attention does not apply them"

@@ -41,6 +41,7 @@ from ..state.cache import StateCache, StateSpec
 from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal
 from .arguments import check_attention_backend, check_generate, eos_ids, generation_eos
+from .buffers import drop_self_assignments
 from .sampling import SamplingParams, per_request
 from .serving import RequestOutput, ServingLoop, StepInfo
 from .host_breaks import install_host_breaks, no_full_graphs
@@ -141,6 +142,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
         reason = layout_refusal(name, result)
     if reason is not None:
         raise ValueError(reason)
+    drop_self_assignments(result.self_assigned)  # Dynamo would end a graph at each (ctrl's pos_encoding)
     kv_layers = result.kv_layers()
     chunked = chunked_layers(model)
     for layer, layout in result.layers.items():

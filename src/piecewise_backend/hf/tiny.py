@@ -37,7 +37,10 @@ MAX_PARAMS = 50_000_000
 #: expand * hidden, and transformers 5.17's chunked scan materializes chunk^2 * heads * state floats
 #: (8-24 GiB at the defaults of bamba, granitemoehybrid, falcon_h1).
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16}
+#: lfm2_moe's default config has no ``layer_types`` (its model indexes them) and makes its first two layers
+#: dense: a short convolution and an attention layer, the second with experts, as in its checkpoints.
 TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"num_heads": 8, "n_groups": 2, "state_size": 16, "chunk_size": 16},
     "falcon_h1": {**_MAMBA2, "mamba_d_ssm": 128},
     "bamba": _MAMBA2,
@@ -50,8 +53,11 @@ STATE_GAIN = 8.0
 #: The config fields that give a tiny model the layer mix of released checkpoints, for types whose
 #: default config has another one: lfm2's default is all attention (LFM2 checkpoints are mostly short
 #: convolutions); granitemoehybrid's and bamba's are all Mamba2 and jamba's first attention layer is
-#: its fifth (their checkpoints interleave attention).
+#: its fifth (their checkpoints interleave attention). zamba and zamba2 run one shared attention block in
+#: each hybrid layer: two hybrid layers keep the sharing their checkpoints have.
 TINY_LAYER_MIX: dict[str, dict[str, Any]] = {
+    "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
+    "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "bamba": {"attn_layer_indices": [1]},
@@ -129,9 +135,36 @@ def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -
     raise ValueError(f"tiny_random_model cannot build {arch!r} from a shrunk config ({(too_big or errors)[-1]}); pass fitting **sizes")
 
 
+def _build_mixed(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -> Any:
+    """:func:`_build`, or where no shrunk config builds, one with a layer of each type the full config has.
+
+    Some configs keep their default per-layer list at its full length when the layer count shrinks
+    (zamba, zamba2: then their validation refuses the mismatch); given the list, they build. The list
+    is tried twice over as well: zamba ties its hybrid layers' shared block, so it needs two of them.
+    """
+    try:
+        return _build(transformers, arch, defaults, sizes)
+    except ValueError as e:
+        first = e
+        kinds = list(dict.fromkeys(_layer_kinds(defaults) or []))
+        if not kinds or "layer_types" in sizes or "num_hidden_layers" in sizes:
+            raise
+    # the declared field, not its alias: an alias is set after __post_init__ derives from it (zamba2's hybrid_layer_ids)
+    field = (getattr(defaults, "attribute_map", None) or {}).get("layer_types", "layer_types")
+    for layers in (kinds, kinds * 2):
+        try:
+            return _build(transformers, arch, defaults, {**sizes, "num_hidden_layers": len(layers), field: layers})
+        except ValueError:
+            continue
+    raise first  # the shrunk config's own fault
+
+
 def _layer_kinds(config: Any) -> list[str] | None:
     """The per-layer types a config declares (``layer_types`` or ``layers_block_type``), or None."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:  # several text configs (musicgen's text encoder and decoder): none to read
+        return None
     for field in ("layer_types", "layers_block_type"):
         try:
             kinds = getattr(text, field, None)
@@ -199,7 +232,7 @@ def tiny_random_model(
     if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
     sizes = {**TINY_TYPE_SIZES.get(arch, {}), **sizes}
-    config = _keep_layer_mix(transformers, arch, defaults, _build(transformers, arch, defaults, sizes), sizes)
+    config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes)
     torch.manual_seed(seed)
     try:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
