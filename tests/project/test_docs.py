@@ -17,7 +17,12 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
-def test_doc_code_blocks_run(path: Path) -> None:
+def test_doc_code_blocks_run(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block runs; an attention backend a block registers is gone after the test (the engines' valid
+    backends, which other tests in the process name, stay the library's own)."""
+    from piecewise_backend.attention import backends
+
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
     namespace: dict = {"__name__": f"doc_{path.stem}"}
     for i, block in enumerate(BLOCK.findall(path.read_text())):
         exec(compile(block, f"{path.name}[block {i}]", "exec"), namespace)
