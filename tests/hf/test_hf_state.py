@@ -130,6 +130,10 @@ def test_zamba_keeps_two_hybrid_layers_and_is_refused_for_its_shared_attention_b
 def test_a_config_that_cannot_be_shrunk_says_so_even_with_several_text_configs():
     """musicgen's shrunk config fails; looking for its layer types (get_text_config raises: a text encoder and
     a decoder) must not replace that error with transformers' own."""
+    try:
+        transformers.AutoConfig.for_model("musicgen")
+    except Exception as e:  # 5.17: its default config fails its own validation, before any shrinking
+        pytest.skip(f"transformers {transformers.__version__} cannot build musicgen's default config ({type(e).__name__})")
     with pytest.raises(ValueError, match=r"cannot build 'musicgen' from a shrunk config \(AttributeError"):
         hf.tiny_random_model("musicgen")
 
