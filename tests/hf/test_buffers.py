@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from pbtest.helpers import load_file
 
 import piecewise_backend as pb
 
@@ -66,8 +65,5 @@ def test_ctrl_is_one_dynamo_graph_and_served_like_generate():
     outputs = engine.generate(prompts, [3, 4])
     assert len(engine.backend.splits) == 1 and engine.backend.splits[0].graph_break is None
     assert type(model.transformer).__name__ == "CTRLModel"
-    path = Path(__file__).resolve().parents[2] / "examples" / "hf_generate.py"
-    spec = importlib.util.spec_from_file_location("hf_generate", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_file("examples/hf_generate.py")
     assert example.check(reference, prompts, outputs, [3, 4], eos=None) == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import re
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pbtest.helpers import load_file
 from torch.testing import assert_close
 
 import piecewise_backend as pb
@@ -26,10 +26,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("hf_generate", ROOT / "examples" / "hf_generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("examples/hf_generate.py")
 
 
 def test_importing_the_package_does_not_import_transformers():
@@ -483,10 +480,7 @@ def test_hf_generate_example_exits_2_with_the_reason_for_a_refused_model():
 
 
 def test_model_survey_classifies_each_exit_and_groups_the_table():
-    spec = importlib.util.spec_from_file_location("model_survey", ROOT / "scripts" / "model_survey.py")
-    survey = importlib.util.module_from_spec(spec)
-    sys.modules["model_survey"] = survey  # its dataclass looks its module up
-    spec.loader.exec_module(survey)
+    survey = load_file("scripts/model_survey.py")
     results = [
         survey.classify("a", 0, "step 0: ...\ndynamo graphs: 1\ncheck: 5/5 requests match model.generate\n", 1.0),
         survey.classify("b", 2, "usage: x\nhf_generate.py: error: BForCausalLM uses chunked attention\n", 0.5),
@@ -509,10 +503,7 @@ def test_model_survey_classifies_each_exit_and_groups_the_table():
 
 
 def test_model_survey_records_the_dynamo_graphs_of_a_pass_and_lists_the_graph_breaks():
-    spec = importlib.util.spec_from_file_location("model_survey", ROOT / "scripts" / "model_survey.py")
-    survey = importlib.util.module_from_spec(spec)
-    sys.modules["model_survey"] = survey
-    spec.loader.exec_module(survey)
+    survey = load_file("scripts/model_survey.py")
     out = ("dynamo graphs: 2; first graph break: Dynamo ended this graph at a graph break at m.py:7 (Could not guard | x)\n"
            "check: 5/5 requests match model.generate\n")
     results = [survey.classify("one", 0, "dynamo graphs: 1\ncheck: 5/5 requests match model.generate\n", 1.0),

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from pbtest.helpers import SIM, load_file, run, segment_kinds
 from torch.testing import assert_close
 
 import piecewise_backend as pb
-from pbtest.helpers import SIM, run, segment_kinds
 
 transformers = pytest.importorskip("transformers")
 
@@ -219,14 +219,7 @@ def test_graph_break_model_splits_and_captures_each_graph():
 
 
 def _example():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "hf_generate.py"
-    spec = importlib.util.spec_from_file_location("hf_generate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("examples/hf_generate.py")
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_bigcode", "gpt_oss", "gemma2"])

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from pbtest.helpers import load_file
 
 import piecewise_backend as pb
 from piecewise_backend import state as st
@@ -16,6 +15,7 @@ from piecewise_backend import state as st
 transformers = pytest.importorskip("transformers")
 from piecewise_backend import hf  # noqa: E402
 from piecewise_backend.spec import SpecEngine  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -35,11 +35,7 @@ CONFIG = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capt
 
 
 def _example():
-    path = Path(__file__).resolve().parents[2] / "examples" / "hf_generate.py"
-    spec = importlib.util.spec_from_file_location("hf_generate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("examples/hf_generate.py")
 
 
 def serve(model: torch.nn.Module, capture: bool = True) -> tuple[list[list[int]], list[list[int]], list, hf.HFEngine]:

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-from piecewise_backend import attention, kv
+from piecewise_backend import attention
 from piecewise_backend.attention import backends as attention_backends
 
 pytest.importorskip("transformers")
+from pbtest.helpers import CUDA, load_file  # noqa: E402
+
 from piecewise_backend import hf, spec  # noqa: E402
-from pbtest.helpers import CUDA  # noqa: E402
 
 M = pb.CUDAGraphMode
 LAYERS = 2
@@ -399,14 +400,7 @@ def test_partial_acceptance_with_debug_checks_on_cuda():
 
 
 def _spec_decode_example():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "spec_decode.py"
-    module_spec = importlib.util.spec_from_file_location("spec_decode", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    return load_file("examples/spec_decode.py")
 
 
 @pytest.mark.parametrize("arch", ["gpt_bigcode", "deepseek_v2", "deepseek_v3", "minicpm3"])

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
 import torch
 
 import piecewise_backend as pb
 from piecewise_backend.toy_llama import ToyConfig, ToyLlama, make_model  # noqa: F401
 
 SIM = pb.CompilationConfig(platform="simulated", compile_pieces="eager")
+#: The repository root (examples/, scripts/, benchmarks/ are not packages: :func:`load_file` loads them).
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def load_file(relative: str) -> types.ModuleType:
+    """The repository file ``relative`` (e.g. ``"examples/hf_generate.py"``) loaded as a fresh module, registered
+    in ``sys.modules`` under its stem (a dataclass there looks its module up)."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
 CUDA = dict(platform="cuda", compile_pieces="inductor")
 
 
