@@ -183,14 +183,8 @@ class _Recorder:
                 return fn(row(u), row(dt), A, row(B), row(C), *args, **kw).permute(2, 1, 0)
             return fn(u, dt, A, B, C, *args, **kw)
 
-        def cached(*args: Any, **kw: Any) -> Any:
-            raise RuntimeError("a served forward has no cache: the single-token cached kernels never run")
-
         return {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta, "mamba2_chunk_scan": ssm,
-                "mamba_selective_scan": selective,
-                "causal_conv1d_update": cached, "torch_recurrent_gated_delta_rule": cached,
-                "mamba2_selective_state_update": cached, "mamba_selective_state_update": cached,
-                "mamba2_split_conv1d_scan_combined": _no_fused, "mamba_inner_fn": _no_fused}
+                "mamba_selective_scan": selective, **_UNUSED_FORMS}
 
 
 def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> None:
@@ -295,14 +289,19 @@ def _no_cache(*args: Any, **kw: Any) -> Any:
     raise RuntimeError("piecewise_backend serves state layers without a HF cache: a cached kernel was called")
 
 
+#: The kernel forms a served forward never takes, bound in the probe and when served alike: the
+#: single-token cached ones (no HF cache) raise, the fused ones say "none" (the mixer goes unfused).
+_UNUSED_FORMS: dict[str, Callable[..., Any]] = {
+    "causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache,
+    "mamba2_selective_state_update": _no_cache, "mamba_selective_state_update": _no_cache,
+    "mamba2_split_conv1d_scan_combined": _no_fused, "mamba_inner_fn": _no_fused,
+}
+
+
 def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> None:
     """Bind every layer's kernels to the ``pb_state`` ops on its states (``index(layer, kind)``: the op's state)."""
     for layer, sl in layers.items():
-        kernels: dict[str, Callable[..., Any]] = {
-            "causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache,
-            "mamba2_selective_state_update": _no_cache, "mamba2_split_conv1d_scan_combined": _no_fused,
-            "mamba_selective_state_update": _no_cache, "mamba_inner_fn": _no_fused,
-        }
+        kernels: dict[str, Callable[..., Any]] = dict(_UNUSED_FORMS)
         if "conv" in sl.calls:
             kernels["causal_conv1d_fn"] = _conv_kernel(index(layer, "conv"))
         if "recurrent" in sl.calls:

@@ -61,7 +61,7 @@ def causal_conv1d(
     op = "pb_state::causal_conv1d"
     meta = current_state_metadata(op)
     states = state_tensor(meta, state, op)
-    tokens, channels = x.shape
+    channels = x.shape[1]
     if weight.dim() != 2 or weight.shape[0] != channels or states.shape[1:] != (channels, weight.shape[1] - 1):
         raise ValueError(
             f"{op}: x has {channels} channels and weight is {tuple(weight.shape)} (channels, K); the state holds "
@@ -69,10 +69,8 @@ def causal_conv1d(
         )
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
-    if meta.state_index.shape[0] < tokens:
-        raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
     apply_state_op(
-        op, meta.state_index[:tokens], states, out,
+        op, meta.state_index, states, out,
         step=lambda at, s: conv_step(pick(x, at), s, weight, bias, activation),
         sequence=lambda part, s: conv_sequence(x[part], s, weight, bias, activation),
     )

@@ -104,18 +104,16 @@ def gated_delta_rule(
     op = "pb_state::gated_delta_rule"
     meta = current_state_metadata(op)
     states = state_tensor(meta, state, op)
-    tokens, heads, v_dim = v.shape
+    _, heads, v_dim = v.shape
     if heads % k.shape[1] or states.shape[1:] != (heads, k.shape[2], v_dim):
         raise ValueError(
             f"{op}: k has {k.shape[1]} heads of {k.shape[2]}, v {heads} heads of {v_dim} (a multiple of k's); "
             f"the state holds {tuple(states.shape[1:])}, it must be (value heads, key_dim, value_dim)"
         )
-    if meta.state_index.shape[0] < tokens:
-        raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
     apply_state_op(
-        op, meta.state_index[:tokens], states, out,
+        op, meta.state_index, states, out,
         step=lambda at, s: delta_step(pick(q, at), pick(k, at), pick(v, at), pick(g, at), pick(beta, at), s, l2norm),
         sequence=lambda p, s: delta_sequence(q[p], k[p], v[p], g[p], beta[p], s, l2norm, chunk_size),
     )

@@ -112,16 +112,20 @@ def pick(t: torch.Tensor | None, tokens: torch.Tensor | None) -> torch.Tensor | 
     return t if t is None or tokens is None else t.index_select(0, tokens)
 
 
-def apply_state_op(op: str, read: torch.Tensor, states: torch.Tensor, out: torch.Tensor,
+def apply_state_op(op: str, index: torch.Tensor, states: torch.Tensor, out: torch.Tensor,
                    step: StepFn, sequence: SequenceFn) -> None:
-    """Run one state op over a step: read each token's state row, write the other copy, fill ``out``.
+    """Run one state op over a step: read each token's state row (``index``: the metadata's
+    ``state_index``), write the other copy, fill ``out`` (``(tokens, ...)``).
 
     Inside a FULL step every token is one request's: gather, ``step``, scatter, no host read. Otherwise
     (one host read of ``read``) each prefilling request runs ``sequence`` from its own state, so nothing
     flows between the requests of a row, the decoding requests run ``step`` together, and padding
     tokens get zeros.
     """
-    rows = states.shape[0]
+    tokens = out.shape[0]
+    if index.shape[0] < tokens:
+        raise ValueError(f"{op}: {tokens} tokens but state metadata for {index.shape[0]}")
+    read, rows = index[:tokens], states.shape[0]
     if one_token_per_request(op, out.device):
         y, new = step(None, states.index_select(0, read))
         states.index_copy_(0, write_rows(read, rows), new.to(states.dtype))

@@ -81,16 +81,14 @@ def selective_scan(
     op = "pb_state::selective_scan"
     meta = current_state_metadata(op)
     states = state_tensor(meta, state, op)
-    tokens, channels = u.shape
+    channels = u.shape[1]
     if A.shape != (channels, B.shape[1]) or states.shape[1:] != tuple(A.shape):
         raise ValueError(
             f"{op}: u has {channels} channels, A is {tuple(A.shape)}, B has state size {B.shape[1]}; the state holds "
             f"{tuple(states.shape[1:])}, it must be (channels, state_size) like A"
         )
-    if meta.state_index.shape[0] < tokens:
-        raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
     apply_state_op(
-        op, meta.state_index[:tokens], states, out,
+        op, meta.state_index, states, out,
         step=lambda at, s: selective_step(pick(u, at), pick(dt, at), A, pick(B, at), pick(C, at), D, pick(z, at), dt_bias,
                                           s, dt_softplus),
         sequence=lambda p, s: selective_sequence(u[p], dt[p], A, B[p], C[p], D, None if z is None else z[p], dt_bias, s,

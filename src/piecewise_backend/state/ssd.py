@@ -113,18 +113,16 @@ def ssd_scan(
     op = "pb_state::ssd_scan"
     meta = current_state_metadata(op)
     states = state_tensor(meta, state, op)
-    tokens, heads, head_dim = x.shape
+    _, heads, head_dim = x.shape
     if heads % B.shape[1] or states.shape[1:] != (heads, head_dim, B.shape[2]):
         raise ValueError(
             f"{op}: x has {heads} heads of {head_dim}, B {B.shape[1]} groups (dividing the heads) of state size "
             f"{B.shape[2]}; the state holds {tuple(states.shape[1:])}, it must be (heads, head_dim, state_size)"
         )
-    if meta.state_index.shape[0] < tokens:
-        raise ValueError(f"{op}: {tokens} tokens but state metadata for {meta.state_index.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
     apply_state_op(
-        op, meta.state_index[:tokens], states, out,
+        op, meta.state_index, states, out,
         step=lambda at, s: ssd_step(pick(x, at), pick(dt, at), A, pick(B, at), pick(C, at), D, dt_bias, s, dt_softplus),
         sequence=lambda p, s: ssd_sequence(x[p], dt[p], A, B[p], C[p], D, dt_bias, s, chunk_size, dt_softplus,
                                            (dt_min, dt_max)),
