@@ -77,6 +77,13 @@ def test_ops_need_state_metadata():
     x = torch.randn(3, C)
     with pytest.raises(RuntimeError, match="state_metadata"):
         torch.ops.pb_state.causal_conv1d(x, torch.randn(C, K), None, torch.empty_like(x), 0, "")
+    cache = st.StateCache([st.StateSpec(0, "conv", (C, K - 1))], num_slots=2)
+    meta = cache.metadata(cache.step_inputs([("a", 0, 2)]))  # state rows for 2 tokens, the op gets 3
+    out = torch.zeros_like(x)
+    with pb.set_forward_context(pb.CUDAGraphMode.NONE, None, state_metadata=meta):
+        with pytest.raises(ValueError, match="3 tokens but state metadata for 2"):
+            torch.ops.pb_state.causal_conv1d(x, torch.randn(C, K), None, out, 0, "")
+    assert torch.equal(out, torch.zeros_like(x)) and not cache.states[0].any()  # refused before writing anything
 
 
 # --- kernels against transformers' torch fallbacks ---
