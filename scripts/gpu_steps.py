@@ -73,9 +73,11 @@ STEPS: list[Step] = [
          tests=("tests/gpu/test_cuda.py",), workers=4),
     Step("memory", 20, "2 tests on eager pieces: one ladder capture of ~10 sizes",
          tests=("tests/capture/test_memory.py",)),
-    Step("twins", 35, "simulator rules and micro-batching on real graphs, ~30 tests on eager pieces; 2 workers",
+    Step("twins", 40, "simulator rules, micro-batching and the state ops on real graphs, ~32 tests on eager pieces; "
+         "2 workers",
          tests=("tests/platforms/test_sim_rules.py", "tests/core/test_inputs.py", "tests/kv/test_kv.py",
-                "tests/attention/test_attention.py", "tests/ubatch/test_ubatch.py", "tests/ubatch/test_ubatch_cuda.py"),
+                "tests/attention/test_attention.py", "tests/ubatch/test_ubatch.py", "tests/ubatch/test_ubatch_cuda.py",
+                "tests/state/test_state.py"),
          workers=2),
     Step("hf", 45, "5 architectures, then 5 with state layers (qwen3_next, nemotron_h, mamba, lfm2, llama4_text), "
          "in one process on eager pieces (capture of 5 sizes, generate, reference generate: ~4 s each)",
@@ -86,7 +88,7 @@ STEPS: list[Step] = [
          command=("{py}", "examples/hf_generate.py", "--arch", "llama", "--check", "--lazy", "--sample")),
     Step("spec", 40, "3 speculative engines with Inductor pieces (target and drafter, ~25 s each cold); 3 workers",
          tests=("tests/spec/test_spec.py",), workers=3),
-    Step("attnbench", 20, "attention op table only: no compile, 4 variants x 2 lengths x 5 reps of ~0.1 ms",
+    Step("attnbench", 15, "attention op table only: no compile, 4 variants x 2 lengths x 5 reps of ~0.1 ms",
          command=("{py}", "-m", "benchmarks.bench_attention", "--device", "cuda", "--quick", "--tables", "op",
                   "--out", "{out}/attention.md")),
     Step("hfbench", 35, "HFEngine (4-layer llama, one Inductor compile ~15 s, 2 sizes) vs generate_batch vs "

@@ -277,7 +277,7 @@ def make_runner(model: StateToy, cache: st.StateCache, config: pb.CompilationCon
     return pb.GraphRunner(
         compiled, config, [pb.StaticInput("x", shape=(C,), dtype=torch.float32), *cache.static_inputs()],
         model_args=["x"], context_fn=cache.context_fn, max_num_reqs=cache.num_slots,
-        attention_support=pb.AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        attention_support=pb.AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, device=cache.device,
     )
 
 
@@ -374,6 +374,30 @@ def test_mixed_step_of_several_prefills_equals_per_request_eager(capture_first):
     assert runner.last_mode == pb.CUDAGraphMode.PIECEWISE
     assert_close(got, want, rtol=1e-5, atol=1e-5)
     check_only_requests_changed(cache, before, new)
+
+
+@pytest.mark.cuda
+def test_state_ops_in_real_cuda_graphs_touch_exactly_the_steps_slots(monkeypatch):
+    """The CUDA twin of the two tests above (captured at startup): a real FULL graph gathers and scatters by
+    slot with no host read (a host read inside a capture raises there), padding uses the scratch slot, and a
+    mixed step's per-request breaks run between real PIECEWISE segments."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # full float32 convolutions, as on the CPU (matmuls are by default)
+    model = StateToy().cuda()
+    cache = st.StateCache(specs(), num_slots=5, device="cuda")
+    runner = make_runner(model, cache, CONFIG.replace(platform="cuda"))
+    runner.capture()
+    seeded_states(cache, ["a", "b", "c", "d"])
+    for chunks in ([("c", 1), ("a", 1), ("d", 1)], [("new", 5), ("b", 1), ("a", 3)]):
+        x = torch.randn(sum(n for _, n in chunks), C, device="cuda")
+        cache.step_inputs([(r, 0, 1) for r, _ in chunks])  # "new": a zeroed slot
+        cache.poison_free()
+        want, new = expected(model, cache, chunks, x)
+        before = snapshot(cache)
+        got = run_step(runner, cache, chunks, x)
+        decode = all(n == 1 for _, n in chunks)
+        assert runner.last_mode == (pb.CUDAGraphMode.FULL if decode else pb.CUDAGraphMode.PIECEWISE)
+        assert_close(got, want, rtol=1e-4, atol=1e-4)
+        check_only_requests_changed(cache, before, new)
 
 
 def test_a_step_that_fails_after_its_state_ops_changes_no_state():
