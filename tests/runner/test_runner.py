@@ -769,3 +769,15 @@ def test_host_read_outside_splitting_ops_keeps_its_fix_and_gains_the_mode_and_ke
         runner.capture()
     assert any("while capturing BatchDescriptor(num_tokens=2, num_reqs=None, uniform=False) in mode PIECEWISE" in n
                for n in info.value.__notes__), info.value.__notes__
+
+
+def test_a_context_tensor_seen_in_another_layout_is_not_the_captured_one():
+    """Same memory, shape and dtype but other strides (a transposed view): a FULL graph would read it in the
+    captured layout, so the replay check refuses it."""
+    from piecewise_backend.runner.static_inputs import check_captured_context, context_tensors
+
+    t = torch.zeros(4, 4)
+    captured = context_tensors({"meta": {"table": t}})
+    check_captured_context(captured, context_tensors({"meta": {"table": t}}), "desc")  # the same tensor passes
+    with pytest.raises(ValueError, match=r"meta\['table'\]\" is not the tensor .* strides \[4, 1\]; now: .* strides \[1, 4\]"):
+        check_captured_context(captured, context_tensors({"meta": {"table": t.t()}}), "desc")

@@ -247,9 +247,10 @@ def check_full_context(context: Mapping[str, Any], buffer_storages: set[int]) ->
 
 
 def context_tensors(attrs: Mapping[str, Any], prefix: str = "") -> dict[str, tuple]:
-    """``path -> (address, shape, dtype)`` of every tensor among ``attrs``' leaves: what a FULL graph baked in."""
+    """``path -> (address, shape, dtype, strides)`` of every tensor among ``attrs``' leaves: what a FULL graph
+    baked in (a view of the same memory in another layout is another tensor to it)."""
     return {
-        prefix + path: (leaf.data_ptr(), tuple(leaf.shape), leaf.dtype)
+        prefix + path: (leaf.data_ptr(), tuple(leaf.shape), leaf.dtype, leaf.stride())
         for key, value in attrs.items()
         for path, leaf in context_leaves(value, key)
         if isinstance(leaf, torch.Tensor)
@@ -261,7 +262,8 @@ def check_captured_context(captured: Mapping[str, tuple], now: Mapping[str, tupl
     if now == captured:
         return
     path = next((p for p in sorted(set(captured) | set(now)) if captured.get(p) != now.get(p)))
-    was, got = (f"0x{t[0]:x} {list(t[1])} {t[2]}" if t else "absent" for t in (captured.get(path), now.get(path)))
+    was, got = (f"0x{t[0]:x} {list(t[1])} {t[2]} strides {list(t[3])}" if t else "absent"
+                for t in (captured.get(path), now.get(path)))
     raise ValueError(
         f"GraphRunner.run: context_fn's {path!r} is not the tensor the FULL graph of {desc} captured (captured: "
         f"{was}; now: {got}); a FULL replay reads the capture-time tensor and would ignore the new one. Update "
