@@ -260,3 +260,19 @@ def test_state_layers_on_cuda(arch, capsys):
     assert "platform: cuda" in out and "check: 5/5 requests match model.generate" in out
     decode = re.findall(r"^step +\d+:.* decode -> (\w+)$", out, re.M)
     assert decode and set(decode) == {"FULL"}, out
+
+
+def test_state_layers_with_the_reference_attention_backend():
+    """The state ops do not depend on the attention backend (the default 'auto' is 'bounded', tested above); a
+    hybrid under 'reference' serves like generate too, its attention layers on that backend."""
+    model = hf.tiny_random_model("qwen3_next")
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, max_num_reqs=3, max_model_len=32, block_size=4, attention_backend="reference")
+    assert engine.attention_backend == "reference"
+    engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    steps: list[hf.StepInfo] = []
+    outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
+    assert {s.mode for s in steps if s.uniform_decode} == {pb.CUDAGraphMode.FULL}
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
