@@ -124,6 +124,11 @@ class CompilationConfig:
                 raise ValueError(f"CompilationConfig.{name} must be an int >= 2 (tokens), got {value!r}")
 
     @property
+    def max_capture_size_derived(self) -> bool:
+        """``max_capture_size`` was not given: it follows ``capture_sizes`` (and ``replace`` derives it again)."""
+        return self._max_derived
+
+    @property
     def sizes(self) -> tuple[int, ...]:
         """The capture sizes in effect, ascending."""
         return self.capture_sizes if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)

@@ -30,7 +30,7 @@ def load_example():
 
 
 def test_importing_the_package_does_not_import_transformers():
-    code = ("import sys, piecewise_backend, piecewise_backend.kv, piecewise_backend.hf.arguments; "
+    code = ("import sys, piecewise_backend, piecewise_backend.kv, piecewise_backend.serve.arguments; "
             "assert 'transformers' not in sys.modules, 'imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -294,7 +294,7 @@ def test_engine_rejects_bad_requests(llama_engine):
         engine.generate([[1] * 30], 5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
         engine.generate([[1], [2]], [3])
-    # the checks every engine shares (hf/arguments.py): each error names the value and what is valid
+    # the checks every engine shares (serve/arguments.py): each error names the value and what is valid
     for bad, shown in ((2.5, "2.5"), (None, "None"), (True, "True")):
         with pytest.raises(ValueError, match=rf"max_new_tokens must be a positive int or one per prompt .*got {shown}$"):
             engine.generate([[1]], bad)

@@ -1,4 +1,4 @@
-"""HFEngine's serving loop (hf/serving.py, hf/scheduler.py): chunked prefill, preemption, sampling,
+"""HFEngine's serving loop (serve/loop.py, serve/scheduler.py): chunked prefill, preemption, sampling,
 streaming, the online API, lazy capture with idle-time capture, and a local checkpoint; simulated platform."""
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def test_online_api_refuses_bad_requests_naming_them(engine):
         engine.add_request([1] * 30, 5)
     with pytest.raises(TypeError, match="sampling must be a SamplingParams or None, got float"):
         engine.add_request([1], 2, sampling=0.5)
-    # the checks generate makes (hf/arguments.py): a float id is refused, a 1-D tensor taken
+    # the checks generate makes (serve/arguments.py): a float id is refused, a 1-D tensor taken
     with pytest.raises(ValueError, match=r"request 'f': token id 5.5 \(float\) at position 1 is not an integer"):
         engine.add_request([1, 5.5], 2, request_id="f")
     with pytest.raises(TypeError, match=r"request 's' is text \('hi'\): generate takes token ids"):

@@ -1,4 +1,4 @@
-"""Speculative decoding (spec/engine.py) on the simulated platform, with CUDA twins of the graph-facing tests."""
+"""Speculative decoding (serve/speculative.py, hf/speculative.py) on the simulated platform, with CUDA twins of the graph-facing tests."""
 
 from __future__ import annotations
 
@@ -288,7 +288,7 @@ def test_engine_rejects_bad_arguments():
         engine.generate([[1] * 10], 5)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int or one per prompt"):
         engine.generate([[1], [2]], [3])
-    # the checks HFEngine makes too (one validator: hf/arguments.py)
+    # the checks HFEngine makes too (one validator: serve/arguments.py)
     with pytest.raises(ValueError, match=r"prompt 1: token id 256 is outside the vocabulary \(ids 0..255\)"):
         engine.generate([[3], [4, 256]], 2)
     for bad, shown in ((2.5, "2.5"), (None, "None"), (True, "True")):
@@ -351,17 +351,22 @@ def test_a_bad_attention_backend_is_refused_naming_the_valid_ones_before_either_
     assert target.config._attn_implementation != hf.ATTN_IMPLEMENTATION != drafter.config._attn_implementation
 
 
-def test_spec_engine_streams_kept_tokens_and_refuses_sampling_and_a_batch_it_would_run_out_of_blocks_for():
-    """SpecEngine has streaming; it has no sampling (greedy acceptance) and no preemption: both refused up front."""
+def test_spec_engine_streams_kept_tokens_refuses_sampling_and_preempts_when_blocks_run_out():
+    """SpecEngine has streaming; it has no sampling (greedy acceptance: refused up front); a batch
+    that runs out of KV blocks is preempted and recomputed, as HFEngine's, and still matches generate."""
     target = hf.tiny_random_model("llama", num_hidden_layers=2)
     reference = copy.deepcopy(target)
     config = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
-    engine = spec.SpecEngine(target, target, config, num_speculative_tokens=2, max_model_len=32, block_size=4, num_blocks=8)
+    engine = spec.SpecEngine(target, target, config, num_speculative_tokens=2, max_model_len=32, block_size=4, num_blocks=8,
+                             max_num_batched_tokens=32)
     with pytest.raises(ValueError, match="SpecEngine accepts drafts greedily .* so it cannot sample: sampling=SamplingParams"):
         engine.generate([[1, 2]], 3, sampling=hf.SamplingParams(0.7))
-    with pytest.raises(ValueError, match="SpecEngine has no preemption: 3 of these requests running together may need "
-                                         "12 KV blocks, the caches have 8"):
-        engine.generate([[1] * 9] * 3, 4)
+    crowded = [[1 + i] * 9 for i in range(3)]  # 3 x 4 blocks of K/V (drafts included) in a cache of 8
+    steps: list = []
+    out = engine.generate(crowded, 4, eos_token_id=[], on_step=steps.append)
+    assert out == [greedy(reference, p, 4) for p in crowded]
+    assert any(info.preempted for info in steps), steps
+    assert engine.target.cache.tables == {} and engine.drafter.cache.allocator.num_free == 8
     seen: list[tuple[int, int]] = []
     out = engine.generate(PROMPTS[:2], 5, sampling=hf.SamplingParams(0), on_token=lambda i, t: seen.append((i, t)))
     assert out == [greedy(reference, p, 5) for p in PROMPTS[:2]]

@@ -1,4 +1,4 @@
-"""Serve stock Hugging Face decoder models: adapter probe, engine, serving loop, sampling, tiny random models."""
+"""Serve stock Hugging Face decoder models on :mod:`piecewise_backend.serve`: adapter probe, HFEngine, SpecEngine, tiny random models."""
 
 from .adapter import (
     PROBE_IMPLEMENTATION,
@@ -23,8 +23,9 @@ from .engine import (
     paged_attention_forward,
     register_attention,
 )
-from .sampling import SamplingParams
-from .serving import RequestOutput, StepInfo
+from ..serve.loop import RequestOutput, StepInfo
+from ..serve.sampling import SamplingParams
+from .speculative import SpecEngine, truncated_drafter
 from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
 from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
@@ -33,6 +34,8 @@ __all__ = [
     "chunked_layers",
     "ATTN_IMPLEMENTATION",
     "HFEngine",
+    "SpecEngine",
+    "truncated_drafter",
     "kv_shape",
     "paged_attention_forward",
     "register_attention",

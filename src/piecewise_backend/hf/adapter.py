@@ -36,6 +36,15 @@ SERVED_LAYER_TYPES = frozenset({
 _STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
 
 
+def transformers_module() -> Any:
+    """``transformers``, imported on first use (the adapter is an optional extra), or a clear ImportError."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("piecewise_backend.hf needs transformers: pip install 'piecewise_backend[hf]'") from e
+    return transformers
+
+
 @dataclasses.dataclass
 class LayerLayout:
     """What one attention layer passed to the attention interface in the probe."""

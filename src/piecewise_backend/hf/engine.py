@@ -14,38 +14,29 @@ Gemma 2/3, ...); :func:`adapt` refuses, naming the reason, every model it would 
   sync-free implementation.
 * :class:`TokensFirst` is the runner's layout: all tokens of a step as one row
   (``input_ids[None]``), with ``position_ids`` per token, so RoPE sees each token's own position.
-* :class:`HFEngine` owns the cache and the runner and serves requests with continuous batching
-  (:mod:`.serving`: chunked prefill, preemption, sampling, streaming, the online API): steps with
-  prompt tokens replay PIECEWISE graphs, pure decode steps replay one FULL graph; with
-  ``lazy_capture=True`` it serves before capturing and :meth:`HFEngine.capture_idle` captures later.
+* :class:`HFEngine` is :class:`piecewise_backend.serve.Engine` over the adapted model: the serving
+  loop (chunked prefill, preemption, sampling, streaming, the online API, lazy capture) is
+  serve's; steps with prompt tokens replay PIECEWISE graphs, pure decode steps replay one FULL graph.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import types
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..backend.compiler import make_backend
 from ..config import CompilationConfig
-from ..context import BatchDescriptor
-from ..kv import cache as kv
-from ..modes import AttentionGraphSupport, CUDAGraphMode
-from ..runner.graph_runner import CaptureReport, GraphRunner, StaticInput
-from ..state.cache import StateCache, StateSpec
+from ..serve.arguments import check_attention_backend, check_engine_args
+from ..serve.engine import Engine, check_config
+from ..serve.model_runner import KVLayout, first_parameter, own_code
+from ..state.cache import StateSpec
 from . import mixers
-from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal
-from .arguments import check_attention_backend, check_generate, eos_ids, generation_eos
+from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
-from .sampling import SamplingParams, per_request
-from .serving import RequestOutput, ServingLoop, StepInfo
 from .host_breaks import install_host_breaks, no_full_graphs
-from .tiny import TINY, _transformers, tiny_random_model  # noqa: F401 (TINY, tiny_random_model: public here)
 
 ATTN_IMPLEMENTATION = "pb_paged"
 
@@ -89,7 +80,7 @@ def paged_attention_forward(
 
 def register_attention() -> str:
     """Register ``pb_paged`` with transformers' AttentionInterface (idempotent); returns the name."""
-    _transformers().AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    transformers_module().AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     return ATTN_IMPLEMENTATION
 
 
@@ -123,7 +114,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     see :mod:`piecewise_backend.hf.adapter`. Mixture-of-experts layers are switched to a sync-free
     implementation; the cache layout is read from the attention modules by a probe forward.
     """
-    transformers = _transformers()
+    transformers = transformers_module()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"adapt() takes a transformers PreTrainedModel, got {type(model).__name__}")
     name = type(model).__name__
@@ -154,7 +145,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     keys = [(s.layer, s.kind) for s in specs]
     mixers.route(result.state_layers, lambda layer, kind: keys.index((layer, kind)))
     model.set_attn_implementation(register_attention())
-    return _own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs)
+    return own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs)
 
 
 def chunked_layers(model: torch.nn.Module) -> dict[int, int]:
@@ -163,22 +154,6 @@ def chunked_layers(model: torch.nn.Module) -> dict[int, int]:
     chunk = getattr(text, "attention_chunk_size", None) or 0
     kinds = getattr(text, "layer_types", None) or ()
     return {i: chunk for i, kind in enumerate(kinds) if kind == "chunked_attention" and chunk}
-
-
-def _own_code(cls: type[TokensFirst]) -> type[TokensFirst]:
-    """A subclass of ``cls`` whose ``forward`` has a code object of its own.
-
-    Dynamo keeps compiled code per code object and, past ``recompile_limit`` (8) entries, runs the
-    frame uncompiled: with one shared ``forward`` the 5th engine of a process was served eagerly,
-    its PIECEWISE graphs holding attention whole. A copy of the code per adapted model keeps each
-    engine's entries apart (and frees them with the engine).
-    """
-    base = cls.forward
-    forward = types.FunctionType(base.__code__.replace(), base.__globals__, base.__name__, base.__defaults__,
-                                 base.__closure__)
-    functools.update_wrapper(forward, base)
-    del forward.__wrapped__  # a wrapper's __wrapped__ would send inspect (and Dynamo's tracing) to the shared code
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
@@ -202,10 +177,13 @@ def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-class HFEngine:
-    """Continuous batching of a HF causal LM on a GraphRunner with a paged KV cache.
+class HFEngine(Engine):
+    """Continuous batching of a HF causal LM: :class:`~piecewise_backend.serve.Engine` over :func:`adapt`.
 
-    ``lazy_capture=True`` serves from the first call (a step without a graph runs eagerly) and
+    What only a transformers model has is here: the refusals of the probe (before the model is
+    touched), the cache layout read from its attention modules, its host-reading modules as break
+    points (no FULL graphs then), and its ``generation_config.eos_token_id`` as the default stop
+    token. ``lazy_capture=True`` serves from the first call (a step without a graph runs eagerly) and
     :meth:`capture_idle` captures what traffic asked for; ``max_num_batched_tokens`` bounds every
     step's tokens (default: the largest capture size), longer prompts are prefilled in chunks;
     ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool.
@@ -225,50 +203,29 @@ class HFEngine:
         max_num_batched_tokens: int | None = None,
         graph_memory_budget: int | None = None,
     ):
-        _check_tokens_budget(max_num_batched_tokens)
-        self.model = model
-        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        if isinstance(limit, int) and max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}: "
-                f"use max_model_len <= {limit}"
-            )
-        self.vocab_size: int = model.config.get_text_config().vocab_size
-        why = length_refusal(model, max(max_model_len, *config.sizes))
-        if why is not None:
-            raise ValueError(why)
-        param = next(model.parameters())
-        # before adapt, which changes the model
+        # every argument is checked before adapt, which changes the model
+        check_engine_args(
+            max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
+            graph_memory_budget=graph_memory_budget,
+        )
+        check_config(config)
+        vocab_size = check_hf_model(model, config, max_model_len)
+        param = first_parameter(model)
         check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
         adapted = adapt(model)
-        config = no_full_graphs(config, adapted.host_breaks)
-        layers, kv_heads, head_dim = kv_shape(adapted)
-        self.cache = kv.PagedKVCache(
-            layers, kv_heads, head_dim, block_size=block_size, max_model_len=max_model_len,
-            num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
-            dtype=param.dtype, device=param.device, attention_backend=attention_backend,
+        super().__init__(
+            adapted, no_full_graphs(config, adapted.host_breaks), kv_layout=KVLayout(*kv_shape(adapted)),
+            vocab_size=vocab_size, state_specs=adapted.state_specs, max_num_reqs=max_num_reqs,
+            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            attention_backend=attention_backend, lazy_capture=lazy_capture,
+            max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
         )
-        self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
-        #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
-        self.states = StateCache(adapted.state_specs, num_slots=max_num_reqs, device=param.device) if adapted.state_specs else None
-        self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
-        compiled = torch.compile(adapted, backend=self.backend)
-        inputs, context_fn = [StaticInput("input_ids"), *self.cache.static_inputs()], self.cache.context_fn
-        support = self.cache.attention_graph_support
-        if self.states is not None:  # FULL graphs hold state updates of one token per request only
-            states = self.states
-            inputs.extend(states.static_inputs())
-            context_fn = lambda views: {**self.cache.context_fn(views), **states.context_fn(views)}  # noqa: E731
-            support = min(support, AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
-        self.runner = GraphRunner(
-            compiled, config, inputs, model_kwargs=["input_ids", kv.POSITIONS], context_fn=context_fn,
-            max_num_reqs=max_num_reqs, device=param.device, attention_support=support,
-            attention_backend=self.attention_backend, lazy_capture=lazy_capture, graph_memory_budget=graph_memory_budget,
-        )
-        self.max_num_reqs = max_num_reqs
-        self.max_step_tokens = self.runner.dispatcher.max_size
-        budget = max_num_batched_tokens or self.max_step_tokens or max_model_len  # NONE mode: a whole prompt
-        self._loop = ServingLoop(self.runner, self.cache, self.vocab_size, max_num_reqs, budget, self.states)
+        self.model = model
+
+    def default_eos(self) -> Any:
+        """The model's ``generation_config.eos_token_id``, as ``model.generate`` uses by default."""
+        return generation_eos(self.model)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, config: CompilationConfig, **kwargs: Any) -> HFEngine:
@@ -285,119 +242,29 @@ class HFEngine:
             )
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
         kwargs["local_files_only"] = True
-        model = _transformers().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        model = transformers_module().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         return cls(model.eval(), config, **engine_kwargs)
 
-    @property
-    def max_num_batched_tokens(self) -> int:
-        """The most tokens a step runs; a longer prompt is prefilled in chunks over several steps."""
-        return self._loop.scheduler.max_num_batched_tokens
 
-    @max_num_batched_tokens.setter
-    def max_num_batched_tokens(self, value: int) -> None:
-        _check_tokens_budget(value)
-        self._loop.scheduler.max_num_batched_tokens = value
+def generation_eos(model: Any) -> Any:
+    """The stop token(s) ``model.generate`` uses by default: ``model.generation_config.eos_token_id`` (None without one)."""
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
 
-    def capture(self, progress: bool = False) -> CaptureReport:
-        """Capture every descriptor (within ``graph_memory_budget`` when set), under inference mode."""
-        with torch.inference_mode():
-            return self.runner.capture(progress=progress)
 
-    def capture_idle(self, max_seconds: float) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
-        """Capture, within ``max_seconds`` and ``graph_memory_budget``, the graphs steps ran without;
-        returns the ``(mode, descriptor)`` pairs captured. Call it between steps (when idle), on the
-        thread that steps: a capture must never overlap a step (see :mod:`.serving`)."""
-        with self._loop.lock, torch.inference_mode():
-            return self.runner.capture_idle(max_seconds)
-
-    # ------------------------------------------------------------------ the online API
-
-    def add_request(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        *,
-        sampling: SamplingParams | None = None,
-        stop_token_ids: int | Sequence[int] | None = None,
-        request_id: Hashable | None = None,
-        on_token: Callable[[Hashable, int], None] | None = None,
-    ) -> Hashable:
-        """Queue a request while others run (any thread); returns its id (default: the next free int).
-
-        It joins the next step that has room. ``stop_token_ids`` end it (the stop token is kept), as
-        :meth:`generate`'s ``eos_token_id``: an int or a list of ints (``[]``: none); None: the model's
-        ``generation_config.eos_token_id``. ``on_token(request_id, token_id)`` is called as each of
-        its tokens is produced.
-        """
-        stops = eos_ids(stop_token_ids, generation_eos(self.model), vocab_size=self.vocab_size, name="stop_token_ids")
-        return self._loop.add(
-            prompt, max_new_tokens, sampling=sampling, stop_token_ids=sorted(stops), request_id=request_id,
-            on_token=on_token,
+def check_hf_model(model: Any, config: CompilationConfig, max_model_len: int) -> int:
+    """Refusals of a HF model before it is adapted (its position limit, a length it cannot serve);
+    returns its vocabulary size."""
+    text = model.config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}: "
+            f"use max_model_len <= {limit}"
         )
-
-    def cancel_request(self, request_id: Hashable) -> bool:
-        """Stop a request and free its KV blocks at once; False when no such request is unfinished.
-        The next :meth:`step` (or :meth:`results`) reports it with ``finish_reason="cancelled"``."""
-        return self._loop.cancel(request_id)
-
-    def step(self) -> list[RequestOutput]:
-        """Run one step of the added requests; returns those that finished since the last call."""
-        with torch.inference_mode():
-            return self._loop.step()
-
-    def results(self) -> Iterator[RequestOutput]:
-        """Step until every added request has finished, yielding each one as it finishes."""
-        yield from _inference(self._loop.results())
-
-    def has_unfinished_requests(self) -> bool:
-        return self._loop.has_unfinished()
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int | Sequence[int],
-        *,
-        eos_token_id: int | Sequence[int] | None = None,
-        sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
-        on_token: Callable[[int, int], None] | None = None,
-        on_step: Callable[[StepInfo], None] | None = None,
-    ) -> list[list[int]]:
-        """Completions of ``prompts`` (token ids, without the prompt), in order; greedy unless ``sampling``.
-
-        ``sampling``: one :class:`SamplingParams` for all, or one per prompt (None: greedy).
-        ``on_token(request_index, token_id)`` is called as each token is produced, in order;
-        ``on_step`` gets a :class:`StepInfo` per step. Every step schedules the running requests'
-        decode tokens first, then prompt chunks, within ``max_num_batched_tokens`` and
-        ``max_num_reqs``; when KV blocks run out the newest requests are preempted and recomputed.
-        A request stops at its budget or at a token of ``eos_token_id`` (an int or a list of ints;
-        ``[]``: none; None: the model's ``generation_config.eos_token_id``, as ``model.generate``).
-        """
-        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.cache.max_model_len,
-                              eos_token_id=eos_token_id, default_eos=generation_eos(self.model))
-        prompts, budgets = args.prompts, args.budgets
-        params = per_request(sampling, len(prompts))
-        if on_token is not None and not callable(on_token):
-            raise TypeError(f"on_token must be callable(request_index, token_id), got {type(on_token).__name__}")
-        loop = self._loop
-        if loop.has_unfinished():
-            raise RuntimeError(
-                "generate() serves a batch of its own, but requests added with add_request() are unfinished: "
-                "iterate results() or cancel_request() them first"
-            )
-        stops = sorted(args.eos)
-        requests = []
-        loop.steps = 0
-        try:
-            with torch.inference_mode():
-                for i, p in enumerate(prompts):
-                    requests.append(loop.add_internal(p, budgets[i], params[i], stops, i, on_token))
-                while loop.has_unfinished():
-                    info = loop.advance()
-                    if on_step is not None:
-                        on_step(info)
-        finally:  # an error mid-way must not leak the blocks of the requests still running
-            loop.cancel_all()
-        return [r.output for r in requests]
+    why = length_refusal(model, max([max_model_len, *config.sizes]))
+    if why is not None:
+        raise ValueError(why)
+    return text.vocab_size
 
 
 #: Keyword arguments of HFEngine (the rest of from_pretrained's go to transformers).
@@ -405,18 +272,3 @@ _ENGINE_KWARGS = frozenset({
     "max_num_reqs", "max_model_len", "block_size", "num_blocks", "attention_backend", "lazy_capture",
     "max_num_batched_tokens", "graph_memory_budget",
 })
-
-
-def _check_tokens_budget(value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"max_num_batched_tokens must be None or a positive int (tokens per step), got {value!r}")
-
-
-def _inference(results: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
-    """``results`` with every step (each ``next``) under inference mode, but not the caller's loop body."""
-    while True:
-        with torch.inference_mode():
-            out = next(results, None)
-        if out is None:
-            return
-        yield out

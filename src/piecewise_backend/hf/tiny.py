@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .adapter import SERVED_LAYER_TYPES
+from .adapter import SERVED_LAYER_TYPES, transformers_module
 from .mixers import candidates
 
 #: Sizes of :func:`tiny_random_model`; a config gets only the fields it has (and can set).
@@ -66,14 +66,6 @@ TINY_LAYER_MIX: dict[str, dict[str, Any]] = {
 # MLA configs expand K/V to every query head (num_key_value_heads = num_attention_heads) and derive
 # head_dim from the rope part.
 _MLA = ("kv_lora_rank",)
-
-
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as e:  # the adapter is an optional extra
-        raise ImportError("piecewise_backend.hf needs transformers: pip install 'piecewise_backend[hf]'") from e
-    return transformers
 
 
 def _settable(config: Any, name: str) -> bool:
@@ -222,7 +214,7 @@ def tiny_random_model(
     output barely moves the logits, so a model that dropped their state would still pass a check.
     The model uses HF's SDPA attention (eager where a model has no SDPA support) and is in eval mode.
     """
-    transformers = _transformers()
+    transformers = transformers_module()
     if arch not in transformers.CONFIG_MAPPING:
         raise ValueError(f"{arch!r} is not a transformers model type (the keys of transformers.CONFIG_MAPPING, e.g. 'llama')")
     try:

@@ -152,6 +152,11 @@ class PagedKVCache:
         """Blocks no request holds."""
         return self.allocator.num_free
 
+    @property
+    def total_blocks(self) -> int:
+        """Blocks of the cache in all."""
+        return self.allocator.num_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens holds."""
         return math.ceil(num_tokens / self.block_size)

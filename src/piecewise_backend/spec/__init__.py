@@ -1,13 +1,18 @@
-"""Speculative decoding: a drafter proposes, the target verifies in one uniform step."""
+"""Speculative decoding (the documented path): a drafter proposes, the target verifies in one uniform step.
 
-from .engine import SpecEngine, truncated_drafter
-from .state import RequestStates, RoundInfo, SpecStats, chunk_ends
+The code lives in :mod:`piecewise_backend.serve.speculative` (any model) and
+:mod:`piecewise_backend.hf.speculative` (Hugging Face models).
+"""
+
+from ..hf.speculative import SpecEngine, truncated_drafter
+from ..serve.loop import chunk_ends
+from ..serve.speculative import RoundInfo, SpecStats, SpeculativeEngine
 
 __all__ = [
     "SpecEngine",
+    "SpeculativeEngine",
     "truncated_drafter",
     "chunk_ends",
-    "RequestStates",
     "RoundInfo",
     "SpecStats",
 ]

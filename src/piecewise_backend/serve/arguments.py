@@ -1,12 +1,13 @@
 """The arguments of an engine's ``generate``, checked in one place for every engine.
 
-:class:`~piecewise_backend.hf.HFEngine` and :class:`~piecewise_backend.spec.SpecEngine` take the
-same prompts, budgets and stop tokens; :func:`check_generate` turns them into plain lists of ints or raises a
+:class:`~piecewise_backend.serve.Engine`, :class:`~piecewise_backend.hf.HFEngine` and
+:class:`~piecewise_backend.spec.SpecEngine` take the same prompts, budgets and stop tokens; :func:`check_generate` turns them into plain lists of ints or raises a
 ``ValueError`` (a ``TypeError`` for a value of the wrong kind: text, a bare int, a set) that names
 the bad value and what is valid, before any request is admitted. A prompt may be a list or tuple
 of ints, a 1-D integer tensor or a numpy integer array; a float id is refused, never truncated.
-:func:`check_attention_backend` checks the one constructor argument both engines share in meaning,
-``attention_backend``, before either touches its model. Imports neither transformers nor numpy.
+:func:`check_engine_args` checks the constructor arguments every engine shares, each by its own
+name, and :func:`check_attention_backend` the ``attention_backend``, before an engine touches its
+model. Imports neither transformers nor numpy.
 """
 
 from __future__ import annotations
@@ -128,9 +129,33 @@ def check_attention_backend(attention_backend: Any, *, device: Any, dtype: Any, 
         raise ValueError(f"{e}; valid for this cache: {valid}") from None
 
 
-def generation_eos(model: Any) -> Any:
-    """The stop token(s) ``model.generate`` uses by default: ``model.generation_config.eos_token_id`` (None without one)."""
-    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+def check_engine_args(
+    *, max_num_reqs: Any, max_model_len: Any, block_size: Any, num_blocks: Any, lazy_capture: Any,
+    max_num_batched_tokens: Any, graph_memory_budget: Any,
+) -> None:
+    """The engines' shared constructor arguments, each checked by its own name before anything is
+    built (``num_blocks=0`` is refused, not replaced by the default)."""
+    for name, value, meaning in (
+        ("max_num_reqs", max_num_reqs, "requests a step runs at most"),
+        ("max_model_len", max_model_len, "tokens a request holds at most"),
+        ("block_size", block_size, "tokens per KV block"),
+    ):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int ({meaning}), got {_show(value)}")
+    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
+        raise ValueError(f"num_blocks must be None (room for max_num_reqs requests of max_model_len tokens) or a "
+                         f"positive int, got {_show(num_blocks)}")
+    if lazy_capture is not True and lazy_capture is not False:
+        raise ValueError(f"lazy_capture must be a bool, got {_show(lazy_capture)}")
+    check_tokens_budget(max_num_batched_tokens)
+    if graph_memory_budget is not None and (not is_int(graph_memory_budget) or graph_memory_budget < 0):
+        raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {_show(graph_memory_budget)}")
+
+
+def check_tokens_budget(value: Any) -> None:
+    """``max_num_batched_tokens``: None or a positive int."""
+    if value is not None and (not is_int(value) or value < 1):
+        raise ValueError(f"max_num_batched_tokens must be None or a positive int (tokens per step), got {value!r}")
 
 
 def check_generate(

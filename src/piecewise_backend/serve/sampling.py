@@ -1,12 +1,14 @@
 """Sampling parameters per request, and one batched sampler for a whole step.
 
-:class:`SamplingParams` is plain data (no transformers import: ``piecewise_backend.hf`` re-exports
-it). :func:`sample` draws one token per row of a step's logits with the Gumbel-max trick: the
+:class:`SamplingParams` is plain data (no transformers import; ``piecewise_backend.serve`` and
+``piecewise_backend.hf`` export it). :func:`sample` draws one token per row of a step's logits with the Gumbel-max trick: the
 token is ``argmax(logits / temperature + g)`` over the tokens top-k and top-p keep, where ``g`` is
 Gumbel noise, which picks each token with exactly its softmax probability. The noise is not drawn
-from a generator's state but computed from a counter-based hash of ``(seed, request, position,
+from a generator's state but computed from a counter-based hash of ``(seed, position, purpose,
 token id)``: a request's token at a position gets the same noise whatever else runs in the step,
-in every graph mode, on every run, and again after a preemption recomputes the request. Every
+at any batch index, under any request id, in every graph mode, on every run, and again after a
+preemption recomputes the request (vLLM's per-request seed). ``purpose`` keeps draws apart that
+share a position (speculative decoding's draft, accept and resample draws). Every
 row's parameters go to the device as one small tensor each, so the step costs no per-request host
 round trip; the caller reads the sampled ids back once per step.
 """
@@ -14,9 +16,9 @@ round trip; the caller reads the sampled ids back once per step.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
-from collections.abc import Hashable, Sequence
+import numbers
+from collections.abc import Sequence
 
 import torch
 
@@ -24,12 +26,12 @@ _M32 = 0xFFFFFFFF
 _MAX_SEED = 2**64
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value: object) -> bool:  # numpy's integer and float scalars count (numbers' ABCs)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +40,12 @@ class SamplingParams:
 
     ``top_k`` keeps the k most likely tokens (0: all), ``top_p`` the smallest set of most likely
     tokens whose probability reaches it (1.0: all), both after ``temperature``; ``seed`` makes the
-    tokens reproducible (None: one drawn from torch's default generator when the request starts,
-    so ``torch.manual_seed`` reproduces them too).
+    tokens reproducible: with a seed, a request's tokens depend only on its prompt, these
+    parameters and the seed, not on its batch index, its request id, the other requests or how
+    the steps were scheduled (None: a seed drawn from torch's default generator when the request
+    starts, so ``torch.manual_seed`` reproduces them too). A temperature below
+    :data:`MIN_TEMPERATURE` samples as greedy: dividing by it in float32 would overflow the logits,
+    and it leaves only the largest logit a chance anyway.
     """
 
     temperature: float = 1.0
@@ -63,11 +69,20 @@ class SamplingParams:
                 "top_p would not change; use a temperature > 0 to sample, or drop top_k/top_p for greedy"
             )
         object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "top_p", float(p))
+        if seed is not None:
+            object.__setattr__(self, "seed", int(seed))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or one below :data:`MIN_TEMPERATURE`."""
+        return self.temperature < MIN_TEMPERATURE
+
+
+#: Temperatures below this sample as greedy (argmax): ``logits / temperature`` in float32 would
+#: overflow to inf (1e-40 is subnormal, 1e-300 is 0), making every positive logit a tie.
+MIN_TEMPERATURE = 1e-5
 
 
 #: What ``sampling=None`` means.
@@ -95,14 +110,6 @@ def resolve_seed(params: SamplingParams) -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.long).item())  # a CPU tensor: no device sync
 
 
-def request_key(request: Hashable) -> int:
-    """A request id as a 64-bit int that is the same in every process (``hash(str)`` is salted per process)."""
-    if _is_int(request):
-        return request % _MAX_SEED
-    digest = hashlib.blake2b(repr(request).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 def _mix(x: int) -> int:
     """A 32-bit integer hash (Wellons' lowbias32) of a Python int < 2**32."""
     x ^= x >> 16
@@ -112,10 +119,11 @@ def _mix(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def noise_key(seed: int, request: int, position: int) -> int:
-    """The 32-bit key of the noise a request's token at ``position`` is sampled with."""
+def noise_key(seed: int, position: int, purpose: int = 0) -> int:
+    """The 32-bit key of the noise a request's token at ``position`` is sampled with (``purpose``:
+    which draw at that position, 0 for the token itself)."""
     h = _mix(position & _M32)
-    for part in (request & _M32, request >> 32, seed & _M32, seed >> 32):
+    for part in (purpose & _M32, seed & _M32, seed >> 32):
         h = _mix(h ^ part)
     return h
 
@@ -181,7 +189,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     if all(p.greedy for p in params):
         return greedy
     device = logits.device
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     masked = filtered_logits(logits, temperature.to(device), top_k, top_p)

@@ -1,10 +1,10 @@
-"""The checks of generate's arguments shared by every engine (hf/arguments.py), without a model."""
+"""The checks of generate's arguments shared by every engine (serve/arguments.py), without a model."""
 
 from __future__ import annotations
 
 import pytest
 
-from piecewise_backend.hf import arguments
+from piecewise_backend.serve import arguments
 
 LIMITS = {"vocab_size": 256, "max_model_len": 32}
 

@@ -19,6 +19,12 @@ and the logits at its last one; a step gives it a *chunk* of its uncomputed toke
 
 Blocks are reserved while planning, so each check sees what the chunks before it took. A request
 that needs more blocks than the whole cache is refused when it is added (:meth:`Scheduler.check_fits`).
+
+``lookahead`` (speculative decoding's k) makes room after every *final* chunk (one that reaches its
+request's last token, so the step produces a token): the step appends ``lookahead`` drafted tokens
+to it, so it costs ``count + lookahead`` of the budget and reserves K/V for them. A final chunk the
+budget cannot extend that way is cut one token short (a plain prefill chunk), or, with one token
+left, waits for the next step.
 """
 
 from __future__ import annotations
@@ -27,9 +33,34 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from typing import Protocol
+
 from ..kv.cache import PagedKVCache
 from ..state.cache import StateCache
 from .sampling import SamplingParams
+
+
+class KVBlocks(Protocol):
+    """The block bookkeeping the scheduler plans with: a :class:`~piecewise_backend.kv.PagedKVCache`,
+    or several caches kept in step (speculative decoding's target and drafter)."""
+
+    block_size: int
+    max_model_len: int
+    tables: dict
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def total_blocks(self) -> int: ...
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+
+    def blocks_needed(self, request: Hashable, num_tokens: int) -> int: ...
+
+    def reserve(self, request: Hashable, num_tokens: int) -> None: ...
+
+    def free(self, request: Hashable) -> None: ...
 
 
 @dataclasses.dataclass(eq=False)
@@ -40,8 +71,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams
-    seed: int
-    key: int  # the request part of its sampling noise (sampling.request_key of its id)
+    seed: int  # its sampling noise's seed (sampling.noise_key)
     stop_token_ids: frozenset[int]
     order: int
     on_token: Callable[[Hashable, int], None] | None = None
@@ -50,6 +80,12 @@ class Request:
     finish_reason: str | None = None  # "length", "stop" or "cancelled" once finished
     preemptions: int = 0
     report: bool = True  # its output goes to the online API's results (generate reads its own)
+    tag: Hashable = None  # what its callbacks and reports call it: the request id, or generate's prompt index
+    draft_computed: int = 0  # tokens whose K/V a drafter's cache holds (speculative decoding)
+
+    def __post_init__(self) -> None:
+        if self.tag is None:
+            self.tag = self.request_id
 
     @property
     def slot(self) -> int:
@@ -83,8 +119,12 @@ class StepPlan:
 class Scheduler:
     """Plans steps over ``cache``: at most ``max_num_reqs`` requests and ``max_num_batched_tokens`` tokens each."""
 
-    def __init__(self, cache: PagedKVCache, max_num_reqs: int, max_num_batched_tokens: int, states: StateCache | None = None):
+    def __init__(
+        self, cache: PagedKVCache | KVBlocks, max_num_reqs: int, max_num_batched_tokens: int, states: StateCache | None = None,
+        lookahead: int = 0,
+    ):
         self.cache = cache
+        self.lookahead = lookahead
         self.states = states  # the engine's StateCache (None without state layers): slots freed with the blocks
         self.max_num_reqs = max_num_reqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,9 +134,9 @@ class Scheduler:
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, where: str = "a request") -> None:
         """Refuse up front a request that could not run even alone: its K/V would not fit the cache."""
-        tokens = prompt_len + max_new_tokens - 1  # the last token produced is never fed back
+        tokens = prompt_len + max_new_tokens - 1 + self.lookahead  # the last token produced is never fed back
         need = self.cache.blocks_for(tokens)
-        total = self.cache.allocator.num_blocks
+        total = self.cache.total_blocks
         if need > total:
             raise ValueError(
                 f"{where}: {prompt_len} prompt tokens + {max_new_tokens} new need {need} KV blocks of "
@@ -129,7 +169,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
-        request.computed = 0
+        request.computed = request.draft_computed = 0
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
@@ -146,33 +186,50 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted while planning this step
                 continue
-            count = min(request.length - request.computed, budget)
-            while self.cache.blocks_needed(request.slot, request.computed + count) > self.cache.num_free_blocks:
+            count, extra = self._chunk(request, budget)
+            if count == 0:
+                continue
+            while self.cache.blocks_needed(request.slot, request.computed + count + extra) > self.cache.num_free_blocks:
                 victim = max(self.running, key=lambda r: r.order)
                 planned = next((c for c in chunks if c[0] is victim), None)
                 if planned is not None:  # give its chunk's tokens back to the budget
                     chunks.remove(planned)
-                    budget += planned[2]
-                    count = min(request.length - request.computed, budget)
+                    budget += planned[2] + self._extra(planned[0], planned[1], planned[2])
+                    count, extra = self._chunk(request, budget)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             if request in preempted:
                 continue
-            self.cache.reserve(request.slot, request.computed + count)
+            self.cache.reserve(request.slot, request.computed + count + extra)
             chunks.append((request, request.computed, count))
-            budget -= count
+            budget -= count + extra
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_reqs:
             request = self.waiting[0]
-            count = min(request.length - request.computed, budget)
-            if self.cache.blocks_needed(request.slot, request.computed + count) > self.cache.num_free_blocks:
+            count, extra = self._chunk(request, budget)
+            if count == 0:
                 break
-            self.cache.reserve(request.slot, request.computed + count)
+            if self.cache.blocks_needed(request.slot, request.computed + count + extra) > self.cache.num_free_blocks:
+                break
+            self.cache.reserve(request.slot, request.computed + count + extra)
             self.running.append(self.waiting.popleft())
             chunks.append((request, request.computed, count))
-            budget -= count
+            budget -= count + extra
         return StepPlan(chunks, preempted)
+
+    def _extra(self, request: Request, start: int, count: int) -> int:
+        """Drafted tokens a chunk carries after its own: ``lookahead`` for a final chunk, else 0."""
+        return self.lookahead if start + count == request.length else 0
+
+    def _chunk(self, request: Request, budget: int) -> tuple[int, int]:
+        """``(tokens, drafted tokens after them)`` of ``request``'s next chunk within ``budget``
+        (``(0, 0)``: it cannot run in this step)."""
+        left = request.length - request.computed
+        if left + self.lookahead <= budget:
+            return left, self.lookahead
+        count = min(left - 1, budget) if self.lookahead else min(left, budget)
+        return max(count, 0), 0
 
     def release_all(self) -> list[Request]:
         """Drop every request (after an error, or on cancel-all), freeing their blocks; returns them."""

@@ -1,4 +1,4 @@
-"""The step planner (hf/scheduler.py) on a bare paged cache: token budget, decode first, chunked
+"""The step planner (serve/scheduler.py) on a bare paged cache: token budget, decode first, chunked
 prefill, preemption of the newest request, and the up-front refusal of a request that cannot fit."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from piecewise_backend import kv
-from piecewise_backend.hf.sampling import GREEDY
-from piecewise_backend.hf.scheduler import Request, Scheduler
+from piecewise_backend.serve.sampling import GREEDY
+from piecewise_backend.serve.scheduler import Request, Scheduler
 
 
 def make(num_blocks: int = 16, block: int = 4, reqs: int = 4, budget: int = 8) -> Scheduler:
@@ -16,7 +16,7 @@ def make(num_blocks: int = 16, block: int = 4, reqs: int = 4, budget: int = 8) -
 
 
 def request(order: int, prompt_len: int, new: int = 8) -> Request:
-    return Request(order, list(range(1, prompt_len + 1)), new, GREEDY, 0, order, frozenset(), order)
+    return Request(order, list(range(1, prompt_len + 1)), new, GREEDY, 0, frozenset(), order)
 
 
 def run(s: Scheduler, produce: bool = True) -> list[tuple[int, int, int]]:

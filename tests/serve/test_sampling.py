@@ -1,4 +1,4 @@
-"""SamplingParams and the batched sampler (hf/sampling.py): validated parameters, draws that follow the
+"""SamplingParams and the batched sampler (serve/sampling.py): validated parameters, draws that follow the
 filtered softmax, noise keyed by (seed, request, position) only."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import sys
 import pytest
 import torch
 
-from piecewise_backend.hf import sampling
-from piecewise_backend.hf.sampling import SamplingParams
+from piecewise_backend.serve import sampling
+from piecewise_backend.serve.sampling import SamplingParams
 
 VOCAB = 12
 DRAWS = 30_000
 
 
 def test_sampling_module_does_not_import_transformers():
-    code = "import sys, piecewise_backend.hf.sampling as s; s.SamplingParams(0.5); assert 'transformers' not in sys.modules"
+    code = "import sys, piecewise_backend.serve.sampling as s; s.SamplingParams(0.5); assert 'transformers' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
@@ -78,7 +78,7 @@ def test_draws_follow_the_softmax_of_the_filtered_logits(params):
     """30k draws of one row (each at its own position): chi-square against transformers' warpers, and
     never a token the filters drop."""
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * 2
-    keys = [sampling.noise_key(11, 3, position) for position in range(DRAWS)]
+    keys = [sampling.noise_key(11, position) for position in range(DRAWS)]
     tokens = sampling.sample(logits.expand(DRAWS, VOCAB), [params] * DRAWS, keys)
     freq = torch.bincount(tokens, minlength=VOCAB).double() / DRAWS
     expected = _reference(logits, params).double()
@@ -88,17 +88,17 @@ def test_draws_follow_the_softmax_of_the_filtered_logits(params):
     assert chi2 < 40, (chi2, freq, expected)  # 11 degrees of freedom at most: p < 1e-4 for a right sampler
 
 
-def test_noise_depends_on_seed_request_and_position_only():
+def test_noise_depends_on_seed_position_and_purpose_only():
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(1.0, seed=3)] * 5
-    keys = [sampling.noise_key(3, request, 10 + request) for request in range(5)]
+    keys = [sampling.noise_key(3, 10 + row) for row in range(5)]
     batched = sampling.sample(logits, params, keys)
     alone = torch.cat([sampling.sample(logits[i:i + 1], params[i:i + 1], keys[i:i + 1]) for i in range(5)])
     assert torch.equal(batched, alone)  # another row of the step changes nothing
     assert torch.equal(sampling.sample(logits, params, keys), batched)  # the same keys: the same tokens
     flat = torch.zeros(400, 64)  # uniform: the key alone decides, so other keys give other tokens
-    draws = [sampling.sample(flat, [params[0]] * 400, [sampling.noise_key(*k, p) for p in range(400)]) for k in
-             ((3, 0), (4, 0), (3, 1))]
+    draws = [sampling.sample(flat, [params[0]] * 400, [sampling.noise_key(seed, p, purpose) for p in range(400)])
+             for seed, purpose in ((3, 0), (4, 0), (3, 1))]
     assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 
 
@@ -112,10 +112,30 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
         sampling.sample(logits, params[:3], [1, 2, 3])
 
 
-def test_request_keys_are_stable_across_processes():
-    code = "from piecewise_backend.hf.sampling import request_key as k; print(k('a'), k(('x', 2)), k(7))"
+def test_noise_keys_are_stable_across_processes():
+    code = "from piecewise_backend.serve.sampling import noise_key as k; print(k(2**40 + 3, 7), k(1, 2, 3))"
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout for _ in range(2)}
-    assert len(runs) == 1 and runs.pop().split()[2] == "7"  # str hashing is salted per process; these keys are not
+    assert len(runs) == 1 and len(runs.pop().split()) == 2  # pure integer hashing: no per-process salt
+
+
+def test_a_temperature_float32_cannot_divide_by_samples_as_greedy():
+    """1e-40 is subnormal and 1e-300 is 0 in float32: logits / t would be +-inf, every positive logit a tie."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(4))
+    for t in (1e-40, 1e-300, 1e-6):
+        params = [SamplingParams(t, seed=1), SamplingParams(t, top_k=1, seed=2)] * 3
+        assert params[0].greedy
+        assert torch.equal(sampling.sample(logits, params, list(range(6))), logits.argmax(-1))
+    assert not SamplingParams(sampling.MIN_TEMPERATURE).greedy
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    import numpy as np
+
+    p = SamplingParams(np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9), seed=np.int64(7))
+    assert (p.temperature, p.top_k, p.top_p, p.seed) == (0.5, 3, 0.9, 7)
+    assert type(p.top_k) is int and type(p.seed) is int
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(1.0, top_k=np.bool_(True))
 
 
 def test_an_unseeded_request_draws_its_seed_from_torchs_generator():

@@ -1,0 +1,26 @@
+"""The engine for any model that follows the protocol (docs/engine.md): scheduling, sampling, the serving loop, speculative decoding."""
+
+from .arguments import check_generate
+from .engine import Engine
+from .loop import RequestOutput, ServingLoop, StepExecutor, StepInfo
+from .model_runner import KVLayout, ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Request, Scheduler
+from .speculative import RoundInfo, SpecStats, SpeculativeEngine
+
+__all__ = [
+    "Engine",
+    "KVLayout",
+    "SamplingParams",
+    "RequestOutput",
+    "StepInfo",
+    "SpeculativeEngine",
+    "RoundInfo",
+    "SpecStats",
+    "ModelRunner",
+    "ServingLoop",
+    "StepExecutor",
+    "Request",
+    "Scheduler",
+    "check_generate",
+]

@@ -1,0 +1,238 @@
+"""The engine for any model that follows the protocol: continuous batching on CUDA graphs.
+
+The protocol (docs/engine.md has a complete example): ``model(input_ids=(T,) long,
+position_ids=(T,) long) -> logits (T, vocab)`` for one flat step, every request's tokens one after
+the other; attention through ``torch.ops.pb_kv.paged_attention`` (or an op of the model's own,
+registered as a splitting op, that reads ``kv.current_metadata()``), state layers through the state
+ops. :class:`Engine` compiles the model with ``make_backend(config)``, builds its paged KV cache
+from ``kv_layout`` (and a state cache from ``state_specs``) in the dtype and device of its first
+parameter, and serves requests: steps with prompt tokens replay PIECEWISE graphs, pure decode steps
+one FULL graph; chunked prefill, preemption, sampling, streaming, the online API and lazy capture
+are the :mod:`.loop`'s and the GraphRunner's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..config import CompilationConfig
+from ..context import BatchDescriptor
+from ..modes import CUDAGraphMode
+from ..runner import CaptureReport
+from ..state.cache import StateSpec
+from .arguments import check_attention_backend, check_engine_args, check_generate, check_tokens_budget, eos_ids, is_int
+from .loop import RequestOutput, ServingLoop, StepExecutor, StepInfo
+from .model_runner import Decode, KVLayout, ModelRunner, first_parameter
+from .sampling import SamplingParams, per_request
+from .scheduler import KVBlocks
+
+
+class Engine:
+    """Continuous batching of ``model`` (the protocol of the module docstring) on a GraphRunner with a
+    paged KV cache.
+
+    ``lazy_capture=True`` serves from the first call (a step without a graph runs eagerly) and
+    :meth:`capture_idle` captures what traffic asked for; ``max_num_batched_tokens`` bounds every
+    step's tokens (default: the largest capture size), longer prompts are prefilled in chunks;
+    ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool;
+    ``eos_token_id`` (an int or a list of ints) is the stop token ``generate`` and ``add_request``
+    use when they are given none.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: CompilationConfig,
+        *,
+        kv_layout: KVLayout,
+        vocab_size: int,
+        state_specs: Sequence[StateSpec] | None = None,
+        max_num_reqs: int = 4,
+        max_model_len: int = 128,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        attention_backend: str = "auto",
+        lazy_capture: bool = False,
+        max_num_batched_tokens: int | None = None,
+        graph_memory_budget: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ):
+        check_engine_args(
+            max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
+            graph_memory_budget=graph_memory_budget,
+        )
+        check_config(config)
+        if not isinstance(kv_layout, KVLayout):
+            raise TypeError(f"kv_layout must be a serve.KVLayout(num_layers, num_kv_heads, head_dim), got "
+                            f"{type(kv_layout).__name__}")
+        check_vocab(vocab_size)
+        specs = list(state_specs or ())
+        if any(not isinstance(s, StateSpec) for s in specs):
+            raise TypeError("state_specs must be StateSpecs (piecewise_backend.state.StateSpec), one per state the "
+                            "model's state layers keep")
+        param = first_parameter(model)
+        check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
+        self.vocab_size = int(vocab_size)
+        self.eos_token_id = eos_ids(eos_token_id, vocab_size=self.vocab_size)  # refused before anything is built
+        main = ModelRunner(
+            model, config, kv_layout=kv_layout, state_specs=specs, max_num_reqs=max_num_reqs,
+            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            attention_backend=attention_backend, lazy_capture=lazy_capture, graph_memory_budget=graph_memory_budget,
+        )
+        self.model = model
+        self.cache, self.states, self.runner, self.backend = main.cache, main.states, main.runner, main.backend
+        self.attention_backend = main.attention_backend
+        self._serve([main], Decode(main), main.cache, max_num_reqs, max_num_batched_tokens, main.states)
+
+    def _serve(
+        self, runners: list[ModelRunner], executor: StepExecutor, blocks: KVBlocks, max_num_reqs: int,
+        max_num_batched_tokens: int | None, states: Any = None, lookahead: int = 0,
+    ) -> None:
+        """The loop over ``executor`` (every engine's last constructor step)."""
+        self._runners = runners
+        self.max_num_reqs = max_num_reqs
+        self.max_step_tokens = runners[0].runner.dispatcher.max_size
+        budget = max_num_batched_tokens or self.max_step_tokens or blocks.max_model_len  # NONE mode: a whole prompt
+        self._loop = ServingLoop(executor, blocks, self.vocab_size, max_num_reqs, budget, states, lookahead)
+
+    def default_eos(self) -> Any:
+        """The stop token(s) used when ``generate`` or ``add_request`` is given none."""
+        return sorted(self.eos_token_id)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens a step runs; a longer prompt is prefilled in chunks over several steps."""
+        return self._loop.scheduler.max_num_batched_tokens
+
+    @max_num_batched_tokens.setter
+    def max_num_batched_tokens(self, value: int) -> None:
+        check_tokens_budget(value)
+        self._loop.scheduler.max_num_batched_tokens = value
+
+    # ------------------------------------------------------------------ graphs
+
+    def capture(self, progress: bool = False) -> CaptureReport:
+        """Capture every descriptor (within ``graph_memory_budget`` when set), under inference mode."""
+        with torch.inference_mode():
+            return self.runner.capture(progress=progress)
+
+    def capture_idle(self, max_seconds: float) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """Capture, within ``max_seconds`` and ``graph_memory_budget``, the graphs steps ran without;
+        returns the ``(mode, descriptor)`` pairs captured. Call it between steps (when idle), on the
+        thread that steps: a capture must never overlap a step (see :mod:`.loop`)."""
+        if not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool) or not max_seconds >= 0:
+            raise ValueError(f"capture_idle: max_seconds must be a number of seconds >= 0, got {max_seconds!r}")
+        captured: list[tuple[CUDAGraphMode, BatchDescriptor]] = []
+        deadline = time.perf_counter() + max_seconds
+        with self._loop.lock, torch.inference_mode():
+            for m in self._runners:
+                captured += m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
+        return captured
+
+    def estimate_capture_memory(self) -> int:
+        """Bytes :meth:`capture` will add to the graph pool, measured before capturing (with several
+        models, their estimates summed: an upper bound, the later ones may reuse the pool)."""
+        with torch.inference_mode():
+            return sum(m.runner.estimate_capture_memory() for m in self._runners)
+
+    # ------------------------------------------------------------------ the online API
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: int | Sequence[int] | None = None,
+        request_id: Hashable | None = None,
+        on_token: Callable[[Hashable, int], None] | None = None,
+    ) -> Hashable:
+        """Queue a request while others run (any thread); returns its id (default: the next free int).
+
+        It joins the next step that has room. ``stop_token_ids`` end it (the stop token is kept), as
+        :meth:`generate`'s ``eos_token_id``: an int or a list of ints (``[]``: none); None: the
+        engine's default. ``on_token(request_id, token_id)`` is called as each of its tokens is produced.
+        """
+        self._check_sampling([sampling])
+        stops = eos_ids(stop_token_ids, self.default_eos(), vocab_size=self.vocab_size, name="stop_token_ids")
+        return self._loop.add(
+            prompt, max_new_tokens, sampling=sampling, stop_token_ids=sorted(stops), request_id=request_id,
+            on_token=on_token,
+        )
+
+    def cancel_request(self, request_id: Hashable) -> bool:
+        """Stop a request and free its KV blocks at once; False when no such request is unfinished.
+        The next :meth:`step` (or :meth:`results`) reports it with ``finish_reason="cancelled"``."""
+        return self._loop.cancel(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step of the added requests; returns those that finished since the last call."""
+        with torch.inference_mode():
+            return self._loop.step()
+
+    def results(self) -> Iterator[RequestOutput]:
+        """Step until every added request has finished, yielding each one as it finishes."""
+        yield from _inference(self._loop.results())
+
+    def has_unfinished_requests(self) -> bool:
+        return self._loop.has_unfinished()
+
+    has_unfinished = has_unfinished_requests
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> list[list[int]]:
+        """Completions of ``prompts`` (token ids, without the prompt), in order; greedy unless ``sampling``.
+
+        ``sampling``: one :class:`SamplingParams` for all, or one per prompt (None: greedy).
+        ``on_token(request_index, token_id)`` is called as each token is produced, in order;
+        ``on_step`` gets a :class:`StepInfo` per step. Every step schedules the running requests'
+        decode tokens first, then prompt chunks, within ``max_num_batched_tokens`` and
+        ``max_num_reqs``; when KV blocks run out the newest requests are preempted and recomputed.
+        A request stops at its budget or at a token of ``eos_token_id`` (an int or a list of ints;
+        ``[]``: none; None: the engine's default).
+        """
+        reserve = self._loop.lookahead - 1 if self._loop.lookahead else 0
+        args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size,
+                              max_model_len=self._loop.cache.max_model_len, eos_token_id=eos_token_id,
+                              default_eos=self.default_eos(), reserve=reserve,
+                              reserve_reason="speculative tokens - 1" if reserve else "")
+        params = per_request(sampling, len(args.prompts))
+        self._check_sampling(params)
+        with torch.inference_mode():
+            return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step)
+
+    def _check_sampling(self, params: Sequence[SamplingParams | None]) -> None:
+        """Refuse sampling parameters this engine cannot honour (every one, here)."""
+
+
+def check_config(config: Any) -> None:
+    if not isinstance(config, CompilationConfig):
+        raise TypeError(f"config must be a piecewise_backend.CompilationConfig, got {type(config).__name__}")
+
+
+def check_vocab(vocab_size: Any) -> None:
+    if not is_int(vocab_size) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int (the logits' last dim), got {vocab_size!r}")
+
+
+def _inference(results: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
+    """``results`` with every step (each ``next``) under inference mode, but not the caller's loop body."""
+    while True:
+        with torch.inference_mode():
+            out = next(results, None)
+        if out is None:
+            return
+        yield out

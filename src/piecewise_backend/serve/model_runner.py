@@ -1,0 +1,181 @@
+"""One model served on its paged KV cache, its state cache and a GraphRunner; the plain decode step.
+
+:class:`ModelRunner` is what an engine builds per model: the cache sized by a :class:`KVLayout`,
+a :class:`~piecewise_backend.state.StateCache` when the model has state layers, the model compiled
+with ``make_backend(config)`` (inside a wrapper whose ``forward`` has a code object of its own, see
+:func:`own_code`) and the :class:`~piecewise_backend.GraphRunner` that pads, dispatches and replays.
+:meth:`ModelRunner.run` runs one step's layout. :class:`Decode` is the plain engine's
+:class:`~.loop.StepExecutor`: one step, one sampled token per request whose chunk ends its sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..backend.compiler import make_backend
+from ..config import CompilationConfig
+from ..kv import cache as kv
+from ..modes import AttentionGraphSupport
+from ..runner import GraphRunner, StaticInput
+from ..state.cache import StateCache, StateSpec
+from .arguments import is_int
+from .loop import Executed, chunk_ends
+from .sampling import noise_key, sample
+from .scheduler import StepPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The paged KV cache a model needs: attention layers (each indexes the cache by its own layer
+    number, 0-based, in call order), KV heads per layer and the head dim."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            least = 0 if name == "num_layers" else 1  # a pure state-space model has no attention layer
+            if not is_int(value) or value < least:
+                raise ValueError(f"KVLayout.{name} must be an int >= {least}, got {value!r}")
+            object.__setattr__(self, name, int(value))
+
+
+class Step(torch.nn.Module):
+    """``model(input_ids=(T,), position_ids=(T,))``: the protocol's call, the module an engine compiles."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # A step has >= 1 token: with the unbacked token count known non-zero, a model's
+        # ``reshape(..., -1, d)`` needs no data-dependent guard.
+        torch._check(input_ids.shape[0] >= 1)
+        return self.model(input_ids=input_ids, position_ids=position_ids)
+
+
+def own_code(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
+    """A subclass of ``cls`` whose ``forward`` has a code object of its own.
+
+    Dynamo keeps compiled code per code object and, past ``recompile_limit`` (8) entries, runs the
+    frame uncompiled: with one shared ``forward`` the 9th engine of a process would be served
+    eagerly, its PIECEWISE graphs holding attention whole. A copy of the code per engine keeps each
+    engine's entries apart (and frees them with the engine).
+    """
+    base = cls.forward
+    forward = types.FunctionType(base.__code__.replace(), base.__globals__, base.__name__, base.__defaults__,
+                                 base.__closure__)
+    functools.update_wrapper(forward, base)
+    del forward.__wrapped__  # a wrapper's __wrapped__ would send inspect (and Dynamo's tracing) to the shared code
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def first_parameter(model: torch.nn.Module, role: str = "model") -> torch.Tensor:
+    """The parameter whose dtype and device the caches take; a clear error for a model without one."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"the {role} must be an uncompiled torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+        raise TypeError(f"the {role} is already compiled (torch.compile); pass the nn.Module itself: the engine "
+                        "compiles it with make_backend(config)")
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError(f"the {role} {type(model).__name__} has no parameters: the caches take the dtype and device "
+                         "of its first parameter")
+    return param
+
+
+class ModelRunner:
+    """One model on its KV cache, state cache and GraphRunner (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: CompilationConfig,
+        *,
+        kv_layout: KVLayout,
+        state_specs: Sequence[StateSpec] = (),
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int | None,
+        attention_backend: str,
+        lazy_capture: bool = False,
+        graph_memory_budget: int | None = None,
+        drafter: bool = False,
+        uniform_decode_query_len: int = 1,
+        attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
+    ):
+        param = first_parameter(model)
+        self.model = model
+        self.cache = kv.PagedKVCache(
+            kv_layout.num_layers, kv_layout.num_kv_heads, kv_layout.head_dim, block_size=block_size,
+            max_model_len=max_model_len, num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
+            dtype=param.dtype, device=param.device, attention_backend=attention_backend,
+        )
+        self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
+        #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
+        self.states = StateCache(list(state_specs), num_slots=max_num_reqs, device=param.device) if state_specs else None
+        self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
+        compiled = torch.compile(own_code(Step)(model), backend=self.backend)
+        inputs = [StaticInput("input_ids"), *self.cache.static_inputs()]
+        support = min(attention_support, self.cache.attention_graph_support)
+        context_fn = self.cache.context_fn
+        if self.states is not None:  # FULL graphs hold state updates of one token per request only
+            states, cache = self.states, self.cache
+            inputs.extend(states.static_inputs())
+            context_fn = lambda views: {**cache.context_fn(views), **states.context_fn(views)}  # noqa: E731
+            support = min(support, AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+        self.runner = GraphRunner(
+            compiled, config, inputs, model_kwargs=["input_ids", kv.POSITIONS], context_fn=context_fn,
+            max_num_reqs=max_num_reqs, device=param.device, attention_support=support,
+            attention_backend=self.attention_backend, lazy_capture=lazy_capture, graph_memory_budget=graph_memory_budget,
+            uniform_decode_query_len=uniform_decode_query_len, drafter=drafter,
+        )
+
+    def run(self, layout: Sequence[tuple[Hashable, int, int]], tokens: Sequence[int], uniform: bool) -> torch.Tensor:
+        """One step over ``layout`` (``(request slot, first position, tokens)`` each) and its ``tokens``;
+        the logits of every token. They live in graph memory: read them before any other replay."""
+        meta = self.cache.step_inputs(layout)
+        if self.states is not None:  # a new (or preempted) request gets a zeroed slot
+            meta.update(self.states.step_inputs(layout))
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.cache.device)
+        logits = self.runner.run(uniform_decode=uniform, num_reqs=len(layout) if uniform else None, input_ids=ids, **meta)
+        if self.states is not None:  # the step succeeded: the states it wrote become current
+            self.states.commit(slot for slot, _, _ in layout)
+        return logits
+
+
+class Decode:
+    """The plain engine's step: one model, one sampled token per request whose chunk ends its sequence."""
+
+    def __init__(self, model: ModelRunner):
+        self.model = model
+
+    def execute(self, plan: StepPlan) -> Executed:
+        chunks = plan.chunks
+        layout = [(r.slot, start, count) for r, start, count in chunks]
+        tokens = [t for r, start, count in chunks for t in r.tokens(start, count)]
+        decode = all(count == 1 for _, _, count in chunks)  # one query token per request: FULL-graph shaped
+        logits = self.model.run(layout, tokens, decode)
+        new: list[list[int]] = [[] for _ in chunks]
+        emit = [(i, r, end) for i, ((r, start, count), end) in enumerate(zip(chunks, chunk_ends(chunks)))
+                if start + count == r.length]
+        for r, start, count in chunks:
+            r.computed = start + count
+        if emit:
+            rows = logits[torch.tensor([end for _, _, end in emit], device=logits.device)]
+            keys = [noise_key(r.seed, r.length) for _, r, _ in emit]  # the new token's position
+            drawn = sample(rows, [r.sampling for _, r, _ in emit], keys).tolist()  # read before any other replay
+            for (i, _, _), token in zip(emit, drawn):
+                new[i] = [token]
+        return Executed(new, len(tokens), decode, self.model.runner.last_mode)
+
+    def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None:
+        return None

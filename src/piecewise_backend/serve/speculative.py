@@ -1,0 +1,352 @@
+"""Speculative decoding on the serving loop: a drafter proposes k tokens, the target verifies them in one step.
+
+:class:`SpeculativeEngine` is :class:`~.engine.Engine` with two :class:`~.model_runner.ModelRunner`
+(each its own KV cache and GraphRunner) and the :class:`Speculate` step executor; scheduling,
+chunked prefill, preemption, streaming, the online API and lazy capture are the loop's. The
+scheduler runs with ``lookahead = k``: every *final* chunk (one that reaches its request's last
+token) carries k drafted tokens, so its budget and KV blocks count them. One step:
+
+1. the drafter catches up on what it has not cached of each scheduled chunk (a prompt chunk, or
+   the last round's new tokens) and proposes the first draft of each final chunk; k - 1 more
+   drafter steps (one token per final chunk) propose the rest. The drafter runner is built with
+   ``drafter=True``: breakable PIECEWISE graphs only;
+2. the target runs one step over every chunk plus its drafts. A step of decoding requests only is
+   uniform, ``k + 1`` query tokens each: FULL graphs keyed with ``uniform_decode_query_len = k + 1``;
+   a step with a prompt chunk is a mixed batch;
+3. greedy acceptance keeps the longest prefix of drafts equal to the target's argmax, plus the
+   target's own next token; both caches drop the rejected tokens (:meth:`PagedKVCache.truncate`).
+
+Two caches rather than one with two layer groups: the models differ in layer count (and may
+differ in KV heads), each model's attention indexes its cache by its own layer number, and the
+two run ahead of each other by different amounts, so each keeps its own block tables; the
+scheduler plans over both at once (:class:`CachesInStep`), so a preemption frees both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from ..config import CompilationConfig
+from ..context import BatchDescriptor
+from ..kv.cache import PagedKVCache
+from ..modes import AttentionGraphSupport, CUDAGraphMode
+from ..runner import CaptureReport
+from .arguments import check_attention_backend, check_engine_args, check_tokens_budget, eos_ids, is_int
+from .engine import Engine, check_config, check_vocab
+from .loop import Executed, StepInfo, chunk_ends
+from .model_runner import KVLayout, ModelRunner, first_parameter
+from .sampling import SamplingParams
+from .scheduler import Request, StepPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundInfo:
+    """One round: what the target and the drafter ran, and what each verified request kept."""
+
+    round: int
+    requests: tuple[Hashable, ...]  # verified this round, in step order (generate: prompt indices; else ids)
+    target_mode: CUDAGraphMode
+    target_key: BatchDescriptor  # the graph key the target's step dispatched to
+    target_tokens: int
+    verify_only: bool  # no prompt chunk in the step: every request has exactly k + 1 query tokens
+    drafter_modes: tuple[CUDAGraphMode, ...]  # one per drafter step (k of them when a request was verified)
+    accepted: tuple[int, ...]  # per request: drafts equal to the target's argmax (0..k)
+    emitted: tuple[int, ...]  # per request: tokens appended (accepted + 1, cut at eos or budget)
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Totals over a ``generate`` call (or, online, since the engine was built)."""
+
+    rounds: int = 0
+    request_steps: int = 0  # target forwards summed over verified requests (plain decoding: one per token)
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_target_step(self) -> float:
+        """Tokens a request gains per target forward it takes part in (plain greedy decoding: 1)."""
+        return self.emitted / self.request_steps if self.request_steps else 0.0
+
+
+class CachesInStep:
+    """Several paged KV caches planned as one (the scheduler's :class:`~.scheduler.KVBlocks`): a
+    reservation reserves in each, a free frees each, a request fits when it fits all of them."""
+
+    def __init__(self, caches: Sequence[PagedKVCache]):
+        self.caches = list(caches)
+        first = self.caches[0]
+        if any(c.block_size != first.block_size or c.max_model_len != first.max_model_len for c in self.caches):
+            raise ValueError("caches planned together need one block_size and max_model_len")
+        self.block_size, self.max_model_len, self.device = first.block_size, first.max_model_len, first.device
+
+    @property
+    def tables(self) -> dict:
+        return self.caches[0].tables
+
+    @property
+    def num_free_blocks(self) -> int:
+        return min(c.num_free_blocks for c in self.caches)
+
+    @property
+    def total_blocks(self) -> int:
+        return min(c.total_blocks for c in self.caches)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.caches[0].blocks_for(num_tokens)
+
+    def blocks_needed(self, request: Hashable, num_tokens: int) -> int:
+        return max(c.blocks_needed(request, num_tokens) for c in self.caches)
+
+    def reserve(self, request: Hashable, num_tokens: int) -> None:
+        for c in self.caches:
+            c.reserve(request, num_tokens)
+
+    def free(self, request: Hashable) -> None:
+        for c in self.caches:
+            if request in c.tables:
+                c.free(request)
+
+
+class Speculate:
+    """The speculative step (see the module docstring): drafts, one verifying target step, acceptance."""
+
+    def __init__(self, target: ModelRunner, drafter: ModelRunner, k: int):
+        self.target, self.drafter, self.k = target, drafter, k
+        self.stats = SpecStats()
+        self.last: RoundInfo | None = None
+        self._pending: dict = {}
+
+    def execute(self, plan: StepPlan) -> Executed:
+        k = self.k
+        chunks = plan.chunks
+        final = [start + count == r.length for r, start, count in chunks]
+        drafts, drafter_modes = self._draft(chunks, final)
+        layout = [(r.slot, start, count + (k if f else 0)) for (r, start, count), f in zip(chunks, final)]
+        tokens = [t for (r, start, count), f in zip(chunks, final) for t in r.tokens(start, count) + drafts.get(r, [])]
+        verify_only = all(f and count == 1 for (_, _, count), f in zip(chunks, final))
+        logits = self.target.run(layout, tokens, verify_only)
+        argmax = logits.argmax(-1).tolist()  # graph memory: the next replay of any graph may overwrite it
+        mode = self.target.runner.last_mode
+        key = self.target.runner.dispatcher.dispatch(
+            len(tokens), uniform_decode=verify_only, num_reqs=len(chunks) if verify_only else None
+        )[1]
+        new: list[list[int]] = []
+        verified: list[tuple[Request, int]] = []
+        for (r, start, count), f, end in zip(chunks, final, chunk_ends(layout)):
+            if not f:  # a prompt chunk: K/V written, nothing to sample yet
+                r.computed = r.draft_computed = start + count
+                new.append([])
+                continue
+            verdict = argmax[end - k : end + 1]  # the target's token after each of the last k + 1 positions
+            a = 0
+            while a < k and drafts[r][a] == verdict[a]:
+                a += 1
+            length = r.length
+            # valid K/V: the target fed seq[:length] and a accepted drafts; the drafter fed drafts[:k - 1]
+            r.computed = length + a
+            r.draft_computed = length + min(a, k - 1)
+            self.target.cache.truncate(r.slot, r.computed)
+            self.drafter.cache.truncate(r.slot, r.draft_computed)
+            new.append(drafts[r][:a] + [verdict[a]])
+            verified.append((r, a))
+        self._pending = dict(mode=mode, key=key, tokens=len(tokens), verify_only=verify_only,
+                             drafter_modes=tuple(drafter_modes), verified=verified)
+        return Executed(new, len(tokens), verify_only, mode)
+
+    def _draft(self, chunks: list[tuple[Request, int, int]], final: list[bool]) -> tuple[dict, list[CUDAGraphMode]]:
+        """The drafter's steps: each final chunk's k proposals, and the mode of each step."""
+        layout = [(r.slot, r.draft_computed, start + count - r.draft_computed) for r, start, count in chunks]
+        tokens = [t for (r, start, count) in chunks for t in r.tokens(r.draft_computed, start + count - r.draft_computed)]
+        argmax = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout)).argmax(-1).tolist()
+        modes = [self.drafter.runner.last_mode]
+        drafting = [r for (r, _, _), f in zip(chunks, final) if f]
+        drafts = {r: [argmax[end]] for (r, _, _), f, end in zip(chunks, final, chunk_ends(layout)) if f}
+        for j in range(1, self.k if drafting else 0):
+            layout = [(r.slot, r.length + j - 1, 1) for r in drafting]
+            argmax = self.drafter.run(layout, [drafts[r][-1] for r in drafting], True).argmax(-1).tolist()
+            for r, token in zip(drafting, argmax):
+                drafts[r].append(token)
+            modes.append(self.drafter.runner.last_mode)
+        return drafts, modes
+
+    def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None:
+        p = self._pending
+        by_request = {id(r): n for (r, _, _), n in zip(plan.chunks, kept)}
+        verified = p["verified"]
+        s = self.stats
+        s.rounds += 1
+        s.request_steps += len(verified)
+        s.proposed += self.k * len(verified)
+        s.accepted += sum(a for _, a in verified)
+        emitted = tuple(by_request[id(r)] for r, _ in verified)
+        s.emitted += sum(emitted)
+        self.last = RoundInfo(
+            s.rounds - 1, tuple(r.tag for r, _ in verified), p["mode"], p["key"], p["tokens"], p["verify_only"],
+            p["drafter_modes"], tuple(a for _, a in verified), emitted,
+        )
+
+
+class SpeculativeEngine(Engine):
+    """:class:`~.engine.Engine` with speculative decoding: ``drafter`` proposes, ``target`` verifies.
+
+    Both models follow the engine's protocol, with their own ``target_layout`` / ``drafter_layout``
+    and one vocabulary. ``config`` is the target's; the drafter uses ``drafter_config`` (default:
+    ``config``) with ``drafter=True``. The target's capture sizes gain every verify size
+    ``r * (k + 1)`` up to ``max_num_reqs`` requests (within ``max_capture_size`` when it was given),
+    so each verify step has an exact FULL key. Acceptance is greedy: tokens equal the target's own
+    greedy decoding. ``lazy_capture`` and ``graph_memory_budget`` apply to each runner.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        drafter: torch.nn.Module,
+        config: CompilationConfig,
+        *,
+        num_speculative_tokens: int,
+        target_layout: KVLayout,
+        drafter_layout: KVLayout,
+        vocab_size: int,
+        drafter_config: CompilationConfig | None = None,
+        target_attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
+        max_num_reqs: int = 4,
+        max_model_len: int = 128,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        attention_backend: str = "auto",
+        lazy_capture: bool = False,
+        max_num_batched_tokens: int | None = None,
+        graph_memory_budget: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ):
+        k = check_speculative_args(
+            num_speculative_tokens, config, drafter_config, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+            block_size=block_size, num_blocks=num_blocks, lazy_capture=lazy_capture,
+            max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
+        )
+        for layout in (target_layout, drafter_layout):
+            if not isinstance(layout, KVLayout):
+                raise TypeError(f"target_layout and drafter_layout must be serve.KVLayouts, got {type(layout).__name__}")
+        check_vocab(vocab_size)
+        for role, m in (("target", target), ("drafter", drafter)):
+            param = first_parameter(m, role)
+            check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
+        self.k = k
+        self.vocab_size = int(vocab_size)
+        self.eos_token_id = eos_ids(eos_token_id, vocab_size=self.vocab_size)
+        verify = sorted({r * (k + 1) for r in range(1, max_num_reqs + 1)} | set(config.sizes))
+        if not config.max_capture_size_derived:
+            verify = [s for s in verify if s <= config.max_capture_size]
+        target_config = config.replace(capture_sizes=verify) if config.cudagraph_mode != CUDAGraphMode.NONE else config
+        common = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+                      attention_backend=attention_backend, lazy_capture=lazy_capture,
+                      graph_memory_budget=graph_memory_budget)
+        self.target = ModelRunner(target, target_config, kv_layout=target_layout, uniform_decode_query_len=k + 1,
+                                  attention_support=target_attention_support, **common)
+        self.drafter = ModelRunner(drafter, drafter_config or config, kv_layout=drafter_layout, drafter=True, **common)
+        chosen = self.target.attention_backend, self.drafter.attention_backend
+        #: the caches' attention backend(s) in words, as ``Engine.attention_backend`` (both's, when they differ)
+        self.attention_backend = chosen[0] if chosen[0] == chosen[1] else f"target: {chosen[0]}; drafter: {chosen[1]}"
+        self.max_model_len = max_model_len
+        self._speculate = Speculate(self.target, self.drafter, k)
+        budget = max_num_batched_tokens or self.target.runner.dispatcher.max_size or max_num_reqs * (k + 1)
+        if budget < k + 1:
+            raise ValueError(f"max_num_batched_tokens={budget} leaves no room for a request's token and its "
+                             f"{k} drafts: give at least num_speculative_tokens + 1 = {k + 1}")
+        self._serve([self.target, self.drafter], self._speculate, CachesInStep([self.target.cache, self.drafter.cache]),
+                    max_num_reqs, budget, lookahead=k)
+
+    def capture(self, progress: bool = False) -> CaptureReport:
+        """Capture both runners before serving (target first; all graphs share one pool): one report
+        over both (also ``.capture_report``); each runner's own is ``.target_report``, ``.drafter_report``."""
+        with torch.inference_mode():
+            self.target_report = t = self.target.runner.capture(progress=progress)
+            self.drafter_report = d = self.drafter.runner.capture(progress=progress)
+        self.capture_report = CaptureReport(
+            t.graphs + d.graphs, t.seconds + d.seconds, f"target: {t.stats}; drafter: {d.stats}",
+            t.memory_bytes + d.memory_bytes, t.graph_segments + d.graph_segments,
+        )
+        return self.capture_report
+
+    @property
+    def stats(self) -> SpecStats:
+        """Totals of the last :meth:`generate` call (online: since the engine was built)."""
+        return self._speculate.stats
+
+    @property
+    def last_round(self) -> RoundInfo | None:
+        """What the latest step ran (a :class:`RoundInfo`)."""
+        return self._speculate.last
+
+    @Engine.max_num_batched_tokens.setter  # type: ignore[attr-defined]
+    def max_num_batched_tokens(self, value: int) -> None:
+        check_tokens_budget(value)
+        if value < self.k + 1:
+            raise ValueError(f"max_num_batched_tokens must be at least num_speculative_tokens + 1 = {self.k + 1}, "
+                             f"got {value}")
+        self._loop.scheduler.max_num_batched_tokens = value
+
+    def cached_tokens(self) -> dict[Hashable, tuple[int, int]]:
+        """Per running request: how many of its tokens hold valid K/V in (the target's cache, the
+        drafter's cache); ``generate``'s requests by prompt index. Slots past them are free to rewrite."""
+        with self._loop.lock:
+            return {r.tag: (r.computed, r.draft_computed) for r in self._loop.scheduler.running}
+
+    def generate(  # type: ignore[override]
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        eos_token_id: int | Sequence[int] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        on_round: Callable[[RoundInfo], None] | None = None,
+        on_step: Callable[[StepInfo], None] | None = None,
+    ) -> list[list[int]]:
+        """Greedy completions of ``prompts``, equal to the target's own greedy decoding; :attr:`stats`
+        holds this call's totals. ``on_round`` gets a :class:`RoundInfo` per step, ``on_step`` a
+        ``StepInfo``; the rest as :meth:`Engine.generate`."""
+        if on_round is not None and not callable(on_round):
+            raise TypeError(f"on_round must be callable(RoundInfo), got {type(on_round).__name__}")
+
+        def step(info: StepInfo) -> None:
+            if on_step is not None:
+                on_step(info)
+            if on_round is not None and self._speculate.last is not None:
+                on_round(self._speculate.last)
+
+        self._speculate.stats = SpecStats()
+        return super().generate(prompts, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling,
+                                on_token=on_token, on_step=step)
+
+    def _check_sampling(self, params: Sequence[SamplingParams | None]) -> None:
+        bad = next((p for p in params if p is not None and not p.greedy), None)
+        if bad is not None:
+            raise ValueError(
+                "SpecEngine accepts drafts greedily (equal to the target's argmax), so it cannot sample: "
+                f"sampling={bad!r} needs rejection sampling, which it does not have; use temperature 0, "
+                "or HFEngine to sample"
+            )
+
+
+def check_speculative_args(
+    num_speculative_tokens: object, config: object, drafter_config: object, **engine_args: object
+) -> int:
+    """The speculative engine's arguments, before anything is built; returns k."""
+    k = num_speculative_tokens
+    if not is_int(k) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
+    check_engine_args(**engine_args)  # type: ignore[arg-type]
+    check_config(config)
+    if drafter_config is not None:
+        check_config(drafter_config)
+    return int(k)  # type: ignore[arg-type]
