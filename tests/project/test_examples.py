@@ -60,3 +60,12 @@ def test_spec_decode_example_matches_generate():
     per_step = float(re.search(r"^tokens per target step: (\S+)", proc.stdout, re.M).group(1))
     assert 0 < rate <= 1 and per_step > 1, proc.stdout
     assert "check: 5/5 requests match model.generate" in proc.stdout
+
+
+def test_own_model_example_serves_a_decoder_that_is_not_a_hf_model():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "own_model.py"), "--check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.stdout.count("== full recompute") == 4 and proc.stdout.rstrip().endswith("PASS"), proc.stdout
+    assert re.search(r"modes \['FULL', 'PIECEWISE'\], chunked prefill: True, preemptions: [1-9]", proc.stdout), proc.stdout
