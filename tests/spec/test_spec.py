@@ -430,3 +430,26 @@ def test_spec_decode_example_checks_multi_query_and_mla_models(arch, capsys):
     (deepseek_v2 and deepseek_v3 pass it too; 15 and 29 s here, so the suite runs one MLA model)."""
     assert _spec_decode_example().main(["--arch", arch, "--num-speculative-tokens", "2", "--check"]) == 0
     assert "check: 5/5 requests match model.generate token for token" in capsys.readouterr().out
+
+
+def test_spec_engine_online_with_chunked_prefill_cancel_and_lazy_capture():
+    """The loop's features on SpecEngine: add/cancel while others run, an 11-token prompt prefilled in
+    chunks of an 8-token budget (drafts count), serving before any capture, capture_idle later."""
+    engine, reference = make_engine(2, "FULL_AND_PIECEWISE", draft_layers=1, lazy_capture=True, max_num_batched_tokens=8)
+    ids = [engine.add_request(p, 6) for p in PROMPTS[:2]]
+    steps = [engine.step() for _ in range(2)]
+    assert engine.cancel_request(ids[0]) and engine.last_round is not None
+    late = engine.add_request(PROMPTS[3], 6, request_id="late")
+    done = {r.request_id: r for out in steps for r in out}
+    done.update((r.request_id, r) for r in engine.results())
+    assert done[ids[0]].finish_reason == "cancelled"
+    assert done[ids[1]].token_ids == greedy(reference, PROMPTS[1], 6) and done[late].token_ids == greedy(reference, PROMPTS[3], 6)
+    rounds: list[spec.RoundInfo] = []
+    first = engine.generate(PROMPTS, 6, on_round=rounds.append)
+    assert first == [greedy(reference, p, 6) for p in PROMPTS]
+    assert {r.target_mode for r in rounds} == {M.NONE} and max(r.target_tokens for r in rounds) <= 8
+    assert engine.capture_idle(120.0)
+    rounds.clear()
+    assert engine.generate(PROMPTS, 6, on_round=rounds.append) == first
+    assert any(r.verify_only and r.target_mode == M.FULL for r in rounds), rounds
+    assert engine.cached_tokens() == {} and engine.target.cache.tables == {} == engine.drafter.cache.tables
