@@ -70,6 +70,78 @@ def test_alias_is_the_same_class():
     assert pb.BreakableCUDAGraph is pb.BreakableGraph
 
 
+def test_the_peers_new_names_are_the_same_objects():
+    # piecewise-cuda-graphs (formerly breakable-cuda-graphs) and PyTorch's proposed torch.cuda API
+    assert pb.CUDAGraphSequence is pb.BreakableGraph
+    assert pb.piecewise_graph is pb.breakable_graph
+    assert pb.no_graph is pb.eager_break
+    assert pb.force_no_graph is pb.force_break
+    assert pb.is_in_piecewise_graph is pb.is_in_breakable_graph
+    names = {"CUDAGraphSequence", "piecewise_graph", "no_graph", "force_no_graph", "is_in_piecewise_graph"}
+    assert names <= set(pb.__all__)
+
+
+def test_the_peers_workload_under_the_new_names():
+    @pb.no_graph
+    def copy_to_buffer(dst, src):
+        dst.copy_(src)
+
+    seen = []
+    seq = pb.CUDAGraphSequence(platform="simulated")
+    static_input, static_output = torch.ones(5), torch.empty(5)
+    with pb.piecewise_graph(seq):
+        seen.append(pb.is_in_piecewise_graph())
+        static_input.mul_(2)
+        copy_to_buffer(static_output, static_input)
+        pb.force_no_graph()
+        static_output.add_(1)
+    assert seen == [True] and segment_kinds(seq) == "G E G G"
+    static_input.fill_(3.0)
+    seq.replay()
+    assert torch.equal(static_output, torch.full((5,), 7.0))
+
+
+def test_the_peers_call_forms():
+    order = []
+
+    @pb.eager_break
+    def brk(x):
+        order.append("break")
+        x.add_(1)
+
+    x = torch.zeros(2)
+    # breakable-cuda-graphs: breakable_graph(cuda_graph, stream=None, capture_error_mode="global", barrier_fn=None)
+    g = sim_graph()
+    with pb.breakable_graph(g, None, "thread_local", lambda: order.append("barrier")) as got:
+        assert got is g
+        brk(x)
+    assert order == ["barrier", "break"] and segment_kinds(g) == "G E G"
+    g2 = sim_graph()
+    with pb.breakable_graph(cuda_graph=g2, capture_error_mode="relaxed"):
+        brk(x)
+    g3 = sim_graph()
+    with pb.piecewise_graph(cuda_graph_sequence=g3):  # piecewise-cuda-graphs' keyword
+        brk(x)
+    assert segment_kinds(g2) == segment_kinds(g3) == "G E G"
+    x.zero_()
+    for graph in (g, g2, g3):
+        graph.replay()
+    assert torch.equal(x, torch.full((2,), 3.0))
+    with pytest.raises(TypeError, match="needs the pb.BreakableGraph to capture into: pass it first, or as cuda_graph="):
+        with pb.breakable_graph():
+            pass
+    with pytest.raises(TypeError, match=r"got the graph to capture into twice \(g and cuda_graph\)"):
+        with pb.breakable_graph(sim_graph(), cuda_graph=sim_graph()):
+            pass
+    with pytest.raises(ValueError, match="capture_error_mode must be one of .*got 'strict'"):
+        with pb.breakable_graph(sim_graph(), None, "strict"):
+            pass
+    with pytest.raises(TypeError, match="barrier_fn must be a callable"):
+        with pb.breakable_graph(sim_graph(), None, "global", 3):
+            pass
+    assert not capture_active()
+
+
 # ---------------------------------------------------------------- breaks
 
 
@@ -122,8 +194,23 @@ def test_force_break_splits_with_no_eager_work():
         x.add_(1)
         pb.force_break()
         x.mul_(3)
-    assert segment_kinds(g) == "G G"
+    assert segment_kinds(g) == "G G"  # no eager segment (the peers' force_no_graph records an empty one)
     g.replay()
+    assert torch.equal(x, torch.full((2,), 3.0))
+
+
+def test_a_forced_break_is_a_break_the_barrier_runs_before_it():
+    order = []
+    x = torch.zeros(2)
+    g = sim_graph()
+    with pb.breakable_graph(g, barrier_fn=lambda: order.append("barrier")):
+        x.add_(1)
+        pb.force_break()
+        order.append("after")
+        x.mul_(3)
+    assert order == ["barrier", "after"] and segment_kinds(g) == "G G"
+    g.replay()
+    assert order == ["barrier", "after"]  # at capture only
     assert torch.equal(x, torch.full((2,), 3.0))
 
 

@@ -144,8 +144,11 @@ class CaptureSession:
             recorder.abort()
 
     def split(self) -> None:
-        """End the open segment and open the next one, with no eager work between them."""
+        """End the open segment and open the next one, with no eager work between them (the
+        barrier runs between them: a forced break is a break, as the peers' ``force_no_graph``)."""
         self.end_before("force_break()")
+        if self.barrier is not None:
+            self.barrier()
         self.begin()
 
     def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict, stub: Callable[..., Any] | None = None) -> Any:
@@ -226,8 +229,10 @@ def call_break(
 
 
 def force_break() -> None:
-    """A split with no eager work: inside a breakable capture the open segment ends and the next
-    begins; anywhere else (no capture, a FULL capture, inside a break) it does nothing."""
+    """A split with no eager work: inside a breakable capture the open segment ends, the capture's
+    ``barrier_fn`` runs, and the next segment begins; no eager segment is recorded (the peers'
+    ``force_no_graph`` records an empty one). Anywhere else (no capture, a FULL capture, inside a
+    break) it does nothing. ``pb.force_no_graph`` is this function."""
     session = _state.session
     if session is not None and session.breakable and not _state.in_break:
         session.split()
@@ -235,7 +240,8 @@ def force_break() -> None:
 
 def is_in_breakable_graph() -> bool:
     """True while this thread captures with breaks: a :func:`~.graph.breakable_graph`, or a breakable
-    wrapper's capture (not FULL), break bodies included (the capture is still open around them)."""
+    wrapper's capture (not FULL), break bodies included (the capture is still open around them).
+    ``pb.is_in_piecewise_graph`` is this function."""
     session = _state.session
     return session is not None and session.breakable
 
@@ -293,6 +299,13 @@ def eager_break(
         return wrapper  # type: ignore[return-value]
 
     return decorate if fn is None else decorate(fn)
+
+
+# The same objects under the names of piecewise-cuda-graphs (Meta's package, formerly
+# breakable-cuda-graphs) and of PyTorch's proposed torch.cuda API (PR #191641).
+no_graph = eager_break
+force_no_graph = force_break
+is_in_piecewise_graph = is_in_breakable_graph
 
 
 # Capture switch, the one owner of "may a wrapper capture now": after startup capture a
