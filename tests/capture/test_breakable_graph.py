@@ -348,6 +348,88 @@ def test_a_wrapper_called_inside_becomes_part_of_its_graph():
         torch.testing.assert_close(out, mlp(x))
 
 
+# ---------------------------------------------------------------- autograd: breaks in forward and backward
+
+
+def test_a_training_step_with_breaks_in_a_custom_functions_forward_and_backward():
+    """The peer's whole-training-step test: a layer that runs eagerly in its forward and its backward.
+
+    The autograd engine runs each backward node under the dispatch state of the ``backward()``
+    call and restores the caller's when the node returns: a recorder pushed per segment would be
+    dropped at the break inside ``backward`` and the ended one put back (ops recorded into the
+    graph before the break, their writes never undone). The simulator records it as a GPU does."""
+    import copy
+
+    torch.manual_seed(0)
+    n, d_in, hidden, d_out = 8, 16, 12, 4
+
+    @pb.no_graph
+    def eager_relu_fwd(out, x):
+        out.copy_(torch.relu(x))
+
+    @pb.no_graph
+    def eager_relu_bwd(grad_in, grad_out, x):
+        grad_in.copy_(grad_out * (x > 0))
+
+    class EagerReLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fwd_out, bwd_out):
+            ctx.save_for_backward(x)
+            ctx.bwd_out = bwd_out
+            eager_relu_fwd(fwd_out, x)
+            return fwd_out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            (x,) = ctx.saved_tensors
+            eager_relu_bwd(ctx.bwd_out, grad_out, x)
+            return ctx.bwd_out, None, None
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(d_in, hidden), torch.nn.Linear(hidden, d_out)
+            self.register_buffer("fwd_out", torch.empty(n, hidden))
+            self.register_buffer("bwd_out", torch.empty(n, hidden))
+
+        def forward(self, x):
+            return self.l2(EagerReLU.apply(self.l1(x), self.fwd_out, self.bwd_out))
+
+    model, loss_fn = Net(), torch.nn.MSELoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    static_input, static_target = torch.randn(n, d_in), torch.randn(n, d_out)
+    for _ in range(3):  # warm-up
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(static_input), static_target).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    seq = pb.CUDAGraphSequence(platform="simulated")
+    with pb.piecewise_graph(seq):
+        loss = loss_fn(model(static_input), static_target)
+        with torch.autograd.set_multithreading_enabled(False):  # as the peer's test (CUDA's device threads)
+            loss.backward()
+        optimizer.step()
+    # forward graph, eager forward, backward graph, eager backward, backward graph + optimizer step
+    assert segment_kinds(seq) == "G E G E G"
+    assert all(len(s) > 0 for s in seq.segments if not isinstance(s, EagerSegment))  # each graph recorded its ops
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the capture ran nothing
+    ref = copy.deepcopy(model)
+    ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        data, target = torch.randn_like(static_input), torch.randn_like(static_target)
+        static_input.copy_(data)
+        static_target.copy_(target)
+        for p in model.parameters():
+            p.grad.zero_()
+        seq.replay()
+        ref_optimizer.zero_grad(set_to_none=True)
+        loss_fn(ref(data), target).backward()
+        ref_optimizer.step()
+        for p, p_ref in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, p_ref)
+
+
 # ---------------------------------------------------------------- failures, each with its cause
 
 
