@@ -276,6 +276,192 @@ def test_capture_stub_applies_in_a_wrappers_capture_too():
         assert torch.equal(w(x), torch.full((3,), 5.0))
 
 
+# ---------------------------------------------------------------- what a break returns
+
+
+def _capture_with_stub(stub, body, x):
+    brk = pb.eager_break(body, capture_stub=stub)
+    out = torch.zeros_like(x)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        out.copy_(brk(x) + 1)  # broadcasts a (4,) result over (4, 4) at capture: the stub's shape rules there
+    return g
+
+
+@pytest.mark.parametrize(
+    "stub, body, got, want",
+    [
+        pytest.param(
+            lambda x: torch.empty(4, 4), lambda x: x[0] * 2, r"shape \(4,\), dtype torch.float32",
+            r"shape \(4, 4\), dtype torch.float32", id="stub-shape",
+        ),
+        pytest.param(
+            lambda x: torch.empty(4, 4, dtype=torch.int64), lambda x: x * 1.5, r"shape \(4, 4\), dtype torch.float32",
+            r"shape \(4, 4\), dtype torch.int64", id="float-into-int64",
+        ),
+    ],
+)
+def test_a_stub_result_unlike_the_bodys_raises_at_the_first_replay_naming_the_break(stub, body, got, want):
+    x = torch.ones(4, 4)
+    g = _capture_with_stub(stub, body, x)
+    with pytest.raises(RuntimeError, match=rf"break '.*<lambda>' returned a tensor of {got}, on cpu \(output 0\) on "
+                       rf"replay, where its capture_stub '.*<lambda>' returned a tensor of {want}, on cpu at capture"):
+        g.replay()
+
+
+def test_a_break_result_that_shrinks_between_capture_and_replay_raises():
+    n = [4]
+
+    @pb.eager_break
+    def head(x):
+        return x[: n[0]] * 2  # a fresh tensor whose length is host state
+
+    x, out = torch.arange(4.0), torch.zeros(4)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        out.copy_(head(x))
+    g.replay()
+    assert torch.equal(out, torch.arange(4.0) * 2)
+    n[0] = 1  # a (1,) result would broadcast over the (4,) capture-time tensor
+    with pytest.raises(RuntimeError, match=r"break '.*head' returned a tensor of shape \(1,\).*where it returned a "
+                       r"tensor of shape \(4,\).*would broadcast or cast it silently"):
+        g.replay()
+    # in a tuple too, and another structure
+    results = [(x * 2, x * 3)]
+
+    @pb.eager_break
+    def pair(x):
+        return results[0]
+
+    g2 = sim_graph()
+    with pb.breakable_graph(g2):
+        a, b = pair(x)
+        out.copy_(a + b)
+    results[0] = (x * 2, (x * 3).long())
+    with pytest.raises(RuntimeError, match=r"break '.*pair' returned a tensor of shape \(4,\), dtype torch.int64.*"
+                       r"\(output 1\) on replay"):
+        g2.replay()
+    results[0] = (x * 2,)
+    with pytest.raises(RuntimeError, match=r"break '.*pair' returned 1 values on replay and 2 at capture"):
+        g2.replay()
+    results[0] = x * 2
+    with pytest.raises(RuntimeError, match=r"returned 1 values on replay and 2 at capture"):
+        g2.replay()
+
+
+def test_a_wrappers_capturing_call_raises_on_a_stub_of_another_shape_and_keeps_no_entry():
+    @pb.eager_break(capture_stub=lambda x: torch.empty(3, 3))
+    def brk(x):
+        return x * 2
+
+    w = pb.BreakableCUDAGraphWrapper(lambda x: brk(x) + 1, M.PIECEWISE, config=SIM)
+    with pb.set_forward_context(M.PIECEWISE, pb.BatchDescriptor(3)):
+        with pytest.raises(RuntimeError, match=r"break '.*brk' returned a tensor of shape \(3,\)"):
+            w(torch.ones(3))  # the capturing call replays at once: the mismatch shows there
+    assert w.entries == {} and not capture_active()
+
+
+@pytest.mark.parametrize("stub", [lambda x: x, lambda x: x.view(-1), lambda x: (x, x * 0)[0:1]], ids=["input", "view", "tuple"])
+def test_a_stub_that_returns_its_input_is_refused_at_capture_naming_the_stub(stub):
+    @pb.eager_break(capture_stub=stub)
+    def double(x):
+        return x * 2
+
+    x, out = torch.ones(4), torch.zeros(4)
+    g = sim_graph()
+    with pytest.raises(RuntimeError, match=r"capture_stub '.*<lambda>' of the break '.*double' returned (its input "
+                       r"tensor|a tensor sharing memory with one of its inputs) \(output 0\) at capture.*"
+                       r"torch.empty_like"):
+        with pb.breakable_graph(g):
+            out.copy_(double(x))
+    assert g.segments == [] and not capture_active()
+    # a fresh stub works, also for a body that returns its input (the body's result is copied into the stub's)
+    calls = []
+
+    @pb.eager_break(capture_stub=lambda x: torch.empty_like(x))
+    def inplace(x):
+        calls.append("body")
+        return x.mul_(2)
+
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        out.copy_(inplace(x + 0) + 1)
+    x.fill_(3.0)
+    g.replay()
+    assert calls == ["body"] and torch.equal(out, torch.full((4,), 7.0))
+
+
+@pytest.mark.parametrize(
+    "result, shown",
+    [
+        pytest.param(lambda x: x.sum().item(), "float 4.0", id="item"),
+        pytest.param(lambda x: (x * 2, int(x.numel())), "int 4", id="int-in-a-tuple"),
+        pytest.param(lambda x: {"flag": bool(x.sum().item() > 0)}, "bool True", id="bool-in-a-dict"),
+    ],
+)
+def test_a_break_that_returns_a_python_value_is_refused_at_capture(result, shown):
+    @pb.eager_break
+    def total(x):
+        return result(x)
+
+    x, out = torch.ones(4), torch.zeros(4)
+    g = sim_graph()
+    with pytest.raises(RuntimeError, match=rf"break '.*total' returned {shown} \(output \d\) at capture: a Python "
+                       r"value a break returns is baked into the graph segments after it.*x.sum\(\), not x.sum\(\).item\(\)"):
+        with pb.breakable_graph(g):
+            out.fill_(1.0)
+            out.mul_(total(x))  # eager gives 4 now and 12 after x.fill_(3): a baked 4.0 would replay silently
+    assert g.segments == [] and not capture_active()
+    # a 0-d tensor carries the value into the later segments: replays see the live sum
+    @pb.eager_break
+    def total_tensor(x):
+        return x.sum()
+
+    with pb.breakable_graph(g):
+        out.fill_(1.0)
+        out.mul_(total_tensor(x))
+    x.fill_(3.0)
+    g.replay()
+    assert torch.equal(out, torch.full((4,), 12.0))
+    # None, and containers of tensors and None, are fine
+    @pb.eager_break
+    def nothing(x):
+        x.add_(0)
+        return (None, x * 1) if x.numel() else None
+
+    with pb.breakable_graph(sim_graph()):
+        nothing(x)
+
+
+def test_eager_break_on_a_partial_and_a_callable_object_names_them():
+    import functools
+
+    def scale(x, factor):
+        return x * factor
+
+    class Shift:
+        def __call__(self, x):
+            return x + 1
+
+    part, shift = pb.eager_break(functools.partial(scale, factor=3.0)), pb.eager_break(Shift())
+    x, out = torch.ones(2), torch.zeros(2)
+    g = sim_graph()
+    with pb.breakable_graph(g):  # used to raise AttributeError: ... __qualname__
+        out.copy_(shift(part(x)))
+    assert segment_kinds(g) == "G E G E G"
+    names = [s.name for s in g.segments if isinstance(s, EagerSegment)]
+    assert names == ["functools.partial(test_eager_break_on_a_partial_and_a_callable_object_names_them.<locals>.scale)",
+                     "test_eager_break_on_a_partial_and_a_callable_object_names_them.<locals>.Shift.__call__"]
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(out, torch.full((2,), 7.0))
+
+    bad_partial = pb.eager_break(functools.partial(lambda x, k: x.sum().item() * k, k=2))
+    with pytest.raises(RuntimeError, match=r"break 'functools.partial\(.*<lambda>\)' returned float"):
+        with pb.breakable_graph(sim_graph()):
+            bad_partial(x)
+
+
 def test_enable_false_leaves_the_function_unchanged():
     def f(x):
         return x
