@@ -778,6 +778,32 @@ def test_breaks_hold_capture_memory_only_weakly():
     assert g.pool().handle.allocated() == 0  # nothing but weak views: the block is free for the next capture
 
 
+def test_a_tensor_made_before_the_capture_is_held_strongly_until_reset():
+    # the other half of the rule (docs/concepts.md, docs/migration.md): only pool memory is held weakly
+    import weakref
+
+    @pb.eager_break
+    def scale_into(dst, src):
+        dst.copy_(src * 2)
+
+    src, dst = torch.ones(8), torch.zeros(8)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        scale_into(dst, src)
+    (seg,) = [s for s in g.segments if isinstance(s, EagerSegment)]
+    assert seg.args[0] is dst and seg.args[1] is src and not pb.is_weak(src)
+    gone = weakref.ref(src)
+    del src, seg
+    gc.collect()
+    assert gone() is not None  # the graph keeps the caller's tensor alive: replays still read it
+    gone().fill_(5.0)
+    g.replay()
+    assert torch.equal(dst, torch.full((8,), 10.0))
+    g.reset()
+    gc.collect()
+    assert gone() is None  # reset() drops it
+
+
 # ---------------------------------------------------------------- the CUDA platform (CPU double)
 
 
