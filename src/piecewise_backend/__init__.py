@@ -30,14 +30,24 @@ from .platforms.registry import effective_mode
 
 # capture: sessions, break points, entries, wrappers
 from .capture.entry import GraphEntry
-from .capture.graph import BreakableCUDAGraph, BreakableGraph, GraphPool, breakable_graph
+from .capture.graph import (
+    BreakableCUDAGraph,
+    BreakableGraph,
+    CUDAGraphSequence,
+    GraphPool,
+    breakable_graph,
+    piecewise_graph,
+)
 from .capture.session import (
     BreakPoint,
     CaptureDisabledError,
     capture_enabled,
     eager_break,
     force_break,
+    force_no_graph,
     is_in_breakable_graph,
+    is_in_piecewise_graph,
+    no_graph,
     set_capture_enabled,
 )
 from .capture.wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, unwrap_model
@@ -71,6 +81,8 @@ __all__ = [
     "GraphEntry", "BreakableCUDAGraph", "BreakableGraph", "GraphPool", "breakable_graph", "BreakPoint",
     "CaptureDisabledError", "capture_enabled", "eager_break", "force_break", "is_in_breakable_graph",
     "set_capture_enabled",
+    # the same objects under the names of piecewise-cuda-graphs and PyTorch's proposed torch.cuda API
+    "CUDAGraphSequence", "piecewise_graph", "no_graph", "force_no_graph", "is_in_piecewise_graph",
     "BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "unwrap_model",
     # backend
     "CompiledModel", "aot_compile", "load_compiled", "PiecewiseBackend", "make_backend", "piecewise_breakable",

@@ -70,6 +70,78 @@ def test_alias_is_the_same_class():
     assert pb.BreakableCUDAGraph is pb.BreakableGraph
 
 
+def test_the_peers_new_names_are_the_same_objects():
+    # piecewise-cuda-graphs (formerly breakable-cuda-graphs) and PyTorch's proposed torch.cuda API
+    assert pb.CUDAGraphSequence is pb.BreakableGraph
+    assert pb.piecewise_graph is pb.breakable_graph
+    assert pb.no_graph is pb.eager_break
+    assert pb.force_no_graph is pb.force_break
+    assert pb.is_in_piecewise_graph is pb.is_in_breakable_graph
+    names = {"CUDAGraphSequence", "piecewise_graph", "no_graph", "force_no_graph", "is_in_piecewise_graph"}
+    assert names <= set(pb.__all__)
+
+
+def test_the_peers_workload_under_the_new_names():
+    @pb.no_graph
+    def copy_to_buffer(dst, src):
+        dst.copy_(src)
+
+    seen = []
+    seq = pb.CUDAGraphSequence(platform="simulated")
+    static_input, static_output = torch.ones(5), torch.empty(5)
+    with pb.piecewise_graph(seq):
+        seen.append(pb.is_in_piecewise_graph())
+        static_input.mul_(2)
+        copy_to_buffer(static_output, static_input)
+        pb.force_no_graph()
+        static_output.add_(1)
+    assert seen == [True] and segment_kinds(seq) == "G E G G"
+    static_input.fill_(3.0)
+    seq.replay()
+    assert torch.equal(static_output, torch.full((5,), 7.0))
+
+
+def test_the_peers_call_forms():
+    order = []
+
+    @pb.eager_break
+    def brk(x):
+        order.append("break")
+        x.add_(1)
+
+    x = torch.zeros(2)
+    # breakable-cuda-graphs: breakable_graph(cuda_graph, stream=None, capture_error_mode="global", barrier_fn=None)
+    g = sim_graph()
+    with pb.breakable_graph(g, None, "thread_local", lambda: order.append("barrier")) as got:
+        assert got is g
+        brk(x)
+    assert order == ["barrier", "break"] and segment_kinds(g) == "G E G"
+    g2 = sim_graph()
+    with pb.breakable_graph(cuda_graph=g2, capture_error_mode="relaxed"):
+        brk(x)
+    g3 = sim_graph()
+    with pb.piecewise_graph(cuda_graph_sequence=g3):  # piecewise-cuda-graphs' keyword
+        brk(x)
+    assert segment_kinds(g2) == segment_kinds(g3) == "G E G"
+    x.zero_()
+    for graph in (g, g2, g3):
+        graph.replay()
+    assert torch.equal(x, torch.full((2,), 3.0))
+    with pytest.raises(TypeError, match="needs the pb.BreakableGraph to capture into: pass it first, or as cuda_graph="):
+        with pb.breakable_graph():
+            pass
+    with pytest.raises(TypeError, match=r"got the graph to capture into twice \(g and cuda_graph\)"):
+        with pb.breakable_graph(sim_graph(), cuda_graph=sim_graph()):
+            pass
+    with pytest.raises(ValueError, match="capture_error_mode must be one of .*got 'strict'"):
+        with pb.breakable_graph(sim_graph(), None, "strict"):
+            pass
+    with pytest.raises(TypeError, match="barrier_fn must be a callable"):
+        with pb.breakable_graph(sim_graph(), None, "global", 3):
+            pass
+    assert not capture_active()
+
+
 # ---------------------------------------------------------------- breaks
 
 
@@ -122,8 +194,23 @@ def test_force_break_splits_with_no_eager_work():
         x.add_(1)
         pb.force_break()
         x.mul_(3)
-    assert segment_kinds(g) == "G G"
+    assert segment_kinds(g) == "G G"  # no eager segment (the peers' force_no_graph records an empty one)
     g.replay()
+    assert torch.equal(x, torch.full((2,), 3.0))
+
+
+def test_a_forced_break_is_a_break_the_barrier_runs_before_it():
+    order = []
+    x = torch.zeros(2)
+    g = sim_graph()
+    with pb.breakable_graph(g, barrier_fn=lambda: order.append("barrier")):
+        x.add_(1)
+        pb.force_break()
+        order.append("after")
+        x.mul_(3)
+    assert order == ["barrier", "after"] and segment_kinds(g) == "G G"
+    g.replay()
+    assert order == ["barrier", "after"]  # at capture only
     assert torch.equal(x, torch.full((2,), 3.0))
 
 
@@ -187,6 +274,192 @@ def test_capture_stub_applies_in_a_wrappers_capture_too():
         assert calls == ["stub", "real"] and torch.equal(out, torch.full((3,), 3.0))
         x.fill_(2.0)
         assert torch.equal(w(x), torch.full((3,), 5.0))
+
+
+# ---------------------------------------------------------------- what a break returns
+
+
+def _capture_with_stub(stub, body, x):
+    brk = pb.eager_break(body, capture_stub=stub)
+    out = torch.zeros_like(x)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        out.copy_(brk(x) + 1)  # broadcasts a (4,) result over (4, 4) at capture: the stub's shape rules there
+    return g
+
+
+@pytest.mark.parametrize(
+    "stub, body, got, want",
+    [
+        pytest.param(
+            lambda x: torch.empty(4, 4), lambda x: x[0] * 2, r"shape \(4,\), dtype torch.float32",
+            r"shape \(4, 4\), dtype torch.float32", id="stub-shape",
+        ),
+        pytest.param(
+            lambda x: torch.empty(4, 4, dtype=torch.int64), lambda x: x * 1.5, r"shape \(4, 4\), dtype torch.float32",
+            r"shape \(4, 4\), dtype torch.int64", id="float-into-int64",
+        ),
+    ],
+)
+def test_a_stub_result_unlike_the_bodys_raises_at_the_first_replay_naming_the_break(stub, body, got, want):
+    x = torch.ones(4, 4)
+    g = _capture_with_stub(stub, body, x)
+    with pytest.raises(RuntimeError, match=rf"break '.*<lambda>' returned a tensor of {got}, on cpu \(output 0\) on "
+                       rf"replay, where its capture_stub '.*<lambda>' returned a tensor of {want}, on cpu at capture"):
+        g.replay()
+
+
+def test_a_break_result_that_shrinks_between_capture_and_replay_raises():
+    n = [4]
+
+    @pb.eager_break
+    def head(x):
+        return x[: n[0]] * 2  # a fresh tensor whose length is host state
+
+    x, out = torch.arange(4.0), torch.zeros(4)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        out.copy_(head(x))
+    g.replay()
+    assert torch.equal(out, torch.arange(4.0) * 2)
+    n[0] = 1  # a (1,) result would broadcast over the (4,) capture-time tensor
+    with pytest.raises(RuntimeError, match=r"break '.*head' returned a tensor of shape \(1,\).*where it returned a "
+                       r"tensor of shape \(4,\).*would broadcast or cast it silently"):
+        g.replay()
+    # in a tuple too, and another structure
+    results = [(x * 2, x * 3)]
+
+    @pb.eager_break
+    def pair(x):
+        return results[0]
+
+    g2 = sim_graph()
+    with pb.breakable_graph(g2):
+        a, b = pair(x)
+        out.copy_(a + b)
+    results[0] = (x * 2, (x * 3).long())
+    with pytest.raises(RuntimeError, match=r"break '.*pair' returned a tensor of shape \(4,\), dtype torch.int64.*"
+                       r"\(output 1\) on replay"):
+        g2.replay()
+    results[0] = (x * 2,)
+    with pytest.raises(RuntimeError, match=r"break '.*pair' returned 1 values on replay and 2 at capture"):
+        g2.replay()
+    results[0] = x * 2
+    with pytest.raises(RuntimeError, match=r"returned 1 values on replay and 2 at capture"):
+        g2.replay()
+
+
+def test_a_wrappers_capturing_call_raises_on_a_stub_of_another_shape_and_keeps_no_entry():
+    @pb.eager_break(capture_stub=lambda x: torch.empty(3, 3))
+    def brk(x):
+        return x * 2
+
+    w = pb.BreakableCUDAGraphWrapper(lambda x: brk(x) + 1, M.PIECEWISE, config=SIM)
+    with pb.set_forward_context(M.PIECEWISE, pb.BatchDescriptor(3)):
+        with pytest.raises(RuntimeError, match=r"break '.*brk' returned a tensor of shape \(3,\)"):
+            w(torch.ones(3))  # the capturing call replays at once: the mismatch shows there
+    assert w.entries == {} and not capture_active()
+
+
+@pytest.mark.parametrize("stub", [lambda x: x, lambda x: x.view(-1), lambda x: (x, x * 0)[0:1]], ids=["input", "view", "tuple"])
+def test_a_stub_that_returns_its_input_is_refused_at_capture_naming_the_stub(stub):
+    @pb.eager_break(capture_stub=stub)
+    def double(x):
+        return x * 2
+
+    x, out = torch.ones(4), torch.zeros(4)
+    g = sim_graph()
+    with pytest.raises(RuntimeError, match=r"capture_stub '.*<lambda>' of the break '.*double' returned (its input "
+                       r"tensor|a tensor sharing memory with one of its inputs) \(output 0\) at capture.*"
+                       r"torch.empty_like"):
+        with pb.breakable_graph(g):
+            out.copy_(double(x))
+    assert g.segments == [] and not capture_active()
+    # a fresh stub works, also for a body that returns its input (the body's result is copied into the stub's)
+    calls = []
+
+    @pb.eager_break(capture_stub=lambda x: torch.empty_like(x))
+    def inplace(x):
+        calls.append("body")
+        return x.mul_(2)
+
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        out.copy_(inplace(x + 0) + 1)
+    x.fill_(3.0)
+    g.replay()
+    assert calls == ["body"] and torch.equal(out, torch.full((4,), 7.0))
+
+
+@pytest.mark.parametrize(
+    "result, shown",
+    [
+        pytest.param(lambda x: x.sum().item(), "float 4.0", id="item"),
+        pytest.param(lambda x: (x * 2, int(x.numel())), "int 4", id="int-in-a-tuple"),
+        pytest.param(lambda x: {"flag": bool(x.sum().item() > 0)}, "bool True", id="bool-in-a-dict"),
+    ],
+)
+def test_a_break_that_returns_a_python_value_is_refused_at_capture(result, shown):
+    @pb.eager_break
+    def total(x):
+        return result(x)
+
+    x, out = torch.ones(4), torch.zeros(4)
+    g = sim_graph()
+    with pytest.raises(RuntimeError, match=rf"break '.*total' returned {shown} \(output \d\) at capture: a Python "
+                       r"value a break returns is baked into the graph segments after it.*x.sum\(\), not x.sum\(\).item\(\)"):
+        with pb.breakable_graph(g):
+            out.fill_(1.0)
+            out.mul_(total(x))  # eager gives 4 now and 12 after x.fill_(3): a baked 4.0 would replay silently
+    assert g.segments == [] and not capture_active()
+    # a 0-d tensor carries the value into the later segments: replays see the live sum
+    @pb.eager_break
+    def total_tensor(x):
+        return x.sum()
+
+    with pb.breakable_graph(g):
+        out.fill_(1.0)
+        out.mul_(total_tensor(x))
+    x.fill_(3.0)
+    g.replay()
+    assert torch.equal(out, torch.full((4,), 12.0))
+    # None, and containers of tensors and None, are fine
+    @pb.eager_break
+    def nothing(x):
+        x.add_(0)
+        return (None, x * 1) if x.numel() else None
+
+    with pb.breakable_graph(sim_graph()):
+        nothing(x)
+
+
+def test_eager_break_on_a_partial_and_a_callable_object_names_them():
+    import functools
+
+    def scale(x, factor):
+        return x * factor
+
+    class Shift:
+        def __call__(self, x):
+            return x + 1
+
+    part, shift = pb.eager_break(functools.partial(scale, factor=3.0)), pb.eager_break(Shift())
+    x, out = torch.ones(2), torch.zeros(2)
+    g = sim_graph()
+    with pb.breakable_graph(g):  # used to raise AttributeError: ... __qualname__
+        out.copy_(shift(part(x)))
+    assert segment_kinds(g) == "G E G E G"
+    names = [s.name for s in g.segments if isinstance(s, EagerSegment)]
+    assert names == ["functools.partial(test_eager_break_on_a_partial_and_a_callable_object_names_them.<locals>.scale)",
+                     "test_eager_break_on_a_partial_and_a_callable_object_names_them.<locals>.Shift.__call__"]
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(out, torch.full((2,), 7.0))
+
+    bad_partial = pb.eager_break(functools.partial(lambda x, k: x.sum().item() * k, k=2))
+    with pytest.raises(RuntimeError, match=r"break 'functools.partial\(.*<lambda>\)' returned float"):
+        with pb.breakable_graph(sim_graph()):
+            bad_partial(x)
 
 
 def test_enable_false_leaves_the_function_unchanged():
@@ -259,6 +532,88 @@ def test_a_wrapper_called_inside_becomes_part_of_its_graph():
     assert mlp.calls == calls  # no Python of the model on replay
     with torch.no_grad():
         torch.testing.assert_close(out, mlp(x))
+
+
+# ---------------------------------------------------------------- autograd: breaks in forward and backward
+
+
+def test_a_training_step_with_breaks_in_a_custom_functions_forward_and_backward():
+    """The peer's whole-training-step test: a layer that runs eagerly in its forward and its backward.
+
+    The autograd engine runs each backward node under the dispatch state of the ``backward()``
+    call and restores the caller's when the node returns: a recorder pushed per segment would be
+    dropped at the break inside ``backward`` and the ended one put back (ops recorded into the
+    graph before the break, their writes never undone). The simulator records it as a GPU does."""
+    import copy
+
+    torch.manual_seed(0)
+    n, d_in, hidden, d_out = 8, 16, 12, 4
+
+    @pb.no_graph
+    def eager_relu_fwd(out, x):
+        out.copy_(torch.relu(x))
+
+    @pb.no_graph
+    def eager_relu_bwd(grad_in, grad_out, x):
+        grad_in.copy_(grad_out * (x > 0))
+
+    class EagerReLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fwd_out, bwd_out):
+            ctx.save_for_backward(x)
+            ctx.bwd_out = bwd_out
+            eager_relu_fwd(fwd_out, x)
+            return fwd_out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            (x,) = ctx.saved_tensors
+            eager_relu_bwd(ctx.bwd_out, grad_out, x)
+            return ctx.bwd_out, None, None
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(d_in, hidden), torch.nn.Linear(hidden, d_out)
+            self.register_buffer("fwd_out", torch.empty(n, hidden))
+            self.register_buffer("bwd_out", torch.empty(n, hidden))
+
+        def forward(self, x):
+            return self.l2(EagerReLU.apply(self.l1(x), self.fwd_out, self.bwd_out))
+
+    model, loss_fn = Net(), torch.nn.MSELoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    static_input, static_target = torch.randn(n, d_in), torch.randn(n, d_out)
+    for _ in range(3):  # warm-up
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(static_input), static_target).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    seq = pb.CUDAGraphSequence(platform="simulated")
+    with pb.piecewise_graph(seq):
+        loss = loss_fn(model(static_input), static_target)
+        with torch.autograd.set_multithreading_enabled(False):  # as the peer's test (CUDA's device threads)
+            loss.backward()
+        optimizer.step()
+    # forward graph, eager forward, backward graph, eager backward, backward graph + optimizer step
+    assert segment_kinds(seq) == "G E G E G"
+    assert all(len(s) > 0 for s in seq.segments if not isinstance(s, EagerSegment))  # each graph recorded its ops
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the capture ran nothing
+    ref = copy.deepcopy(model)
+    ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        data, target = torch.randn_like(static_input), torch.randn_like(static_target)
+        static_input.copy_(data)
+        static_target.copy_(target)
+        for p in model.parameters():
+            p.grad.zero_()
+        seq.replay()
+        ref_optimizer.zero_grad(set_to_none=True)
+        loss_fn(ref(data), target).backward()
+        ref_optimizer.step()
+        for p, p_ref in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, p_ref)
 
 
 # ---------------------------------------------------------------- failures, each with its cause
@@ -421,6 +776,32 @@ def test_breaks_hold_capture_memory_only_weakly():
     assert not pb.is_weak(seen["h"])
     del seen["h"]
     assert g.pool().handle.allocated() == 0  # nothing but weak views: the block is free for the next capture
+
+
+def test_a_tensor_made_before_the_capture_is_held_strongly_until_reset():
+    # the other half of the rule (docs/concepts.md, docs/migration.md): only pool memory is held weakly
+    import weakref
+
+    @pb.eager_break
+    def scale_into(dst, src):
+        dst.copy_(src * 2)
+
+    src, dst = torch.ones(8), torch.zeros(8)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        scale_into(dst, src)
+    (seg,) = [s for s in g.segments if isinstance(s, EagerSegment)]
+    assert seg.args[0] is dst and seg.args[1] is src and not pb.is_weak(src)
+    gone = weakref.ref(src)
+    del src, seg
+    gc.collect()
+    assert gone() is not None  # the graph keeps the caller's tensor alive: replays still read it
+    gone().fill_(5.0)
+    g.replay()
+    assert torch.equal(dst, torch.full((8,), 10.0))
+    g.reset()
+    gc.collect()
+    assert gone() is None  # reset() drops it
 
 
 # ---------------------------------------------------------------- the CUDA platform (CPU double)

@@ -2,7 +2,15 @@
 compile-free breakable graph."""
 
 from .entry import GraphEntry
-from .graph import BreakableCUDAGraph, BreakableGraph, GraphPool, breakable_graph, graph_platform_name
+from .graph import (
+    BreakableCUDAGraph,
+    BreakableGraph,
+    CUDAGraphSequence,
+    GraphPool,
+    breakable_graph,
+    graph_platform_name,
+    piecewise_graph,
+)
 from .memory import (
     captured_wrappers,
     fresh_pool,
@@ -28,8 +36,11 @@ from .session import (
     capture_enabled,
     eager_break,
     force_break,
+    force_no_graph,
     gc_managed,
     is_in_breakable_graph,
+    is_in_piecewise_graph,
+    no_graph,
     run_session,
     session_scope,
     set_capture_enabled,
@@ -39,9 +50,11 @@ from .wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, unwrap_model
 __all__ = [
     "BreakableCUDAGraph",
     "BreakableGraph",
+    "CUDAGraphSequence",
     "GraphPool",
     "breakable_graph",
     "graph_platform_name",
+    "piecewise_graph",
     "BreakPoint",
     "bulk_capture",
     "call_break",
@@ -53,8 +66,11 @@ __all__ = [
     "eager_break",
     "EagerSegment",
     "force_break",
+    "force_no_graph",
     "gc_managed",
     "is_in_breakable_graph",
+    "is_in_piecewise_graph",
+    "no_graph",
     "run_session",
     "session_scope",
     "set_capture_enabled",

@@ -145,7 +145,23 @@ class BreakableGraph:
         )
 
 
-BreakableCUDAGraph = BreakableGraph
+BreakableCUDAGraph = BreakableGraph  # breakable-cuda-graphs' first name for it
+CUDAGraphSequence = BreakableGraph  # the name of piecewise-cuda-graphs and PyTorch's proposed torch.cuda API
+
+
+def _the_graph(g: Any, cuda_graph: Any, cuda_graph_sequence: Any) -> Any:
+    named = (("g", g), ("cuda_graph", cuda_graph), ("cuda_graph_sequence", cuda_graph_sequence))
+    given = [(name, v) for name, v in named if v is not None]
+    if not given:
+        raise TypeError(
+            "breakable_graph needs the pb.BreakableGraph to capture into: pass it first, or as cuda_graph= "
+            "(or cuda_graph_sequence=)"
+        )
+    if len(given) > 1:
+        raise TypeError(
+            f"breakable_graph got the graph to capture into twice ({' and '.join(n for n, _ in given)}): pass it once"
+        )
+    return given[0][1]
 
 
 def _check_capture_args(g: Any, stream: Any, capture_error_mode: Any, barrier_fn: Any) -> None:
@@ -163,21 +179,28 @@ def _check_capture_args(g: Any, stream: Any, capture_error_mode: Any, barrier_fn
 
 @contextlib.contextmanager
 def breakable_graph(
-    g: BreakableGraph,
+    g: BreakableGraph | None = None,
     stream: Any = None,
-    *,
     capture_error_mode: str = "global",
     barrier_fn: Callable[[], Any] | None = None,
+    *,
+    cuda_graph: BreakableGraph | None = None,
+    cuda_graph_sequence: BreakableGraph | None = None,
 ) -> Iterator[BreakableGraph]:
     """Capture the body into ``g`` like ``torch.cuda.graph``, splitting it at every break point.
 
-    ``stream``: the CUDA stream to capture on (None: the pool's own capture stream; warm up
-    on the stream you capture on). ``capture_error_mode``: CUDA's (``"global"``,
-    ``"thread_local"``, ``"relaxed"``). ``barrier_fn()`` runs before each break at capture
-    only (to re-align ranks). As with ``torch.cuda.graph`` the body is captured, not
-    executed: replay to compute. On any error nothing stays open, ``g`` stays empty, and
-    the next capture works.
+    ``g`` (or, by the peers' keywords, ``cuda_graph=`` / ``cuda_graph_sequence=``): the
+    :class:`BreakableGraph` to capture into. ``stream``: the CUDA stream to capture on (None:
+    the pool's own capture stream; warm up on the stream you capture on).
+    ``capture_error_mode``: CUDA's (``"global"``, ``"thread_local"``, ``"relaxed"``).
+    ``barrier_fn()`` runs before each break at capture only (to re-align ranks),
+    ``force_break()`` included. The arguments may be passed positionally in this order, as
+    breakable-cuda-graphs' ``breakable_graph(cuda_graph, stream, capture_error_mode,
+    barrier_fn)`` takes them. As with ``torch.cuda.graph`` the body is captured, not
+    executed: replay to compute. On any error nothing stays open, ``g`` stays empty, and the
+    next capture works. ``pb.piecewise_graph`` is this function.
     """
+    g = _the_graph(g, cuda_graph, cuda_graph_sequence)
     _check_capture_args(g, stream, capture_error_mode, barrier_fn)
     platform = g.platform
     pool = g.pool()
@@ -198,3 +221,6 @@ def breakable_graph(
     g.memory_bytes = max(0, pool.memory_bytes() - before)
     counters["captures"] += 1
     logger.debug("breakable_graph captured %d segments (%d breaks), %d bytes", len(g.segments), g.num_breaks, g.memory_bytes)
+
+
+piecewise_graph = breakable_graph  # the name of piecewise-cuda-graphs and PyTorch's proposed torch.cuda API

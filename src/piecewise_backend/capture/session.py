@@ -39,6 +39,26 @@ def capture_active() -> bool:
     return _state.session is not None
 
 
+def break_name(fn: Any) -> str:
+    """A readable name for any callable a break point runs: its ``__qualname__``, else (a
+    ``functools.partial``, a callable object) what it calls."""
+    name = getattr(fn, "__qualname__", None)
+    if isinstance(name, str):
+        return name
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({break_name(fn.func)})"
+    return f"{type(fn).__qualname__}.__call__"
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a tensor of shape {tuple(t.shape)}, dtype {t.dtype}, on {t.device}"
+    if t is None:
+        return "None"
+    text = repr(t)
+    return f"{type(t).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
 class EagerSegment:
     """A break recorded during capture: re-run on replay, fresh results copied into place.
 
@@ -46,16 +66,58 @@ class EagerSegment:
     unexecuted graph before them never wrote, then in the replay that follows), and on
     every replay with the arguments they got at capture: a break must be an idempotent
     write (as a KV-cache write is) whose Python arguments do not change between steps.
+
+    What a break returns is checked, since later graph segments read the capture-time result:
+    at capture, a Python value (baked into the segments after it) and a ``capture_stub`` result
+    that is its input (the segments would read the input, not the break's result) are refused;
+    on replay, a result of another shape, dtype, device or structure than at capture raises
+    instead of being broadcast or cast into the capture-time tensor.
     """
 
-    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled", "_plain")
+    __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled", "_plain", "name", "stub",
+                 "num_leaves")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, out: Any, force_grad: bool | None = None):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+        force_grad: bool | None = None,
+        *,
+        name: str = "",
+        stub: Callable[..., Any] | None = None,
+    ):
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.name = name or break_name(fn)
+        self.stub = None if stub is None else break_name(stub)  # whose result the capture recorded
         self.single = isinstance(out, torch.Tensor)
         leaves = [out] if self.single else [] if out is None else tree_leaves(out)
+        self.num_leaves = len(leaves)
+        for i, t in enumerate(leaves):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise RuntimeError(
+                    f"{self._who()} returned {_describe(t)} (output {i}) at capture: a Python value a break "
+                    "returns is baked into the graph segments after it, so every replay would reuse this "
+                    "capture-time value silently. Return a tensor instead (x.sum(), not x.sum().item()), or hand "
+                    "the value over another way (write it into a tensor, or append it to a list the caller reads); "
+                    "a break may return tensors, None, or containers of them"
+                )
         # A result in fresh memory must land where the later graph segments read it.
         self.fresh = fresh_outputs(args, kwargs, leaves)
+        if stub is not None:
+            fresh = {i for i, _ in self.fresh}
+            for i, t in enumerate(leaves):
+                if isinstance(t, torch.Tensor) and i not in fresh:
+                    what = "its input tensor" if any(t is a for a in tree_leaves((args, kwargs))) else (
+                        "a tensor sharing memory with one of its inputs")
+                    raise RuntimeError(
+                        f"capture_stub {self.stub!r} of the break {self.name!r} returned {what} (output {i}) at "
+                        "capture: later graph segments would read that input in place of the break's result, "
+                        "and the result of the real body would be lost on replay. A stub stands in for the "
+                        "result: return a fresh tensor of the result's shape, dtype and device "
+                        "(e.g. torch.empty_like(x)); it is overwritten with the body's result on every replay"
+                    )
         # A result that *is* one of the inputs is read in place by later segments: it must stay that input.
         self.returned = []
         if any(isinstance(t, torch.Tensor) for t in leaves):
@@ -77,18 +139,46 @@ class EagerSegment:
                 if out is not self.returned[0][1]:
                     self._lost(0)
             else:
-                self.fresh[0][1].copy_(out)
+                captured = self.fresh[0][1]
+                if not (isinstance(out, torch.Tensor) and out.shape == captured.shape and out.dtype == captured.dtype
+                        and out.device == captured.device):
+                    self._mismatch(0, captured, out)
+                captured.copy_(out)
             return
         leaves = tree_leaves(out)
+        if len(leaves) != self.num_leaves:
+            raise RuntimeError(
+                f"{self._who(replay=True)} returned {len(leaves)} values on replay and {self.num_leaves} at "
+                "capture: later graph segments read the capture-time results, so a break must return the "
+                "same structure on every call (a capture_stub the structure of the body's result)"
+            )
         for i, t in self.returned:
             if leaves[i] is not t:
                 self._lost(i)
         for i, captured in self.fresh:
-            captured.copy_(leaves[i])
+            t = leaves[i]
+            if not (isinstance(t, torch.Tensor) and t.shape == captured.shape and t.dtype == captured.dtype
+                    and t.device == captured.device):
+                self._mismatch(i, captured, t)
+            captured.copy_(t)
+
+    def _who(self, replay: bool = False) -> str:
+        if self.stub is not None and not replay:
+            return f"capture_stub {self.stub!r} of the break {self.name!r}"
+        return f"break {self.name!r}"
+
+    def _mismatch(self, i: int, captured: torch.Tensor, t: Any) -> None:
+        at_capture = f"its capture_stub {self.stub!r}" if self.stub is not None else "it"
+        raise RuntimeError(
+            f"break {self.name!r} returned {_describe(t)} (output {i}) on replay, where {at_capture} returned "
+            f"{_describe(captured)} at capture: later graph segments read the capture-time tensor, and copying "
+            "this result into it would broadcast or cast it silently. A break must return the same shape, dtype "
+            "and device on every call" + (" (a capture_stub what the body returns)" if self.stub is not None else "")
+        )
 
     def _lost(self, i: int) -> None:
         raise RuntimeError(
-            f"break {getattr(self.fn, '__name__', self.fn)!r} returned its input tensor (output {i}) at "
+            f"break {self.name!r} returned its input tensor (output {i}) at "
             "capture and another tensor now; later graph segments read the captured one, so the result "
             "would be lost: a break must return the same input object on every call, or always a fresh tensor"
         )
@@ -144,13 +234,19 @@ class CaptureSession:
             recorder.abort()
 
     def split(self) -> None:
-        """End the open segment and open the next one, with no eager work between them."""
+        """End the open segment and open the next one, with no eager work between them (the
+        barrier runs between them: a forced break is a break, as the peers' ``force_no_graph``)."""
         self.end_before("force_break()")
+        if self.barrier is not None:
+            self.barrier()
         self.begin()
 
-    def run_break(self, fn: Callable[..., Any], args: tuple, kwargs: dict, stub: Callable[..., Any] | None = None) -> Any:
+    def run_break(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, stub: Callable[..., Any] | None = None, name: str = ""
+    ) -> Any:
         """End the segment, run ``stub`` (if given) or ``fn`` eagerly, record ``fn`` for replay, begin the next."""
-        self.end_before(f"the break {getattr(fn, '__qualname__', fn)!r}")
+        name = name or break_name(fn)
+        self.end_before(f"the break {name!r}")
         if self.barrier is not None:
             self.barrier()
         before = torch.is_grad_enabled()
@@ -162,7 +258,7 @@ class CaptureSession:
         force = before if before != self.start_grad or self.grad_touched else None
         # a forced break changes the mode on replay too: later breaks and the entry's end must set theirs
         self.grad_touched |= force is not None or torch.is_grad_enabled() != before
-        self.segments.append(EagerSegment(fn, args, kwargs, out, force))
+        self.segments.append(EagerSegment(fn, args, kwargs, out, force, name=name, stub=stub))
         counters["breaks"] += 1
         self.begin()
         return out
@@ -220,14 +316,16 @@ def call_break(
             return fn(*args, **kwargs)
         except BaseException:
             if session.failed_in is None:
-                session.failed_in = name or getattr(fn, "__qualname__", None) or repr(fn)
+                session.failed_in = name or break_name(fn)
             raise
-    return session.run_break(fn, args, kwargs, capture_stub)
+    return session.run_break(fn, args, kwargs, capture_stub, name)
 
 
 def force_break() -> None:
-    """A split with no eager work: inside a breakable capture the open segment ends and the next
-    begins; anywhere else (no capture, a FULL capture, inside a break) it does nothing."""
+    """A split with no eager work: inside a breakable capture the open segment ends, the capture's
+    ``barrier_fn`` runs, and the next segment begins; no eager segment is recorded (the peers'
+    ``force_no_graph`` records an empty one). Anywhere else (no capture, a FULL capture, inside a
+    break) it does nothing. ``pb.force_no_graph`` is this function."""
     session = _state.session
     if session is not None and session.breakable and not _state.in_break:
         session.split()
@@ -235,7 +333,8 @@ def force_break() -> None:
 
 def is_in_breakable_graph() -> bool:
     """True while this thread captures with breaks: a :func:`~.graph.breakable_graph`, or a breakable
-    wrapper's capture (not FULL), break bodies included (the capture is still open around them)."""
+    wrapper's capture (not FULL), break bodies included (the capture is still open around them).
+    ``pb.is_in_piecewise_graph`` is this function."""
     session = _state.session
     return session is not None and session.breakable
 
@@ -282,17 +381,25 @@ def eager_break(
             raise TypeError(f"eager_break decorates a callable, got {type(fn).__name__}")
         if not enable:
             return fn
+        name = break_name(fn)  # a functools.partial or a callable object has no __qualname__
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _state.session is None:
                 return fn(*args, **kwargs)
-            return call_break(fn, args, kwargs, capture_stub, fn.__qualname__)
+            return call_break(fn, args, kwargs, capture_stub, name)
 
         wrapper.__pb_break_point__ = fn  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate if fn is None else decorate(fn)
+
+
+# The same objects under the names of piecewise-cuda-graphs (Meta's package, formerly
+# breakable-cuda-graphs) and of PyTorch's proposed torch.cuda API (PR #191641).
+no_graph = eager_break
+force_no_graph = force_break
+is_in_piecewise_graph = is_in_breakable_graph
 
 
 # Capture switch, the one owner of "may a wrapper capture now": after startup capture a

@@ -1,7 +1,10 @@
 """Simulated platform: CUDA graph semantics on the CPU, for tests and CI.
 
 A segment records the ATen ops run while it is open (a TorchDispatchMode) and replays
-them into the same tensors. An op implemented in Python (a ``torch.library`` custom op
+them into the same tensors. One mode stays on the thread's mode stack for the whole capture
+(:class:`_Slot`) and the segments switch inside it, so state restores that put a saved mode
+stack back (the autograd engine's, around every backward node) keep recording into the
+segment the capture has open. An op implemented in Python (a ``torch.library`` custom op
 such as an attention kernel, or a composite decomposition) is not recorded as a whole: its
 implementation runs with the recorder active, so the ATen ops inside it are recorded,
 recursively, and a replay runs no Python at all, as a CUDA graph replays kernels, not the
@@ -21,6 +24,7 @@ refuse a host read) is decided in :mod:`.classify` (``OpKind``, ``classify``, re
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -80,6 +84,39 @@ class SimulatedGraph:
 
     def __len__(self) -> int:
         return len(self.ops)
+
+
+class _Slot(TorchDispatchMode):
+    """The one dispatch mode a simulated capture keeps on its thread's mode stack, from the
+    capture's start to its end; segments come and go inside it (``current``: the open segment's
+    recorder; None between segments, in a break, where ops pass through unrecorded).
+
+    One object for the whole capture, because code that restores the thread's dispatch state
+    puts back the stack it saved: the autograd engine runs each backward node under the state
+    of the ``backward()`` call and restores the caller's when the node returns. A break inside a
+    node (a custom ``autograd.Function.backward`` calling an ``eager_break`` function) ends one
+    segment and opens the next; with a recorder pushed per segment, the restore would drop the
+    new recorder and put the ended one back on top. The slot survives every restore, and the
+    segment it points to is the one the capture has open, as a CUDA stream's capture is.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: _RecordingMode | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        current = self.current
+        if current is None:
+            return func(*args, **(kwargs or {}))
+        return current.__torch_dispatch__(func, types, args, kwargs)
+
+    def on_host_read(self, t: torch.Tensor, method: str, what: str) -> None:
+        if self.current is not None:
+            self.current.on_host_read(t, method, what)
 
 
 class _RecordingMode(TorchDispatchMode):
@@ -206,14 +243,22 @@ class _RecordingMode(TorchDispatchMode):
 def is_recording() -> bool:
     """True while the simulated platform records a segment on this thread (an op then runs inside
     a simulated capture, where reading device values on the host is illegal)."""
-    return any(isinstance(m, _RecordingMode) for m in _get_current_dispatch_mode_stack())
+    return any(
+        isinstance(m, _RecordingMode) or (isinstance(m, _Slot) and m.current is not None)
+        for m in _get_current_dispatch_mode_stack()
+    )
 
 
 class _SimRecorder:
     def __init__(self, platform: SimulatedPlatform) -> None:
         self.platform = platform
         self.mode = _RecordingMode(platform)
-        self.mode.__enter__()
+        # The slot of this thread's capture scope; a segment begun outside one gets a slot of its own.
+        self.slot, self._own_slot = platform._scope_slot(), False
+        if self.slot is None:
+            self.slot, self._own_slot = _Slot(), True
+            self.slot.__enter__()
+        self._previous, self.slot.current = self.slot.current, self.mode
         sim_rules.guard_host_reads()
         self.open = True
 
@@ -237,7 +282,9 @@ class _SimRecorder:
         if self.open:
             self.open = False
             sim_rules.unguard_host_reads()
-            self.mode.__exit__(None, None, None)
+            self.slot.current = self._previous
+            if self._own_slot:
+                self.slot.__exit__(None, None, None)
 
 
 class SimulatedPlatform:
@@ -251,15 +298,23 @@ class SimulatedPlatform:
         self.record_inside_ops = True  # False: record a custom op whole and re-run its Python on replay
         self.validate = True  # False: skip the checks that refuse unrecordable work (checks.py)
         self._host: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> tensor (weak: never keep it alive)
+        self._slots = threading.local()  # .slot: the recording slot of this thread's open capture scope
 
     @contextlib.contextmanager
     def capture_scope(self) -> Iterator[None]:
         self._pool_mode = PoolMode(self.pool)
+        previous = getattr(self._slots, "slot", None)
         try:
             with self._pool_mode:  # segments and the breaks between them allocate in the pool
-                yield
+                with _Slot() as slot:  # every segment of the capture records through it (see _Slot)
+                    self._slots.slot = slot
+                    yield
         finally:
+            self._slots.slot = previous
             self._pool_mode = None
+
+    def _scope_slot(self) -> _Slot | None:
+        return getattr(self._slots, "slot", None)
 
     @contextlib.contextmanager
     def pool_paused(self) -> Iterator[None]:
