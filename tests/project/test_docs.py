@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ def test_doc_code_blocks_run(path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     from piecewise_backend.attention import backends
 
     monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
-    namespace: dict = {"__name__": f"doc_{path.stem}"}
+    module = types.ModuleType(f"doc_{path.stem}")  # importable, as a user's module is (Dynamo imports a class's module)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace = module.__dict__
     for i, block in enumerate(BLOCK.findall(path.read_text())):
         exec(compile(block, f"{path.name}[block {i}]", "exec"), namespace)
 
@@ -54,6 +57,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 SPAN = re.compile(r"`([^`]+)`")
 SECTION_MODULES = {
     "piecewise_backend.kv.op": "kv.op", "piecewise_backend.kv": "kv", "piecewise_backend.hf.mixers": "hf.mixers",
+    "piecewise_backend.serve": "serve",
     "piecewise_backend.hf": "hf",
     "piecewise_backend.spec": "spec",
     "piecewise_backend.state.metadata": "state.metadata", "piecewise_backend.state.cache": "state.cache",
