@@ -11,7 +11,7 @@ logits for ``GraphRunner`` + ``PagedKVCache`` (tests/support/pbtest's ``PagedTin
 * ``not offered``: the engine has no option for this axis (named);
 * ``wrong`` / ``crash``: a difference from the reference, or an error after construction: a bug.
 
-Run: python scripts/compat_matrix.py [--engines runner hf spec] [--out docs/compatibility.md]
+Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy] [--out docs/compatibility.md]
 Dynamo is reset before every cell (each cell compiles its own models).
 """
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # PagedTinyLM: the toy mode
 import piecewise_backend as pb  # noqa: E402
 from piecewise_backend import attention, kv  # noqa: E402
 
-ENGINES = ("runner", "hf", "spec")
+ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy")
 MODES = tuple(m.name for m in pb.CUDAGraphMode)
 OUTCOMES = ("works", "downgraded", "refused", "not offered", "wrong", "crash")
 BLOCK = 4
@@ -124,6 +124,7 @@ class _Steps:
 
 PROMPTS = ([5, 6, 7], [8, 9], [10, 11, 12, 13])  # + a request joining mid-decode
 LATE = [14, 15]
+LONG = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # longer than the serve cell's 8-token budget: prefilled in chunks
 
 
 def _runner_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
@@ -194,10 +195,10 @@ def _generate(arch: str, layers: int, prompts: Sequence[Sequence[int]], n: int) 
 GEN_TOKENS = 5
 
 
-def _compare(outputs: list[list[int]], expected: list[list[int]]) -> str | None:
+def _compare(outputs: list[list[int]], expected: list[list[int]], reference: str = "generate's") -> str | None:
     for i, (got, want) in enumerate(zip(outputs, expected)):
         if got != want:
-            return f"request {i}: tokens {got} != generate's {want}"
+            return f"request {i}: tokens {got} != {reference} {want}"
     return None
 
 
@@ -237,7 +238,64 @@ def _spec_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str
     return [engine.target.runner, engine.drafter.runner], workload
 
 
-BUILDERS = {"runner": _runner_cell, "hf": _hf_cell, "spec": _spec_cell}
+def _serve_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """serve.Engine on examples/own_model.py's decoder, with an 8-token budget (chunked prefill) and a cache
+    too small for every request at once (preemption): its tokens vs a full recompute."""
+    from pbtest.helpers import load_file
+    from piecewise_backend import serve
+
+    own = load_file("examples/own_model.py")
+    engine = serve.Engine(own.make_model(), cell.config(), kv_layout=own.KV_LAYOUT, vocab_size=own.VOCAB,
+                          max_num_reqs=3, max_model_len=32, block_size=BLOCK, num_blocks=5, max_num_batched_tokens=8,
+                          attention_backend=cell.backend)
+    prompts = [*PROMPTS, LATE, LONG]
+
+    def workload(steps: _Steps) -> str | None:
+        engine.capture()
+        preempted = []
+        outputs = engine.generate(prompts, GEN_TOKENS, on_step=lambda info: (steps.add(engine.runner),
+                                                                             preempted.extend(info.preempted)))
+        reference = own.make_model()
+        wrong = _compare(outputs, [own.reference(reference, p, GEN_TOKENS) for p in prompts], "the full recompute's")
+        return wrong or (None if preempted else "no request was preempted")
+
+    return [engine.runner], workload
+
+
+def _spec_lazy_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """SpecEngine as in ``spec``, with lazy capture and a cache too small for every request at once: serves
+    before any capture (preempting), captures when idle, serves again; both times the target's tokens."""
+    from piecewise_backend.hf import tiny_random_model
+    from piecewise_backend.spec import SpecEngine, truncated_drafter
+
+    target = tiny_random_model("llama", num_hidden_layers=2)
+    engine = SpecEngine(target, truncated_drafter(target, 1), cell.config(), num_speculative_tokens=2,
+                        max_num_reqs=3, max_model_len=32, block_size=BLOCK, num_blocks=6, lazy_capture=True,
+                        max_num_batched_tokens=16, attention_backend=cell.backend)
+    prompts = [*PROMPTS, LATE]
+
+    def workload(steps: _Steps) -> str | None:
+        preempted = []
+
+        def step(info) -> None:
+            steps.add(engine.target.runner)
+            preempted.extend(info.preempted)
+
+        expected = _generate("llama", 2, prompts, GEN_TOKENS)
+        wrong = _compare(engine.generate(prompts, GEN_TOKENS, eos_token_id=[], on_step=step), expected)
+        if wrong:
+            return "before capture_idle: " + wrong
+        engine.capture_idle(600.0)
+        wrong = _compare(engine.generate(prompts, GEN_TOKENS, eos_token_id=[], on_step=step), expected)
+        if wrong:
+            return "after capture_idle: " + wrong
+        return None if preempted else "no request was preempted"
+
+    return [engine.target.runner, engine.drafter.runner], workload
+
+
+BUILDERS = {"runner": _runner_cell, "serve": _serve_cell, "hf": _hf_cell, "spec": _spec_cell,
+            "spec-lazy": _spec_lazy_cell}
 
 
 def not_offered(cell: Cell) -> str | None:
@@ -257,7 +315,7 @@ def run_cell(cell: Cell) -> Result:
         runners, workload = BUILDERS[cell.engine](cell)
     except (ValueError, TypeError) as e:
         return Result(cell, "refused", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start)
-    names = ["", "drafter: "] if cell.engine == "spec" else [""]
+    names = ["", "drafter: "] if cell.engine.startswith("spec") else [""]
     downgrades = [name + d for name, r in zip(names, runners) for d in r.downgrades]
     steps = _Steps()
     try:
@@ -288,6 +346,10 @@ TITLES = {
     "runner": "`GraphRunner` + `PagedKVCache` (a toy LM; reference: eager logits of every step)",
     "hf": "`HFEngine` (tiny llama; reference: `model.generate`)",
     "spec": "`SpecEngine` (tiny llama, 1-layer drafter, k=2; reference: the target's `model.generate`)",
+    "serve": "`serve.Engine` on your own model (examples/own_model.py's decoder; chunked prefill and preemption; "
+             "reference: a full recompute)",
+    "spec-lazy": "`SpecEngine` with `lazy_capture` and preemption (as `spec`; served before and after `capture_idle`; "
+                 "reference: the target's `model.generate`)",
 }
 HEADER = "| cudagraph_mode | use_ubatching | use_breakable | attention backend | outcome | steps ran | why |"
 

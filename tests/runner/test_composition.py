@@ -37,6 +37,9 @@ SAMPLE = [
     Cell("hf", "PIECEWISE", False, False, "reference"),  # per-piece graphs
     Cell("spec", "FULL_AND_PIECEWISE", True, False, "bounded"),
     Cell("spec", "FULL", False, True, "reference"),  # both caches on the reference backend
+    Cell("serve", "FULL_AND_PIECEWISE", False, True, "bounded"),  # your own model: chunks, preemption
+    Cell("serve", "FULL", True, False, "reference"),
+    Cell("spec-lazy", "FULL_AND_PIECEWISE", False, True, "bounded"),  # served before and after capture_idle
 ]
 
 
