@@ -557,3 +557,39 @@ def test_micro_batched_engine_matches_generate(mode):
     expected = pb.CUDAGraphMode.FULL if mode != "NONE" else pb.CUDAGraphMode.NONE
     assert engine.runner.last_mode == expected
     assert load_example().check(reference, prompts, outputs, [4] * 4, eos=None) == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lazy_capture="yes"), r"lazy_capture must be a bool, got 'yes'"),
+    (dict(max_num_reqs=0), r"max_num_reqs must be a positive int"),
+    (dict(max_num_reqs=2.5), r"max_num_reqs must be a positive int .* got 2.5"),
+    (dict(block_size=0), r"block_size must be a positive int"),
+    (dict(num_blocks=0), r"num_blocks must be None .* or a positive int, got 0"),
+    (dict(attention_backend="nope"), r"unknown attention backend 'nope'"),
+])
+def test_a_refused_engine_leaves_the_callers_model_as_it_was(kwargs, match):
+    """Every argument is checked before adapt: the model keeps its own attention and generate()."""
+    model = hf.tiny_random_model("llama", num_hidden_layers=1)
+    implementation = model.config._attn_implementation
+    ids = torch.tensor([[5, 6, 7]])
+    before = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3, pad_token_id=0)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    with pytest.raises(ValueError, match=match):
+        hf.HFEngine(model, config, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        hf.SpecEngine(model, model, config, num_speculative_tokens=2, **kwargs)
+    assert model.config._attn_implementation == implementation
+    after = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3, pad_token_id=0)
+    assert torch.equal(before, after)
+
+
+def test_an_engine_without_graphs_or_capture_sizes_serves_whole_prompts():
+    model = hf.tiny_random_model("llama", num_hidden_layers=1)
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, pb.CompilationConfig(cudagraph_mode="NONE", capture_sizes=[]), max_model_len=32)
+    assert engine.max_num_batched_tokens == 32
+    prompt = [5, 6, 7, 8, 9]
+    ids = torch.tensor([prompt])
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4,
+                                  pad_token_id=0, eos_token_id=None)[0, 5:].tolist()
+    assert engine.generate([prompt], 4, eos_token_id=[]) == [expected]
