@@ -1,6 +1,6 @@
 """piecewise_backend: piecewise and breakable CUDA graph capture for any PyTorch inference engine.
 
-The public names of DESIGN.md section 2, grouped by layer from the bottom up; each lives in
+The public names of docs/api.md (design: docs/design.md), grouped by layer from the bottom up; each lives in
 the module named on its line (see docs/architecture.md).
 """
 

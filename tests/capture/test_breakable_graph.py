@@ -1,4 +1,4 @@
-"""pb.breakable_graph / pb.BreakableGraph (DESIGN.md 4.10): the compile-free capture, on the simulator
+"""pb.breakable_graph / pb.BreakableGraph (design.md 4.10): the compile-free capture, on the simulator
 (values) and on the CPU double of torch.cuda (CUDA's rules: pools, streams, capture modes)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Capture sessions and break points (DESIGN.md 4.4), and the compiled path, on the simulated platform."""
+"""Capture sessions and break points (design.md 4.4), and the compiled path, on the simulated platform."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CUDAGraphWrapper / BreakableCUDAGraphWrapper contracts (DESIGN.md 4.4), on the simulated platform."""
+"""CUDAGraphWrapper / BreakableCUDAGraphWrapper contracts (design.md 4.4), on the simulated platform."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Replay input matching (inputs.py, DESIGN.md 4.4 replay contract; issue 10 items 2-4, 9, 18)."""
+"""Replay input matching (inputs.py, design.md 4.4 replay contract; issue 10 items 2-4, 9, 18)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulator shows what a GPU replay would do, inside custom ops too (DESIGN.md 5).
+"""The simulator shows what a GPU replay would do, inside custom ops too (design.md 5).
 
 Each case says what a real CUDA graph does and why, and asserts the simulated platform
 does the same. Each has a CUDA twin at the end of tests/gpu/test_cuda.py.

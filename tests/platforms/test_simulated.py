@@ -1,4 +1,4 @@
-"""Fidelity of the simulated platform: it must fail where a real CUDA graph would (DESIGN.md 5)."""
+"""Fidelity of the simulated platform: it must fail where a real CUDA graph would (design.md 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""wrap_model stacks and validate_capture_coverage (DESIGN.md 4.5), on the simulated platform."""
+"""wrap_model stacks and validate_capture_coverage (design.md 4.5), on the simulated platform."""
 
 from __future__ import annotations
 

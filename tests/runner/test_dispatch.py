@@ -1,4 +1,4 @@
-"""Mode resolution and the CudagraphDispatcher (DESIGN.md 4.5): pure data, no capture."""
+"""Mode resolution and the CudagraphDispatcher (design.md 4.5): pure data, no capture."""
 
 from __future__ import annotations
 

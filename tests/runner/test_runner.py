@@ -1,4 +1,4 @@
-"""GraphRunner: capture orchestration (DESIGN.md 4.6) and stepping (4.7), on the simulated platform."""
+"""GraphRunner: capture orchestration (design.md 4.6) and stepping (4.7), on the simulated platform."""
 
 from __future__ import annotations
 

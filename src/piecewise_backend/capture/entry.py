@@ -2,7 +2,7 @@
 
 A replay returns what eager would return for the same call or raises a clear error;
 it never writes into a tensor the caller owns, returns a fresh container every time,
-and leaves grad mode as it found it (DESIGN.md 4.4).
+and leaves grad mode as it found it (design.md 4.4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compile-free breakable capture: ``torch.cuda.graph``'s shape, with breaks (DESIGN.md 4.10).
+"""Compile-free breakable capture: ``torch.cuda.graph``'s shape, with breaks (design.md 4.10).
 
 ``with pb.breakable_graph(g): workload()`` captures what runs inside into ``g`` as graph
 segments; every break point called inside (an ``eager_break`` function, a splitting piece of
