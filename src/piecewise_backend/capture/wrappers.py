@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..config import CompilationConfig
-from ..context import _CONTEXT, BatchDescriptor, ForwardContext
+from ..context import BatchDescriptor, ForwardContext, current_forward_context
 from ..inputs import InputSpec
 from ..modes import CUDAGraphMode
 from ..observability import counters, eager_counts, logger
@@ -115,12 +115,12 @@ class _GraphWrapper:
         # Hot path: a step this wrapper does not capture must cost next to nothing (goal 500 ns).
         # The mode test is one bit-and of ints, the count a list slot: hashing or comparing Enum
         # members runs Python code and made each passthrough cost microseconds.
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         if ctx is None:
             eager_counts[0] += 1
             return self.runnable(*args, **kwargs)
-        if not ctx._mode_bit & self._mode_mask:  # == not self._matches(ctx.runtime_mode)
-            eager_counts[ctx._mode_index] += 1
+        if not ctx.mode_bit & self._mode_mask:  # == not self._matches(ctx.runtime_mode)
+            eager_counts[ctx.mode_index] += 1
             return self.runnable(*args, **kwargs)
         desc = ctx.batch_descriptor
         if desc is None:
@@ -137,11 +137,11 @@ class _GraphWrapper:
                 "at a time: serialize the steps or give each thread its own wrapper"
             )
         try:
-            entry = self._by_mode[ctx._mode_index].get(desc)
+            entry = self._by_mode[ctx.mode_index].get(desc)
             if entry is None:
                 return self._capture(ctx, args, kwargs)
             if self.config.debug_checks:
-                poison_stale_outputs(self, ctx._mode_index, desc, entry)
+                poison_stale_outputs(self, ctx.mode_index, desc, entry)
             out = entry.replay(args, kwargs)
         finally:
             self._busy.release()

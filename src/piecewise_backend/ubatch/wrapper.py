@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture.wrappers import CUDAGraphWrapper, _GraphWrapper
 from ..config import CompilationConfig
-from ..context import _CONTEXT, BatchDescriptor, set_forward_context
+from ..context import BatchDescriptor, current_forward_context, set_forward_context
 from ..modes import CUDAGraphMode
 from ..platforms.registry import resolve_platform_name
 from .threads import DEFAULT_TIMEOUT_S, NUM_UBATCHES, UBatchThreads
@@ -107,7 +107,7 @@ class UBatchWrapper(_GraphWrapper):
         return self.full.entries if self.full is not None else {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         slices = getattr(ctx, "ubatch_slices", None) if ctx is not None else None
         if slices is None:
             return self.full(*args, **kwargs) if self.full is not None else self.runnable(*args, **kwargs)
@@ -131,7 +131,7 @@ class UBatchWrapper(_GraphWrapper):
     def _run_halves(self, *args: Any, **kwargs: Any) -> Any:
         """Both halves in their threads, turn by turn; ``args`` (the whole step's) are not used:
         the halves' are views of them (a graph captured here reads the step's buffers)."""
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         slices = list(ctx.ubatch_slices)
         mode = ctx.runtime_mode if ctx.runtime_mode == _FULL else _NONE
         jobs = [self._job(i, s, mode) for i, s in enumerate(slices)]

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ...context import _CONTEXT, set_forward_context
+from ...context import context_attributes, current_forward_context, set_forward_context
 from ...modes import CUDAGraphMode
 from ..base import gc_managed
 from .graphs import _EMPTY_WARNING, CudaGraphSegment, CudaRecorder, EmptyGraph  # noqa: F401 (re-exported)
@@ -220,9 +220,9 @@ class CudaPlatform:
         """
         if getattr(self._local, "warmed", None) is self.stream:
             return
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         desc = ctx.batch_descriptor if ctx is not None else None
-        attrs = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "batch_descriptor"} if ctx else {}
+        attrs = context_attributes(ctx) if ctx is not None else {}
         with self.warmed_step():  # the capture follows at once; if it cannot start, no mark is left
             for _ in range(times):
                 with self.warmup_scope(), set_forward_context(CUDAGraphMode.NONE, desc, **attrs):
