@@ -89,10 +89,10 @@ class LazyCapture:
             return mode, desc, None
         self.demand.setdefault(key, Demand()).steps += 1
         if mode == _FULL:
-            relaxed = dispatcher._mixed_piecewise.get(desc.num_tokens)
+            relaxed = dispatcher.piecewise_key(desc.num_tokens)
             if relaxed is not None and (_PIECEWISE, relaxed) in self.captured:
                 return _PIECEWISE, relaxed, None
-        return _NONE, dispatcher._eager_key(n), key
+        return _NONE, dispatcher.eager_key(n), key
 
     def note_eager(self, key: Key, seconds: float) -> None:
         demand = self.demand[key]
