@@ -320,6 +320,23 @@ def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing():
     assert runners and not any(isinstance(r, pb.CUDAGraphWrapper) for r in runners)
 
 
+def test_drop_removes_one_descriptor_of_every_per_piece_wrapper():
+    config = pb.CompilationConfig(use_breakable=False, compile_pieces="eager", platform="simulated")
+    backend = pb.make_backend(config)
+    model = make_model(2, "inplace")
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for n in (4, 8):
+            with pb.set_forward_context(pb.CUDAGraphMode.PIECEWISE, pb.BatchDescriptor(n)):
+                compiled(token_ids(n))
+    assert backend.piece_wrappers and all(set(w.entries) == {pb.BatchDescriptor(4), pb.BatchDescriptor(8)}
+                                          for w in backend.piece_wrappers)
+    assert backend.drop(pb.CUDAGraphMode.PIECEWISE, pb.BatchDescriptor(4)) is True
+    assert all(set(w.entries) == {pb.BatchDescriptor(8)} for w in backend.piece_wrappers)
+    assert backend.drop(pb.CUDAGraphMode.PIECEWISE, pb.BatchDescriptor(4)) is False
+    assert backend.drop(pb.CUDAGraphMode.FULL, pb.BatchDescriptor(8)) is False  # per-piece wrappers are PIECEWISE
+
+
 # ---------------------------------------------------------------- what decides that two pieces share a compile
 
 

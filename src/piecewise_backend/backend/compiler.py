@@ -202,6 +202,10 @@ class PiecewiseBackend:
         for wrapper in self.piece_wrappers:
             wrapper.clear_graphs()
 
+    def drop(self, mode: CUDAGraphMode | str, descriptor: Any) -> bool:
+        """Drop the per-piece graphs (``use_breakable=False``) of ``descriptor`` in ``mode``; True when any was."""
+        return any([wrapper.drop(mode, descriptor) for wrapper in self.piece_wrappers])
+
     def reset(self) -> None:
         """Forget compiled pieces, recorded splits and per-piece wrappers (with their graphs)."""
         self.clear_graphs()

@@ -173,20 +173,19 @@ def poison_stale_outputs(wrapper: Any, mode_index: int, desc: Any, entry: Any) -
     Entries of the same (mode, descriptor) belong to one forward: per-piece wrappers chain
     their outputs into each other's inputs.
     """
-    platform = wrapper._platform
+    platform = wrapper.captured_on
     keep = _ranges([*entry.inputs, *entry.static_inputs])
     for other_wrapper in list(_wrappers):
-        if other_wrapper._platform is not platform:
+        if other_wrapper.captured_on is not platform:
             continue
-        for index, entries in enumerate(other_wrapper._by_mode):
-            for other_desc, other in list(entries.items()):
-                if other is entry or (index == mode_index and other_desc == desc):
-                    continue
-                for t in other.output_leaves:
-                    if is_weak(t) and t.numel():
-                        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-                        if not any(a < hi and lo < b for a, b in keep):
-                            poison(t)
+        for other_mode, other_desc, other in other_wrapper.captured():
+            if other is entry or (other_mode.value == mode_index and other_desc == desc):
+                continue
+            for t in other.output_leaves:
+                if is_weak(t) and t.numel():
+                    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+                    if not any(a < hi and lo < b for a, b in keep):
+                        poison(t)
 
 
 # ------------------------------------------------------------------ clearing and the estimate
@@ -229,19 +228,17 @@ def fresh_pool(platform: Any) -> Iterator[Any]:
 def scratch_pool(platform: Platform) -> Iterator[None]:
     """Capture into a fresh pool for the duration, then release it with the entries made in it.
     Entries captured before are set aside meanwhile, so every descriptor captures anew."""
-    saved = {w: w._by_mode for w in list(_wrappers)}
-    for w in saved:
-        w._by_mode = tuple({} for _ in w._by_mode)
+    saved = {w: w.set_aside_entries() for w in list(_wrappers)}
     try:
         with fresh_pool(platform):
             try:
                 yield
             finally:  # drop the scratch entries while their pool is current
                 for w in list(_wrappers):
-                    w._by_mode = saved.get(w) or tuple({} for _ in w._by_mode)
+                    w.restore_entries(saved.get(w))
     finally:
-        for w, by_mode in saved.items():
-            w._by_mode = by_mode
+        for w, entries in saved.items():
+            w.restore_entries(entries)
     release_cached(platform)
 
 

@@ -26,7 +26,7 @@ from .memory import poison_stale_outputs, release_cached, release_capture_memory
 from .session import CaptureDisabledError, CaptureSession, capture_allowed, run_session
 from .session import _state as _capture_state
 
-__all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "unwrap_model"]
+__all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "GraphWrapper", "unwrap_model"]
 
 _NONE = CUDAGraphMode.NONE
 _CAPTURING = (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
@@ -41,7 +41,10 @@ def _weights(module: Any) -> list[tuple[int, torch.dtype]]:
     return [(t.data_ptr(), t.dtype) for t in tensors]
 
 
-class _GraphWrapper:
+class GraphWrapper:
+    """What every capture wrapper shares (CUDAGraphWrapper, BreakableCUDAGraphWrapper, UBatchWrapper): entries
+    per runtime mode and descriptor, the passthrough gate, capture on first sight, ``drop`` and ``clear_graphs``."""
+
     breakable = False
 
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode | None, config: CompilationConfig | None):
@@ -69,7 +72,7 @@ class _GraphWrapper:
                 raise ValueError(f"{type(self).__name__} runtime_mode must be PIECEWISE or FULL, got {mode.name}")
         self._runtime_mode = mode
         # bit m.value set for every runtime mode this wrapper captures (see __call__)
-        self._mode_mask = sum(1 << m.value for m in _CAPTURING if self._matches(m))
+        self._mode_mask = sum(1 << m.value for m in _CAPTURING if self.matches(m))
 
     @property
     def entries(self) -> dict[BatchDescriptor, GraphEntry]:
@@ -87,7 +90,7 @@ class _GraphWrapper:
     @property
     def entries_by_mode(self) -> dict[CUDAGraphMode, dict[BatchDescriptor, GraphEntry]]:
         """The live entry dicts of every runtime mode this wrapper captures."""
-        return {m: self._by_mode[m.value] for m in _CAPTURING if self._matches(m)}
+        return {m: self._by_mode[m.value] for m in _CAPTURING if self.matches(m)}
 
     def __getattr__(self, name: str) -> Any:
         # Only called for missing attributes: forward them to the wrapped model.
@@ -108,7 +111,8 @@ class _GraphWrapper:
             self.clear_graphs()
         return self if result is self.runnable else result
 
-    def _matches(self, mode: CUDAGraphMode) -> bool:
+    def matches(self, mode: CUDAGraphMode) -> bool:
+        """Does this wrapper capture (and replay) steps of runtime ``mode``?"""
         return mode == self.runtime_mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -119,7 +123,7 @@ class _GraphWrapper:
         if ctx is None:
             eager_counts[0] += 1
             return self.runnable(*args, **kwargs)
-        if not ctx.mode_bit & self._mode_mask:  # == not self._matches(ctx.runtime_mode)
+        if not ctx.mode_bit & self._mode_mask:  # == not self.matches(ctx.runtime_mode)
             eager_counts[ctx.mode_index] += 1
             return self.runnable(*args, **kwargs)
         desc = ctx.batch_descriptor
@@ -190,9 +194,7 @@ class _GraphWrapper:
         if self.config.debug_checks:
             poison_stale_outputs(self, mode.value, desc, entry)
         entry.run()  # a capture does not execute: replay once so this call returns real values
-        leaves = spec.leaves(args, kwargs)
-        spec.note_writes(leaves)
-        spec.copy_back([(s, leaves[s.index]) for s in spec._written])
+        spec.copy_back(spec.note_writes(spec.leaves(args, kwargs)))
         if self.config.debug_checks:
             _check_finite(entry, type(self).__name__, desc)
         entries[desc] = entry
@@ -206,7 +208,7 @@ class _GraphWrapper:
     def unwrap(self) -> Any:
         """The innermost runnable below this library's wrappers."""
         inner = self.runnable
-        return inner.unwrap() if isinstance(inner, _GraphWrapper) else inner
+        return inner.unwrap() if isinstance(inner, GraphWrapper) else inner
 
     def _count(self) -> int:
         return sum(len(d) for d in self._by_mode)
@@ -216,6 +218,36 @@ class _GraphWrapper:
         for d in self._by_mode:
             d.clear()
         release_cached(self._platform)  # give back the pool memory no graph uses any more
+
+    def drop(self, mode: CUDAGraphMode | str, descriptor: BatchDescriptor) -> bool:
+        """Drop the entry captured for ``descriptor`` in runtime ``mode``; True when there was one. The
+        next call of that key captures again; its pool memory is given back by the next ``release_cached``
+        (``clear_graphs`` drops every entry and releases at once)."""
+        mode = CUDAGraphMode.parse(mode)
+        if mode not in _CAPTURING:
+            raise ValueError(f"{type(self).__name__}.drop: mode must be PIECEWISE or FULL (a runtime mode with graphs), "
+                             f"got {mode.name}")
+        return self._by_mode[mode.value].pop(descriptor, None) is not None
+
+    @property
+    def captured_on(self) -> Platform | None:
+        """The platform this wrapper captures on (None before its first capture)."""
+        return self._platform
+
+    def captured(self) -> list[tuple[CUDAGraphMode, BatchDescriptor, GraphEntry]]:
+        """Every entry of this wrapper, in every runtime mode, as ``(mode, descriptor, entry)``."""
+        return [(CUDAGraphMode(i), d, e) for i, entries in enumerate(self._by_mode) for d, e in entries.items()]
+
+    def set_aside_entries(self) -> tuple[dict[BatchDescriptor, GraphEntry], ...]:
+        """Empty this wrapper (as if nothing was captured) and return its entries for
+        :meth:`restore_entries`: captures meanwhile capture anew (the memory estimate's scratch pool)."""
+        saved, self._by_mode = self._by_mode, tuple({} for _ in self._by_mode)
+        return saved
+
+    def restore_entries(self, saved: tuple[dict[BatchDescriptor, GraphEntry], ...] | None) -> None:
+        """Put back what :meth:`set_aside_entries` returned, dropping what was captured since (None:
+        drop every entry and keep none)."""
+        self._by_mode = saved if saved is not None else tuple({} for _ in self._by_mode)
 
     def __repr__(self) -> str:
         mode = "any" if self.runtime_mode is None else self.runtime_mode.name
@@ -258,7 +290,7 @@ def _check_finite(entry: GraphEntry, owner: str, desc: BatchDescriptor) -> None:
             )
 
 
-class CUDAGraphWrapper(_GraphWrapper):
+class CUDAGraphWrapper(GraphWrapper):
     """Captures the whole call as one graph per descriptor when the context's mode is ``runtime_mode``.
 
     Break points inside run inline, so they are captured too.
@@ -276,7 +308,7 @@ class CUDAGraphWrapper(_GraphWrapper):
         super().__init__(runnable, runtime_mode, config)
 
 
-class BreakableCUDAGraphWrapper(_GraphWrapper):
+class BreakableCUDAGraphWrapper(GraphWrapper):
     """Captures the call as graph segments split at break points, which run eagerly on replay.
 
     ``runtime_mode=None`` matches any non-NONE mode; a set mode matches only itself and
@@ -294,10 +326,11 @@ class BreakableCUDAGraphWrapper(_GraphWrapper):
     ):
         super().__init__(runnable, runtime_mode, config)
 
-    def _matches(self, mode: CUDAGraphMode) -> bool:
-        return self.runtime_mode is None or mode == self.runtime_mode
+    def matches(self, mode: CUDAGraphMode) -> bool:
+        """Any non-NONE mode when ``runtime_mode`` is None, else that mode only."""
+        return mode != _NONE and (self.runtime_mode is None or mode == self.runtime_mode)
 
 
 def unwrap_model(obj: Any) -> Any:
     """The innermost runnable through any stack of this library's wrappers."""
-    return obj.unwrap() if isinstance(obj, _GraphWrapper) else obj
+    return obj.unwrap() if isinstance(obj, GraphWrapper) else obj

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..capture.wrappers import CUDAGraphWrapper, _GraphWrapper
+from ..capture.wrappers import CUDAGraphWrapper, GraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor, current_forward_context, set_forward_context
 from ..modes import CUDAGraphMode
@@ -61,7 +61,7 @@ def combine_outputs(outputs: list[Any], slices: list[UBatchSlice]) -> Any:
     return tree_unflatten(leaves, flat[0][1])
 
 
-class UBatchWrapper(_GraphWrapper):
+class UBatchWrapper(GraphWrapper):
     """Micro-batching wrapper; ``runtime_mode`` FULL (graphs of whole steps) or NONE (eager).
 
     ``timeout_s``: how long a micro-batched step may take before it fails (nothing waits forever).
@@ -147,7 +147,15 @@ class UBatchWrapper(_GraphWrapper):
         return run
 
     def _count(self) -> int:
-        return sum(w._count() for w in (self.full, self.split) if w is not None)
+        return sum(len(w.captured()) for w in (self.full, self.split) if w is not None)
+
+    def drop(self, mode: CUDAGraphMode | str, descriptor: BatchDescriptor) -> bool:
+        """Drop the graphs of ``descriptor`` in ``mode``, the plain and the micro-batched one; True when
+        there was one."""
+        dropped = [w.drop(mode, descriptor) for w in (self.full, self.split) if w is not None]
+        if CUDAGraphMode.parse(mode) == _FULL:
+            self._split_rows.pop(descriptor, None)
+        return any(dropped)
 
     def clear_graphs(self) -> None:
         """Drop every captured entry, micro-batched or not."""
