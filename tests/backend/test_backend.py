@@ -306,10 +306,13 @@ def test_register_is_idempotent_next_to_the_entry_point():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="platform='auto' means CUDA here")
-def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing():
+def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing(monkeypatch):
     # platform='auto' without a GPU means no graphs: the classic scheme must not install
     # per-piece wrappers that would only cost a passthrough (or fail) on every call.
-    backend = pb.make_backend(pb.CompilationConfig(use_breakable=False, compile_pieces="eager"))
+    import piecewise_backend.backend.compiler as backend_module
+
+    monkeypatch.setattr(backend_module, "_compile_inductor", lambda gm: backend_module.direct_forward(gm))  # fast
+    backend = pb.make_backend(pb.CompilationConfig(use_breakable=False))  # Inductor pieces: no simulator either
     model = make_model(2, "inplace")
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():

@@ -2,7 +2,7 @@
 compile-free breakable graph."""
 
 from .entry import GraphEntry
-from .graph import BreakableCUDAGraph, BreakableGraph, GraphPool, breakable_graph, graph_platform_name
+from .graph import BreakableCUDAGraph, BreakableGraph, GraphPool, breakable_graph
 from .memory import (
     captured_wrappers,
     fresh_pool,
@@ -41,7 +41,6 @@ __all__ = [
     "BreakableGraph",
     "GraphPool",
     "breakable_graph",
-    "graph_platform_name",
     "BreakPoint",
     "bulk_capture",
     "call_break",

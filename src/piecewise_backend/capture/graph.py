@@ -18,24 +18,14 @@ from typing import Any
 
 import torch
 
+from ..config import PLATFORMS
 from ..observability import counters, logger
 from ..platforms.base import Graph, Platform
-from ..platforms.registry import get_platform
+from ..platforms.registry import get_platform, resolve_platform_name
 from .memory import release_segments
 from .session import CaptureSession, EagerSegment, capture_active, session_scope
 
-PLATFORMS = ("auto", "cuda", "simulated")
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-
-
-def graph_platform_name(platform: str) -> str:
-    """``"auto"`` -> ``"cuda"`` when a GPU is present, else ``"simulated"`` (a compile-free capture always
-    captures: unlike ``CompilationConfig(platform="auto")``, which means no graphs on a CPU)."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"BreakableGraph platform must be one of {PLATFORMS}, got {platform!r}")
-    if platform == "auto":
-        return "cuda" if torch.cuda.is_available() else "simulated"
-    return platform
 
 
 class GraphPool:
@@ -69,7 +59,9 @@ class BreakableGraph:
     """
 
     def __init__(self, pool: GraphPool | None = None, *, platform: str = "auto"):
-        name = graph_platform_name(platform)
+        if platform not in PLATFORMS:
+            raise ValueError(f"BreakableGraph platform must be one of {PLATFORMS}, got {platform!r}")
+        name: str = resolve_platform_name(platform, simulate=True)  # type: ignore[assignment]  # never None here
         if pool is not None:
             if not isinstance(pool, GraphPool):
                 raise TypeError(

@@ -20,7 +20,7 @@ from ..inputs import InputSpec
 from ..modes import CUDAGraphMode
 from ..observability import counters, eager_counts, logger
 from ..platforms.base import Platform
-from ..platforms.registry import get_platform, resolve_platform_name, warm_up
+from ..platforms.registry import config_platform_name, get_platform, warm_up
 from .entry import GraphEntry
 from .memory import poison_stale_outputs, release_cached, release_capture_memory
 from .session import CaptureDisabledError, CaptureSession, capture_allowed, run_session
@@ -155,7 +155,7 @@ class GraphWrapper:
     @property
     def platform(self) -> Platform:
         if self._platform is None:
-            name = resolve_platform_name(self.config.platform)
+            name = config_platform_name(self.config)
             if name is None:
                 raise RuntimeError(
                     f"{type(self).__name__} was asked to capture but no CUDA device is present and "

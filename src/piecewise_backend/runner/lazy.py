@@ -37,7 +37,7 @@ from ..capture.session import bulk_capture
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
 from ..observability import logger
-from ..platforms.registry import get_platform, resolve_platform_name
+from ..platforms.registry import get_platform, config_platform_name
 from . import agreement as _parallel
 from .assembly import drop_graph
 
@@ -163,7 +163,7 @@ def capture_within(
     lazy: LazyCapture = runner.lazy
     start = clock()
     plan = lazy.order((k for k in keys if k not in lazy.captured and k not in lazy.too_large), budget)
-    name = resolve_platform_name(runner.config.platform)
+    name = config_platform_name(runner.config)
     if not plan or name is None:
         return []
     platform = get_platform(name)

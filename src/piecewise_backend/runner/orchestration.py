@@ -23,7 +23,7 @@ from ..capture.session import bulk_capture
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
 from ..observability import logger
-from ..platforms.registry import get_platform, resolve_platform_name, warmed_step, warmup_scope
+from ..platforms.registry import get_platform, config_platform_name, warmed_step, warmup_scope
 from ..shapes import mark_token_views
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
@@ -46,7 +46,7 @@ def capture_all(runner: Any, disable_after: bool, progress: bool | None) -> Capt
     """Capture every descriptor of ``runner``'s dispatcher, largest first (``GraphRunner.capture``)."""
     plan = runner.dispatcher.capture_descriptors()
     total = sum(len(descs) for _, descs in plan)
-    platform_name = resolve_platform_name(runner.config.platform)
+    platform_name = config_platform_name(runner.config)
     platform = get_platform(platform_name) if platform_name and total else None
     before = platform.memory() if platform else 0
     for name, buf in runner.buffers.items():
@@ -92,7 +92,7 @@ def estimate_memory(runner: Any) -> int:
     largest descriptor of each mode, captured into a scratch pool in capture order and released.
     Smaller sizes reuse that memory, so this is close to the real total (not a sum over sizes)."""
     plan = [(mode, descs[0]) for mode, descs in runner.dispatcher.capture_descriptors() if descs]
-    name = resolve_platform_name(runner.config.platform)
+    name = config_platform_name(runner.config)
     if not plan or name is None:
         return 0
     platform = get_platform(name)

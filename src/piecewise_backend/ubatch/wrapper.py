@@ -21,7 +21,7 @@ from ..capture.wrappers import CUDAGraphWrapper, GraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor, current_forward_context, set_forward_context
 from ..modes import CUDAGraphMode
-from ..platforms.registry import resolve_platform_name
+from ..platforms.registry import config_platform_name
 from .threads import DEFAULT_TIMEOUT_S, NUM_UBATCHES, UBatchThreads
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -135,7 +135,7 @@ class UBatchWrapper(GraphWrapper):
         slices = list(ctx.ubatch_slices)
         mode = ctx.runtime_mode if ctx.runtime_mode == _FULL else _NONE
         jobs = [self._job(i, s, mode) for i, s in enumerate(slices)]
-        cuda = resolve_platform_name(self.config.platform) == "cuda"  # the simulator's steps keep no streams
+        cuda = config_platform_name(self.config) == "cuda"  # the simulator's steps keep no streams
         outputs, self.last_order = self.threads.run(jobs, self.timeout_s, streams=cuda)
         return combine_outputs(outputs, slices)
 
