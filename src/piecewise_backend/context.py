@@ -48,7 +48,7 @@ class ForwardContext:
     same name cannot hide them; :func:`context_attributes` lists the extra attributes.
     """
 
-    __slots__ = ("_runtime_mode", "mode_index", "mode_bit", "__dict__")
+    __slots__ = ("__dict__", "_runtime_mode", "mode_bit", "mode_index")
 
     def __init__(self, runtime_mode: CUDAGraphMode, batch_descriptor: BatchDescriptor | None, **attrs: Any):
         self.runtime_mode = runtime_mode

@@ -204,7 +204,7 @@ class PiecewiseBackend:
 
     def drop(self, mode: CUDAGraphMode | str, descriptor: Any) -> bool:
         """Drop the per-piece graphs (``use_breakable=False``) of ``descriptor`` in ``mode``; True when any was."""
-        return any([wrapper.drop(mode, descriptor) for wrapper in self.piece_wrappers])
+        return any([wrapper.drop(mode, descriptor) for wrapper in self.piece_wrappers])  # noqa: C419 (drop all)
 
     def reset(self) -> None:
         """Forget compiled pieces, recorded splits and per-piece wrappers (with their graphs)."""

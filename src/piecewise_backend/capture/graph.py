@@ -123,6 +123,16 @@ class BreakableGraph:
                 torch._C._set_grad_enabled(grad)
         counters["replays"] += 1
 
+    def adopt(self, segments: list[Graph | EagerSegment], *, grad_touched: bool, memory_bytes: int) -> None:
+        """Hold what a capture into this graph made (``breakable_graph`` calls it when its body returns):
+        ``segments`` to replay, whether they touch grad mode, the pool bytes they added. The capture's
+        inference mode is the replay's."""
+        self.segments = segments
+        self._grad_touched = grad_touched
+        self._inference = torch.is_inference_mode_enabled()
+        self._state = "captured"
+        self.memory_bytes = memory_bytes
+
     def reset(self) -> None:
         """Drop the captured segments (their pool memory goes back to the pool); the graph can capture again."""
         self.segments = []
@@ -183,10 +193,6 @@ def breakable_graph(
     with session_scope(session):
         yield g
     release_segments(platform, session.segments, pool.handle)
-    g.segments = session.segments
-    g._grad_touched = session.grad_touched
-    g._inference = torch.is_inference_mode_enabled()
-    g._state = "captured"
-    g.memory_bytes = max(0, pool.memory_bytes() - before)
+    g.adopt(session.segments, grad_touched=session.grad_touched, memory_bytes=max(0, pool.memory_bytes() - before))
     counters["captures"] += 1
     logger.debug("breakable_graph captured %d segments (%d breaks), %d bytes", len(g.segments), g.num_breaks, g.memory_bytes)

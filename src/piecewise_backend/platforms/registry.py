@@ -23,6 +23,7 @@ from ..config import PLATFORMS, CompilationConfig
 from ..modes import CUDAGraphMode
 from .base import Platform
 
+
 def resolve_platform_name(name: str, *, simulate: bool = False) -> str | None:
     """The platform ``name`` means here: ``"cuda"`` and ``"simulated"`` are themselves; ``"auto"`` is
     ``"cuda"`` when a GPU is present, else ``"simulated"`` when ``simulate`` (the caller can run on the
