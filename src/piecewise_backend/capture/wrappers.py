@@ -23,8 +23,7 @@ from ..platforms.base import Platform
 from ..platforms.registry import config_platform_name, get_platform, warm_up
 from .entry import GraphEntry
 from .memory import poison_stale_outputs, release_cached, release_capture_memory
-from .session import CaptureDisabledError, CaptureSession, capture_allowed, run_session
-from .session import _state as _capture_state
+from .session import CaptureDisabledError, CaptureSession, capture_active, capture_allowed, run_session
 
 __all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "GraphWrapper", "unwrap_model"]
 
@@ -132,7 +131,7 @@ class GraphWrapper:
                 f"{type(self).__name__}: runtime mode {ctx.runtime_mode.name} needs a batch_descriptor in the "
                 "forward context (it keys the graph); pass pb.BatchDescriptor(num_tokens) to set_forward_context"
             )
-        if _capture_state.session is not None:  # inside another wrapper's capture: become part of its graph
+        if capture_active():  # inside another wrapper's capture: become part of its graph
             return self.runnable(*args, **kwargs)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
