@@ -224,8 +224,9 @@ class GraphWrapper:
         (``clear_graphs`` drops every entry and releases at once)."""
         mode = CUDAGraphMode.parse(mode)
         if mode not in _CAPTURING:
-            raise ValueError(f"{type(self).__name__}.drop: mode must be PIECEWISE or FULL (a runtime mode with graphs), "
-                             f"got {mode.name}")
+            raise ValueError(
+                f"{type(self).__name__}.drop: mode must be PIECEWISE or FULL (a runtime mode with graphs), got {mode.name}"
+            )
         return self._by_mode[mode.value].pop(descriptor, None) is not None
 
     @property

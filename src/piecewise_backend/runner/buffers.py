@@ -67,7 +67,10 @@ class StepBuffers:
         """What an eager step of ``tokens`` tokens passes without the buffers: the step's own tensors where
         they have the buffers' dtype, width and row count, padded copies otherwise."""
         specs, rows, device = self.specs, self._request_rows, self.device
-        return {k: eager_tensor(specs[k], t, rows.get(k, tokens), device) for k, t in batch.items()}  # type: ignore[arg-type]
+        return {
+            k: eager_tensor(specs[k], t, rows.get(k, tokens), device)  # type: ignore[arg-type]
+            for k, t in batch.items()
+        }
 
     def reset(self) -> None:
         """Every buffer back to its ``pad``: no capture or warm-up runs on a previous step's data."""

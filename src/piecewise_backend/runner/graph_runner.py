@@ -386,7 +386,9 @@ class GraphRunner:
             keys = [(mode, d) for mode, descs in plan for d in descs]
             began, segments = time.perf_counter(), graphs_created()
             before = self.lazy.grown
-            captured = capture_within(self.step_buffers, self.step, self.config, self.lazy, keys, math.inf, self._budget)
+            captured = capture_within(
+                self.step_buffers, self.step, self.config, self.lazy, keys, math.inf, self._budget
+            )
             self.report = CaptureReport(
                 len(captured), time.perf_counter() - began,
                 f"{len(captured)} of {len(keys)} descriptors within graph_memory_budget={self._budget}",

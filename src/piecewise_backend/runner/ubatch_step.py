@@ -69,7 +69,9 @@ def check_query_lens(query_lens: Any, n: int, reqs: int | None) -> list[int] | N
     return lens
 
 
-def agree(config: CompilationConfig, n: int, uniform: bool, split: tuple[int, int] | None, fit: bool, step: int) -> Agreement:
+def agree(
+    config: CompilationConfig, n: int, uniform: bool, split: tuple[int, int] | None, fit: bool, step: int
+) -> Agreement:
     """Decide the step with every rank (one all-gather of 8 ints); a plain computation on one process."""
     threshold = config.dbo_decode_token_threshold if uniform else config.dbo_prefill_token_threshold
     wants = split is not None and n >= threshold
@@ -110,14 +112,6 @@ def canonical_rows(num_tokens: int, q: int) -> tuple[int, int] | None:
     return first, num_tokens - first
 
 
-def _place(dst: torch.Tensor, value: torch.Tensor, cut: int, starts: tuple[int, int], pad: int | float) -> None:
-    """Rows ``[:cut]`` of ``value`` at row ``starts[0]`` of ``dst``, the rest at ``starts[1]``; ``pad`` elsewhere."""
-    dst.fill_(pad)
-    for (a, b), start in zip(((0, cut), (cut, value.shape[0])), starts):
-        chunk = value[a:b]
-        dst[(slice(start, start + b - a), *(slice(0, d) for d in chunk.shape[1:]))].copy_(chunk)
-
-
 @dataclasses.dataclass(frozen=True)
 class HalfLayout:
     """How a micro-batched step lays its two halves out in the step's rows: ``rows`` padded token rows
@@ -142,7 +136,8 @@ def plan(
         # max_num_reqs whenever the step does. Every rank derives its split the same way from its n.
         first = min(canonical[0], n - q)
         largest_second = max(agreed.num_tokens - canonical[0], q)  # of any rank: the same check on every rank
-        if buffers.per_request and (canonical[0] + largest_second) // q > buffers.max_num_reqs:  # type: ignore[operator]
+        second_end = (canonical[0] + largest_second) // q
+        if buffers.per_request and second_end > buffers.max_num_reqs:  # type: ignore[operator]
             canonical = None  # the second half's requests would not fit the per-request buffers at the graph's offset
         else:
             agreed = dataclasses.replace(agreed, split=(first, first // q))
@@ -219,7 +214,10 @@ def half_views(
     """Each half's views of a laid-out step: its token rows, and its rows of the per-request inputs."""
     (first, second), rows0 = halves.rows, halves.request_rows
     return [
-        {k: (v[:rows0] if i == 0 else v[rows0:]) if k in per_request else v[start:start + size] for k, v in views.items()}
+        {
+            k: (v[:rows0] if i == 0 else v[rows0:]) if k in per_request else v[start:start + size]
+            for k, v in views.items()
+        }
         for i, (start, size) in enumerate(((0, first), (first, second)))
     ]
 
