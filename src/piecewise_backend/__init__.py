@@ -12,6 +12,7 @@ from .config import CompilationConfig, default_capture_sizes
 from .context import (
     BatchDescriptor,
     ForwardContext,
+    current_forward_context,
     get_forward_context,
     is_forward_context_available,
     set_forward_context,
@@ -71,7 +72,8 @@ from .runner.static_inputs import StaticInput
 __all__ = [
     # core
     "testing", "CompilationConfig", "default_capture_sizes", "BatchDescriptor", "ForwardContext",
-    "get_forward_context", "is_forward_context_available", "set_forward_context", "mark_persistent",
+    "current_forward_context", "get_forward_context", "is_forward_context_available", "set_forward_context",
+    "mark_persistent",
     "AttentionGraphSupport", "CUDAGraphMode", "COUNTER_KEYS", "counters", "expect", "reset_counters",
     "register_splitting_op", "registered_splitting_ops", "unregister_splitting_op", "mark_token_dim",
     "__version__", "is_weak", "weak_ref_tensor", "weak_ref_tensors",

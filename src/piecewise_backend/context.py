@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from .modes import CUDAGraphMode
@@ -39,7 +40,15 @@ class BatchDescriptor:
 
 
 class ForwardContext:
-    """What one forward step runs under. Extra attributes (attention metadata...) are readable."""
+    """What one forward step runs under. Extra attributes (attention metadata...) are readable.
+
+    ``mode_index`` (the runtime mode's value) and ``mode_bit`` (``1 << mode_index``) follow
+    ``runtime_mode``: plain ints for hot paths (a wrapper's passthrough test), where hashing or
+    comparing Enum members would run Python code. They are slots, so an extra attribute of the
+    same name cannot hide them; :func:`context_attributes` lists the extra attributes.
+    """
+
+    __slots__ = ("__dict__", "_runtime_mode", "mode_bit", "mode_index")
 
     def __init__(self, runtime_mode: CUDAGraphMode, batch_descriptor: BatchDescriptor | None, **attrs: Any):
         self.runtime_mode = runtime_mode
@@ -55,9 +64,8 @@ class ForwardContext:
         if type(mode) is not CUDAGraphMode or mode._value_ not in _RUNTIME_VALUES:
             raise ValueError(f"runtime_mode must be one of NONE, PIECEWISE, FULL; got {getattr(mode, 'name', mode)}")
         self._runtime_mode = mode
-        # Ints for the wrappers' passthrough test (hashing or comparing Enum members is slow).
-        self._mode_index = mode._value_
-        self._mode_bit = 1 << mode._value_
+        self.mode_index = mode._value_
+        self.mode_bit = 1 << mode._value_
 
     def __repr__(self) -> str:
         shown = [f"runtime_mode={self.runtime_mode!r}"]
@@ -65,7 +73,17 @@ class ForwardContext:
         return f"ForwardContext({', '.join(shown)})"
 
 
+def context_attributes(ctx: ForwardContext) -> dict[str, Any]:
+    """The extra attributes ``ctx`` was set with (``set_forward_context(mode, desc, **attrs)``'s ``attrs``)."""
+    return {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "batch_descriptor"}
+
+
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pb_forward_context", default=None)
+
+#: ``current_forward_context()``: the active :class:`ForwardContext`, or None outside one. The
+#: ContextVar's bound ``get`` itself, so a hot path (a wrapper's passthrough, an attention op) pays
+#: one C call, as ``_CONTEXT.get()`` did; :func:`get_forward_context` raises instead of returning None.
+current_forward_context: Callable[[], ForwardContext | None] = _CONTEXT.get
 
 
 class set_forward_context:  # noqa: N801 - a context manager used like a function, as torch.no_grad
@@ -99,17 +117,17 @@ class set_forward_context:  # noqa: N801 - a context manager used like a functio
 
 
 def get_forward_context() -> ForwardContext:
-    ctx = _CONTEXT.get()
+    ctx = current_forward_context()
     if ctx is None:
         raise RuntimeError("no forward context is set; run the model inside `with pb.set_forward_context(...)`")
     return ctx
 
 
 def is_forward_context_available() -> bool:
-    return _CONTEXT.get() is not None
+    return current_forward_context() is not None
 
 
 def current_runtime_mode() -> CUDAGraphMode:
     """The active runtime mode, NONE when no context is set (cheap; used on hot paths)."""
-    ctx = _CONTEXT.get()
+    ctx = current_forward_context()
     return CUDAGraphMode.NONE if ctx is None else ctx.runtime_mode

@@ -175,9 +175,10 @@ class InputSpec:
             leaves[s.index] = s.static
         return tree_unflatten(leaves, spec)
 
-    def note_writes(self, leaves: Any) -> None:
+    def note_writes(self, leaves: Any) -> list[tuple[_Tensor, torch.Tensor]]:
         """After the capture's replay on the call's ``leaves``: mark staged inputs the model wrote into
-        (from then on their writes are copied back to the caller, as eager makes them)."""
+        (from then on their writes are copied back to the caller, as eager makes them). Returns the
+        (slot, caller tensor) pairs of those, for :meth:`copy_back`."""
         for s in self._staged:
             t, static = leaves[s.index], s.static
             same = torch.equal(t, static) if not t.is_floating_point() else bool(
@@ -185,6 +186,7 @@ class InputSpec:
             )
             s.written = not same
         self._written = [s for s in self._staged if s.written]
+        return [(s, leaves[s.index]) for s in self._written]
 
     def leaves(self, args: tuple, kwargs: dict) -> Any:
         """The call's leaves, in capture order; raises when the structure differs from the capture."""

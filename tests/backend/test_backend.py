@@ -306,10 +306,13 @@ def test_register_is_idempotent_next_to_the_entry_point():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="platform='auto' means CUDA here")
-def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing():
+def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing(monkeypatch):
     # platform='auto' without a GPU means no graphs: the classic scheme must not install
     # per-piece wrappers that would only cost a passthrough (or fail) on every call.
-    backend = pb.make_backend(pb.CompilationConfig(use_breakable=False, compile_pieces="eager"))
+    import piecewise_backend.backend.compiler as backend_module
+
+    monkeypatch.setattr(backend_module, "_compile_inductor", lambda gm: backend_module.direct_forward(gm))  # fast
+    backend = pb.make_backend(pb.CompilationConfig(use_breakable=False))  # Inductor pieces: no simulator either
     model = make_model(2, "inplace")
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
@@ -318,6 +321,23 @@ def test_per_piece_scheme_on_cpu_with_auto_platform_wraps_nothing():
     split_gm = backend.splits[-1].split_gm
     runners = [split_gm.__dict__[p.name] for p in backend.splits[-1].pieces if not p.is_splitting]
     assert runners and not any(isinstance(r, pb.CUDAGraphWrapper) for r in runners)
+
+
+def test_drop_removes_one_descriptor_of_every_per_piece_wrapper():
+    config = pb.CompilationConfig(use_breakable=False, compile_pieces="eager", platform="simulated")
+    backend = pb.make_backend(config)
+    model = make_model(2, "inplace")
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for n in (4, 8):
+            with pb.set_forward_context(pb.CUDAGraphMode.PIECEWISE, pb.BatchDescriptor(n)):
+                compiled(token_ids(n))
+    assert backend.piece_wrappers and all(set(w.entries) == {pb.BatchDescriptor(4), pb.BatchDescriptor(8)}
+                                          for w in backend.piece_wrappers)
+    assert backend.drop(pb.CUDAGraphMode.PIECEWISE, pb.BatchDescriptor(4)) is True
+    assert all(set(w.entries) == {pb.BatchDescriptor(8)} for w in backend.piece_wrappers)
+    assert backend.drop(pb.CUDAGraphMode.PIECEWISE, pb.BatchDescriptor(4)) is False
+    assert backend.drop(pb.CUDAGraphMode.FULL, pb.BatchDescriptor(8)) is False  # per-piece wrappers are PIECEWISE
 
 
 # ---------------------------------------------------------------- what decides that two pieces share a compile
@@ -373,7 +393,7 @@ def fake_inductor(monkeypatch):
     compile between different pieces shows as the first piece's result, without Inductor's cost."""
     import piecewise_backend.backend.compiler as backend_module
 
-    monkeypatch.setattr(backend_module, "_compile_inductor", lambda gm: backend_module._direct_forward(gm))
+    monkeypatch.setattr(backend_module, "_compile_inductor", lambda gm: backend_module.direct_forward(gm))
 
 
 @pytest.mark.parametrize("case", PAIRS, ids=list(PAIRS))

@@ -518,3 +518,49 @@ def test_accumulating_break_is_reported_under_debug_checks():
                                       config=SIM.replace(debug_checks=True))
     x = x8()
     assert_close(run(w2, M.PIECEWISE, D8, x), x * 2 + 1)
+
+
+# ---------------------------------------------------------------- drop(mode, descriptor)
+
+
+def test_drop_removes_one_entry_of_one_mode_and_the_key_captures_again():
+    m = TwoBreakModel()
+    w = breakable(m)  # runtime_mode=None: FULL and PIECEWISE entries of one descriptor, kept apart
+    x = x8()
+    d4 = pb.BatchDescriptor(4)
+    run(w, M.FULL, D8, x)
+    run(w, M.PIECEWISE, D8, x)
+    run(w, M.PIECEWISE, d4, x[:4])
+    assert w.drop(M.PIECEWISE, D8) is True
+    assert w.entries_by_mode[M.PIECEWISE].keys() == {d4} and w.entries_by_mode[M.FULL].keys() == {D8}
+    assert w.drop(M.PIECEWISE, D8) is False  # nothing left to drop
+    assert w.drop("FULL", pb.BatchDescriptor(16)) is False
+    assert sorted((mode.name, d.num_tokens) for mode, d, _ in w.captured()) == [("FULL", 8), ("PIECEWISE", 4)]
+    with pb.expect(captures=1):  # the dropped key captures anew, and returns what eager returns
+        out = run(w, M.PIECEWISE, D8, x)
+    assert_close(out, m(x))
+    with pytest.raises(ValueError, match="PIECEWISE or FULL"):
+        w.drop(M.NONE, D8)
+    with pytest.raises(ValueError, match="PIECEWISE or FULL"):
+        w.drop(M.FULL_AND_PIECEWISE, D8)
+
+
+def test_captured_on_is_the_platform_of_the_first_capture():
+    w = full(CountingMLP())
+    assert w.captured_on is None and w.captured() == []
+    run(w, M.FULL, D8, x8())
+    assert w.captured_on is not None and w.captured_on.name == "simulated"
+
+
+def test_set_aside_entries_and_restore_them():
+    w = full(CountingMLP())
+    run(w, M.FULL, D8, x8())
+    entry = w.entries[D8]
+    saved = w.set_aside_entries()
+    assert w.entries == {}
+    with pb.expect(captures=1):  # set aside: the descriptor captures anew
+        run(w, M.FULL, D8, x8())
+    w.restore_entries(saved)
+    assert w.entries[D8] is entry
+    w.restore_entries(None)
+    assert w.entries == {}

@@ -88,6 +88,33 @@ def test_defaults_and_attrs_readable():
     assert not pb.is_forward_context_available()
 
 
+def test_current_forward_context_is_the_context_or_none_at_the_cost_of_a_contextvar_read():
+    assert pb.current_forward_context() is None
+    with pb.set_forward_context(M.PIECEWISE, BD(8)) as outer:
+        assert pb.current_forward_context() is outer
+        with pb.set_forward_context(M.FULL, BD(4, 4, True)) as inner:
+            assert pb.current_forward_context() is inner
+        assert pb.current_forward_context() is outer
+    assert pb.current_forward_context() is None
+    # no Python frame on the hot path: the ContextVar's own bound ``get``
+    assert type(pb.current_forward_context).__name__ == "builtin_function_or_method"
+    seen = []
+    with pb.set_forward_context(M.FULL, BD(2)):
+        thread = threading.Thread(target=lambda: seen.append(pb.current_forward_context()))
+        thread.start()
+        thread.join()
+    assert seen == [None]  # another thread has its own (empty) context
+
+
+@pytest.mark.parametrize("mode", [M.NONE, M.PIECEWISE, M.FULL])
+def test_mode_index_and_mode_bit_follow_the_runtime_mode(mode):
+    with pb.set_forward_context(mode, BD(4), mode_index=99, mode_bit=0, meta="m") as ctx:
+        assert (ctx.mode_index, ctx.mode_bit) == (mode.value, 1 << mode.value)  # attrs cannot hide them
+        assert pb.context.context_attributes(ctx) == {"mode_index": 99, "mode_bit": 0, "meta": "m"}
+        ctx.runtime_mode = M.FULL
+        assert (ctx.mode_index, ctx.mode_bit) == (M.FULL.value, 1 << M.FULL.value)
+
+
 def test_runtime_mode_given_by_name():
     with pb.set_forward_context("full", BD(4, 4, True)) as ctx:
         assert ctx.runtime_mode is M.FULL

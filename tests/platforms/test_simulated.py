@@ -342,9 +342,14 @@ def test_config_refuses_inductor_on_simulated():
 def test_auto_platform_without_gpu_refuses_to_capture():
     if torch.cuda.is_available():
         pytest.skip("auto resolves to cuda on a GPU machine")  # only the CPU behaviour is tested here
-    w = pb.CUDAGraphWrapper(lambda x: x + 1, M.FULL, config=pb.CompilationConfig(compile_pieces="eager"))
+    w = pb.CUDAGraphWrapper(lambda x: x + 1, M.FULL, config=pb.CompilationConfig())  # Inductor pieces
     x = torch.ones(2)
     assert_close(w(x), x + 1)  # eager without a context is fine
     with pytest.raises(RuntimeError, match="simulated"):
         run(w, M.FULL, D4, x)
     assert w.entries == {} and not capture_active()
+    # eager pieces can run on the simulator: "auto" means it there
+    w = pb.CUDAGraphWrapper(lambda x: x + 1, M.FULL, config=pb.CompilationConfig(compile_pieces="eager"))
+    with pb.expect(captures=1):
+        assert_close(run(w, M.FULL, D4, x), x + 1)
+    assert list(w.entries) == [D4] and w.captured_on.name == "simulated"

@@ -102,12 +102,26 @@ def test_wrap_model_without_breakable(mode):
 @pytest.mark.parametrize("mode", [M.PIECEWISE, M.FULL_AND_PIECEWISE, M.FULL])
 def test_auto_platform_on_cpu_means_no_graphs_in_the_runner(mode):
     model = TwoBreakModel()
-    config = pb.CompilationConfig(cudagraph_mode=mode, platform="auto", compile_pieces="eager")
+    config = pb.CompilationConfig(cudagraph_mode=mode, platform="auto")  # Inductor pieces: no simulator
     assert pb.effective_mode(config) is M.NONE
     runner = pb.GraphRunner(model, config, [pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
     assert runner.mode is M.NONE and runner.model is model
     # wrap_model itself is structural: it stacks what the configured mode asks for
     assert isinstance(pb.wrap_model(model, config), pb.CUDAGraphWrapper if mode.has_full_cudagraphs() else pb.BreakableCUDAGraphWrapper)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="platform='auto' means CUDA here")
+def test_auto_platform_on_cpu_with_eager_pieces_runs_the_simulator():
+    model = TwoBreakModel()
+    config = pb.CompilationConfig(cudagraph_mode=M.PIECEWISE, platform="auto", compile_pieces="eager", capture_sizes=[8])
+    assert pb.effective_mode(config) is M.PIECEWISE
+    runner = pb.GraphRunner(model, config, [pb.StaticInput("x", shape=(8,), dtype=torch.float32)])
+    assert runner.mode is M.PIECEWISE and runner.downgrades == ()
+    x = torch.randn(5, 8)
+    with pb.expect(captures=1):
+        out = runner.run(x=x)
+    assert runner.last_mode is M.PIECEWISE and runner.model.captured_on.name == "simulated"
+    torch.testing.assert_close(out, model(x))
 
 
 def test_wrap_model_rejects_non_config():

@@ -96,6 +96,16 @@ def test_full_and_piecewise_dispatch():
     assert d.dispatch(15, uniform_decode=True, num_reqs=15) == (M.NONE, BD(15))
 
 
+def test_piecewise_key_and_eager_key():
+    d = dispatcher(M.FULL_AND_PIECEWISE)
+    assert d.piecewise_key(8) == BD(8) and d.piecewise_key(1) == BD(1)
+    assert d.piecewise_key(4) is None  # not a capture size
+    assert d.eager_key(15) == BD(15) and d.eager_key(15) is d.eager_key(15)  # built once per count
+    full = dispatcher(M.FULL_DECODE_ONLY)
+    assert full.piecewise_key(8) is None  # no PIECEWISE keys in this mode
+    assert full.dispatch(3) == (M.NONE, full.eager_key(3))
+
+
 def test_dispatch_follows_keys_initialized_again(monkeypatch):
     # dispatch reads per-size tables built from the keys: a second initialize_keys must rebuild them
     d = dispatcher(M.FULL_AND_PIECEWISE)

@@ -93,13 +93,13 @@ def test_capture_idle_starts_no_capture_predicted_past_the_time_left(monkeypatch
     for n in (7, 3, 2):
         step(runner, n)
     clock = FakeClock()
-    real = runner._capture_one
+    real = lazy_policy.capture_one
 
     def slow(*args):
         real(*args)
         clock.now += 1.0
 
-    monkeypatch.setattr(runner, "_capture_one", slow)
+    monkeypatch.setattr(lazy_policy, "capture_one", slow)
     with torch.no_grad():
         assert runner.capture_idle(2.5, clock=clock) == [(M.PIECEWISE, BD(8)), (M.PIECEWISE, BD(4))]
         assert runner.capture_idle(0.5, clock=clock) == []  # predicted 1 s > 0.5 s

@@ -12,7 +12,6 @@ from torch.testing import assert_close
 import piecewise_backend as pb
 from piecewise_backend.capture import gc_managed
 from piecewise_backend.inputs import is_persistent
-from piecewise_backend.platforms import registry
 from pbtest.helpers import SIM, make_model, token_ids, torch_threads
 
 M = pb.CUDAGraphMode
@@ -391,8 +390,8 @@ def test_runner_says_what_it_does_not_do_of_its_config(caplog, monkeypatch):
         "graph (only uniform decode steps dispatched FULL replay micro-batched graphs)",)
     r = pb.GraphRunner(model, cfg(use_ubatching=True), x_input(), drafter=True)
     assert r.downgrades == ("use_ubatching: a drafter's steps are never micro-batched",)
-    monkeypatch.setattr(registry, "resolve_platform_name", lambda name: None)  # "auto" on a machine without a GPU
-    r = pb.GraphRunner(model, cfg(platform="auto"), x_input())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" on a machine without a GPU
+    r = pb.GraphRunner(model, cfg(platform="auto", compile_pieces="inductor"), x_input())
     assert r.mode is M.NONE and r.downgrades == ("platform 'auto' finds no GPU: cudagraph_mode FULL_AND_PIECEWISE -> NONE",)
 
 

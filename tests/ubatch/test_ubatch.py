@@ -210,6 +210,23 @@ def test_plain_full_steps_of_a_micro_batching_wrapper_are_graphs_too():
     assert wrapper._count() == 0
 
 
+def test_drop_removes_the_plain_and_the_micro_batched_graph_and_the_recorded_split():
+    model = OrderModel()
+    wrapper = pb.wrap_model(model, SIM_UB)
+    x = torch.arange(1.0, 6.0)
+    pb.mark_persistent(x)
+    _step(wrapper, x, FULL)  # micro-batched, halves (2, 3)
+    with pb.set_forward_context(FULL, pb.BatchDescriptor(5)):
+        wrapper(x)  # plain
+    five = pb.BatchDescriptor(5)
+    assert list(wrapper.entries) == [five] and list(wrapper.ubatch_entries) == [five]
+    assert wrapper.drop(FULL, pb.BatchDescriptor(4)) is False
+    assert wrapper.drop(FULL, five) is True
+    assert not wrapper.entries and not wrapper.ubatch_entries
+    assert wrapper.drop(FULL, five) is False
+    assert torch.equal(_step(wrapper, x, FULL, cut=3), _expected(x, cut=3))  # captured anew: another split is fine
+
+
 def test_host_sync_inside_a_micro_batched_capture_fails_clearly_and_capture_works_again():
     class Syncing(torch.nn.Module):
         sync = True

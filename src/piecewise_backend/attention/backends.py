@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..context import _CONTEXT
+from ..context import current_forward_context
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..platforms.simulated.platform import is_recording
 from .kernels import attend, attend_blocks, visible_start
@@ -131,7 +131,7 @@ def capturing(device: torch.device | None = None) -> bool:
     """Whether the current op runs inside a graph capture, where reading device values on the host is
     illegal: the step's runtime mode is FULL, a CUDA stream is capturing (checked for a CUDA
     ``device``), or the simulated platform is recording."""
-    ctx = _CONTEXT.get()
+    ctx = current_forward_context()
     if ctx is not None and ctx.runtime_mode == CUDAGraphMode.FULL:
         return True
     if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():

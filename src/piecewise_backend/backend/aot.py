@@ -39,7 +39,7 @@ from torch._dynamo.aot_compile_types import SerializableCallable
 from ..config import CompilationConfig
 from ..observability import counters
 from .cache import as_piece_callable, load_artifact, returns_bare_value
-from .compiler import PiecewiseBackend, _direct_forward
+from .compiler import PiecewiseBackend, direct_forward
 from .split import Piece, SplitGraph
 from .trust import check_trusted, check_trusted_file
 
@@ -116,7 +116,7 @@ class _LoadBackend(PiecewiseBackend):
     def assemble(self, split: SplitGraph) -> Callable[..., Any]:
         for piece in split.pieces:
             split.split_gm.__dict__[piece.name] = self._runner(piece)  # setattr refuses non-Modules
-        return _direct_forward(split.split_gm)
+        return direct_forward(split.split_gm)
 
 
 class PiecewiseArtifact(SerializableCallable):

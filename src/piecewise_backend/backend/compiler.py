@@ -28,7 +28,7 @@ from .split import Piece, SplitGraph, split_graph
 _graph_ids = iter(range(1 << 62))
 
 
-def _direct_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+def direct_forward(gm: fx.GraphModule) -> Callable[..., Any]:
     """``gm``'s generated ``forward``, bound: what a piece costs to call on every step and replay.
 
     A lazily recompiled GraphModule's ``forward`` taken before its first call stays
@@ -123,14 +123,14 @@ class PiecewiseBackend:
         counters["splitting_pieces"] += split.num_splitting
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
-        return _direct_forward(split_gm)
+        return direct_forward(split_gm)
 
     def _runner(self, piece: Piece, matcher: OpMatcher | None = None) -> Callable[..., Any]:
         if piece.is_splitting:
-            return BreakPoint(_direct_forward(piece.module), _break_name(piece, matcher))
+            return BreakPoint(direct_forward(piece.module), _break_name(piece, matcher))
         counters["compiled_pieces"] += 1
         if self.config.compile_pieces == "eager":
-            fn: Callable[..., Any] = _direct_forward(piece.module)
+            fn: Callable[..., Any] = direct_forward(piece.module)
         else:
             fn = self._compile(piece)
         if not self.config.use_breakable and effective_mode(self.config) != CUDAGraphMode.NONE:
@@ -201,6 +201,10 @@ class PiecewiseBackend:
         """Drop the graphs every per-piece wrapper (``use_breakable=False``) captured."""
         for wrapper in self.piece_wrappers:
             wrapper.clear_graphs()
+
+    def drop(self, mode: CUDAGraphMode | str, descriptor: Any) -> bool:
+        """Drop the per-piece graphs (``use_breakable=False``) of ``descriptor`` in ``mode``; True when any was."""
+        return any([wrapper.drop(mode, descriptor) for wrapper in self.piece_wrappers])  # noqa: C419 (drop all)
 
     def reset(self) -> None:
         """Forget compiled pieces, recorded splits and per-piece wrappers (with their graphs)."""

@@ -2,15 +2,7 @@
 compile-free breakable graph."""
 
 from .entry import GraphEntry
-from .graph import (
-    BreakableCUDAGraph,
-    BreakableGraph,
-    CUDAGraphSequence,
-    GraphPool,
-    breakable_graph,
-    graph_platform_name,
-    piecewise_graph,
-)
+from .graph import BreakableCUDAGraph, BreakableGraph, CUDAGraphSequence, GraphPool, breakable_graph, piecewise_graph
 from .memory import (
     captured_wrappers,
     fresh_pool,
@@ -53,7 +45,6 @@ __all__ = [
     "CUDAGraphSequence",
     "GraphPool",
     "breakable_graph",
-    "graph_platform_name",
     "piecewise_graph",
     "BreakPoint",
     "bulk_capture",

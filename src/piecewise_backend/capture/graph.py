@@ -18,24 +18,14 @@ from typing import Any
 
 import torch
 
+from ..config import PLATFORMS
 from ..observability import counters, logger
 from ..platforms.base import Graph, Platform
-from ..platforms.registry import get_platform
+from ..platforms.registry import get_platform, resolve_platform_name
 from .memory import release_segments
 from .session import CaptureSession, EagerSegment, capture_active, session_scope
 
-PLATFORMS = ("auto", "cuda", "simulated")
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-
-
-def graph_platform_name(platform: str) -> str:
-    """``"auto"`` -> ``"cuda"`` when a GPU is present, else ``"simulated"`` (a compile-free capture always
-    captures: unlike ``CompilationConfig(platform="auto")``, which means no graphs on a CPU)."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"BreakableGraph platform must be one of {PLATFORMS}, got {platform!r}")
-    if platform == "auto":
-        return "cuda" if torch.cuda.is_available() else "simulated"
-    return platform
 
 
 class GraphPool:
@@ -69,7 +59,9 @@ class BreakableGraph:
     """
 
     def __init__(self, pool: GraphPool | None = None, *, platform: str = "auto"):
-        name = graph_platform_name(platform)
+        if platform not in PLATFORMS:
+            raise ValueError(f"BreakableGraph platform must be one of {PLATFORMS}, got {platform!r}")
+        name: str = resolve_platform_name(platform, simulate=True)  # type: ignore[assignment]  # never None here
         if pool is not None:
             if not isinstance(pool, GraphPool):
                 raise TypeError(
@@ -130,6 +122,16 @@ class BreakableGraph:
             if self._grad_touched and torch.is_grad_enabled() is not grad:
                 torch._C._set_grad_enabled(grad)
         counters["replays"] += 1
+
+    def adopt(self, segments: list[Graph | EagerSegment], *, grad_touched: bool, memory_bytes: int) -> None:
+        """Hold what a capture into this graph made (``breakable_graph`` calls it when its body returns):
+        ``segments`` to replay, whether they touch grad mode, the pool bytes they added. The capture's
+        inference mode is the replay's."""
+        self.segments = segments
+        self._grad_touched = grad_touched
+        self._inference = torch.is_inference_mode_enabled()
+        self._state = "captured"
+        self.memory_bytes = memory_bytes
 
     def reset(self) -> None:
         """Drop the captured segments (their pool memory goes back to the pool); the graph can capture again."""
@@ -214,11 +216,7 @@ def breakable_graph(
     with session_scope(session):
         yield g
     release_segments(platform, session.segments, pool.handle)
-    g.segments = session.segments
-    g._grad_touched = session.grad_touched
-    g._inference = torch.is_inference_mode_enabled()
-    g._state = "captured"
-    g.memory_bytes = max(0, pool.memory_bytes() - before)
+    g.adopt(session.segments, grad_touched=session.grad_touched, memory_bytes=max(0, pool.memory_bytes() - before))
     counters["captures"] += 1
     logger.debug("breakable_graph captured %d segments (%d breaks), %d bytes", len(g.segments), g.num_breaks, g.memory_bytes)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
-from ..weak import is_weak, keep_strong, weak_ref_tensor
+from ..weak import is_weak, keep_strong
 
 if TYPE_CHECKING:
     from ..platforms.base import Platform
@@ -39,57 +39,23 @@ def graphs_created() -> int:
 
 
 def owner_test(platform: Platform) -> Callable[[torch.Tensor], bool]:
-    """A test "was this tensor allocated in ``platform``'s graph pool?" (a capture-time tensor).
-
-    Optional platform hooks used here: ``owns(t)`` (the simulated platform), ``pool`` (a
-    :class:`~.platforms.simulated.pool.SimPool`), ``pools`` (CUDA ``MemPool`` objects),
-    ``release_cached()`` and ``fresh_pool()``. A CUDA platform without ``owns`` is asked through one
-    ``torch.cuda.memory_snapshot()`` per capture: a tensor in one of the pools the platform
-    holds is pool memory (the graphs' tensors, and a break's results, which the platform
-    routes to the pool while breaks run); a tensor outside them (allocated before the
-    capture, or by another thread) stays strongly held, never weakened into memory nobody owns.
-    """
-    owns = getattr(platform, "owns", None)
-    if owns is not None:
-        return owns
-    if getattr(platform, "name", None) == "cuda":
-        return _cuda_pool_owner(platform)
-    return lambda t: False
-
-
-def _cuda_pool_owner(platform: Any) -> Callable[[torch.Tensor], bool]:
-    # Address ranges of the pools' segments; one snapshot per capture, not per tensor.
-    ids = {tuple(p.id) for p in platform.pools}
-    ranges = [
-        (s["address"], s["address"] + s["total_size"])
-        for s in torch.cuda.memory_snapshot()
-        if tuple(s.get("segment_pool_id", ())) in ids
-    ]
-
-    def owns(t: torch.Tensor) -> bool:
-        # by address alone: host and device addresses never overlap (one unified address space)
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return False
-        ptr = t.untyped_storage().data_ptr()
-        return any(lo <= ptr < hi for lo, hi in ranges)
-
-    return owns
+    """A test "was this tensor allocated in ``platform``'s graph pool?" (a capture-time tensor):
+    :meth:`Platform.owner_test <piecewise_backend.platforms.base.Platform.owner_test>`, built once per capture."""
+    return platform.owner_test()
 
 
 def _weakener(platform: Platform, pool: Any = None) -> Callable[[Any], Any]:
     """One weak view per capture-time tensor (pool memory), the same view for every reference to it,
     so identities a replay checks (a break returning its input) still hold. ``pool``: a private
-    pool the capture used (a :class:`SimPool`); None: the platform's own."""
-    owns = pool.owns if hasattr(pool, "owns") else owner_test(platform)
-    pool = pool if pool is not None else getattr(platform, "pool", None)
-    make_weak = getattr(pool, "weak", weak_ref_tensor)
+    pool the capture used (``BreakableGraph.pool()``); None: the platform's own."""
+    owns = platform.owner_test(pool)
     made: dict[int, tuple[Any, Any]] = {}
 
     def weaken(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         if id(x) not in made:
-            made[id(x)] = (x, make_weak(x) if not is_weak(x) and owns(x) else x)
+            made[id(x)] = (x, platform.weak_ref(x, pool) if not is_weak(x) and owns(x) else x)
         return made[id(x)][1]
 
     return weaken
@@ -173,20 +139,19 @@ def poison_stale_outputs(wrapper: Any, mode_index: int, desc: Any, entry: Any) -
     Entries of the same (mode, descriptor) belong to one forward: per-piece wrappers chain
     their outputs into each other's inputs.
     """
-    platform = wrapper._platform
+    platform = wrapper.captured_on
     keep = _ranges([*entry.inputs, *entry.static_inputs])
     for other_wrapper in list(_wrappers):
-        if other_wrapper._platform is not platform:
+        if other_wrapper.captured_on is not platform:
             continue
-        for index, entries in enumerate(other_wrapper._by_mode):
-            for other_desc, other in list(entries.items()):
-                if other is entry or (index == mode_index and other_desc == desc):
-                    continue
-                for t in other.output_leaves:
-                    if is_weak(t) and t.numel():
-                        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-                        if not any(a < hi and lo < b for a, b in keep):
-                            poison(t)
+        for other_mode, other_desc, other in other_wrapper.captured():
+            if other is entry or (other_mode.value == mode_index and other_desc == desc):
+                continue
+            for t in other.output_leaves:
+                if is_weak(t) and t.numel():
+                    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+                    if not any(a < hi and lo < b for a, b in keep):
+                        poison(t)
 
 
 # ------------------------------------------------------------------ clearing and the estimate
@@ -194,54 +159,31 @@ def poison_stale_outputs(wrapper: Any, mode_index: int, desc: Any, entry: Any) -
 
 def release_cached(platform: Platform | None) -> int:
     """Give free pool memory back (after entries were dropped); returns the bytes released."""
-    if platform is None:
-        return 0
-    own = getattr(platform, "release_cached", None)  # a platform that knows its pools best
-    if own is not None:
-        return own()
-    pool = getattr(platform, "pool", None)
-    if hasattr(pool, "release_cached"):
-        return pool.release_cached()
-    return 0
+    return 0 if platform is None else platform.release_cached()
 
 
 @contextlib.contextmanager
-def fresh_pool(platform: Any) -> Iterator[Any]:
+def fresh_pool(platform: Platform) -> Iterator[Any]:
     """Route the platform's captures to a new pool for the duration; yields that pool."""
-    pool = getattr(platform, "pool", None)
-    if hasattr(pool, "release_cached"):  # the simulated pool
-        platform.pool = scratch = type(pool)()
-        try:
-            yield scratch
-        finally:
-            platform.pool = pool  # dropped, the scratch pool keeps only memory still viewed
-    elif hasattr(platform, "fresh_pool"):  # CUDA
-        with platform.fresh_pool() as scratch:
-            yield scratch
-    else:
-        raise TypeError(
-            f"platform {getattr(platform, 'name', platform)!r} has no graph pool to replace: fresh_pool needs the "
-            "simulated platform (a SimPool) or the CUDA platform (MemPools)"
-        )
+    with platform.fresh_pool() as scratch:
+        yield scratch
 
 
 @contextlib.contextmanager
 def scratch_pool(platform: Platform) -> Iterator[None]:
     """Capture into a fresh pool for the duration, then release it with the entries made in it.
     Entries captured before are set aside meanwhile, so every descriptor captures anew."""
-    saved = {w: w._by_mode for w in list(_wrappers)}
-    for w in saved:
-        w._by_mode = tuple({} for _ in w._by_mode)
+    saved = {w: w.set_aside_entries() for w in list(_wrappers)}
     try:
         with fresh_pool(platform):
             try:
                 yield
             finally:  # drop the scratch entries while their pool is current
                 for w in list(_wrappers):
-                    w._by_mode = saved.get(w) or tuple({} for _ in w._by_mode)
+                    w.restore_entries(saved.get(w))
     finally:
-        for w, by_mode in saved.items():
-            w._by_mode = by_mode
+        for w, entries in saved.items():
+            w.restore_entries(entries)
     release_cached(platform)
 
 

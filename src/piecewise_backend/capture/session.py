@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..observability import counters
-from ..platforms.base import Graph, Platform, Recorder, fresh_outputs, set_gc_managed
+from ..platforms.base import Graph, Recorder, Recording, fresh_outputs, set_gc_managed
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -194,7 +194,7 @@ class CaptureSession:
 
     def __init__(
         self,
-        platform: Platform,
+        platform: Recording,
         breakable: bool,
         *,
         scope: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,

@@ -15,18 +15,17 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..config import CompilationConfig
-from ..context import _CONTEXT, BatchDescriptor, ForwardContext
+from ..context import BatchDescriptor, ForwardContext, current_forward_context
 from ..inputs import InputSpec
 from ..modes import CUDAGraphMode
 from ..observability import counters, eager_counts, logger
 from ..platforms.base import Platform
-from ..platforms.registry import get_platform, resolve_platform_name, warm_up
+from ..platforms.registry import config_platform_name, get_platform, warm_up
 from .entry import GraphEntry
 from .memory import poison_stale_outputs, release_cached, release_capture_memory
-from .session import CaptureDisabledError, CaptureSession, capture_allowed, run_session
-from .session import _state as _capture_state
+from .session import CaptureDisabledError, CaptureSession, capture_active, capture_allowed, run_session
 
-__all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "unwrap_model"]
+__all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "GraphWrapper", "unwrap_model"]
 
 _NONE = CUDAGraphMode.NONE
 _CAPTURING = (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
@@ -41,7 +40,10 @@ def _weights(module: Any) -> list[tuple[int, torch.dtype]]:
     return [(t.data_ptr(), t.dtype) for t in tensors]
 
 
-class _GraphWrapper:
+class GraphWrapper:
+    """What every capture wrapper shares (CUDAGraphWrapper, BreakableCUDAGraphWrapper, UBatchWrapper): entries
+    per runtime mode and descriptor, the passthrough gate, capture on first sight, ``drop`` and ``clear_graphs``."""
+
     breakable = False
 
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode | None, config: CompilationConfig | None):
@@ -69,7 +71,7 @@ class _GraphWrapper:
                 raise ValueError(f"{type(self).__name__} runtime_mode must be PIECEWISE or FULL, got {mode.name}")
         self._runtime_mode = mode
         # bit m.value set for every runtime mode this wrapper captures (see __call__)
-        self._mode_mask = sum(1 << m.value for m in _CAPTURING if self._matches(m))
+        self._mode_mask = sum(1 << m.value for m in _CAPTURING if self.matches(m))
 
     @property
     def entries(self) -> dict[BatchDescriptor, GraphEntry]:
@@ -87,7 +89,7 @@ class _GraphWrapper:
     @property
     def entries_by_mode(self) -> dict[CUDAGraphMode, dict[BatchDescriptor, GraphEntry]]:
         """The live entry dicts of every runtime mode this wrapper captures."""
-        return {m: self._by_mode[m.value] for m in _CAPTURING if self._matches(m)}
+        return {m: self._by_mode[m.value] for m in _CAPTURING if self.matches(m)}
 
     def __getattr__(self, name: str) -> Any:
         # Only called for missing attributes: forward them to the wrapped model.
@@ -108,19 +110,20 @@ class _GraphWrapper:
             self.clear_graphs()
         return self if result is self.runnable else result
 
-    def _matches(self, mode: CUDAGraphMode) -> bool:
+    def matches(self, mode: CUDAGraphMode) -> bool:
+        """Does this wrapper capture (and replay) steps of runtime ``mode``?"""
         return mode == self.runtime_mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Hot path: a step this wrapper does not capture must cost next to nothing (goal 500 ns).
         # The mode test is one bit-and of ints, the count a list slot: hashing or comparing Enum
         # members runs Python code and made each passthrough cost microseconds.
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         if ctx is None:
             eager_counts[0] += 1
             return self.runnable(*args, **kwargs)
-        if not ctx._mode_bit & self._mode_mask:  # == not self._matches(ctx.runtime_mode)
-            eager_counts[ctx._mode_index] += 1
+        if not ctx.mode_bit & self._mode_mask:  # == not self.matches(ctx.runtime_mode)
+            eager_counts[ctx.mode_index] += 1
             return self.runnable(*args, **kwargs)
         desc = ctx.batch_descriptor
         if desc is None:
@@ -128,7 +131,7 @@ class _GraphWrapper:
                 f"{type(self).__name__}: runtime mode {ctx.runtime_mode.name} needs a batch_descriptor in the "
                 "forward context (it keys the graph); pass pb.BatchDescriptor(num_tokens) to set_forward_context"
             )
-        if _capture_state.session is not None:  # inside another wrapper's capture: become part of its graph
+        if capture_active():  # inside another wrapper's capture: become part of its graph
             return self.runnable(*args, **kwargs)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
@@ -137,11 +140,11 @@ class _GraphWrapper:
                 "at a time: serialize the steps or give each thread its own wrapper"
             )
         try:
-            entry = self._by_mode[ctx._mode_index].get(desc)
+            entry = self._by_mode[ctx.mode_index].get(desc)
             if entry is None:
                 return self._capture(ctx, args, kwargs)
             if self.config.debug_checks:
-                poison_stale_outputs(self, ctx._mode_index, desc, entry)
+                poison_stale_outputs(self, ctx.mode_index, desc, entry)
             out = entry.replay(args, kwargs)
         finally:
             self._busy.release()
@@ -151,7 +154,7 @@ class _GraphWrapper:
     @property
     def platform(self) -> Platform:
         if self._platform is None:
-            name = resolve_platform_name(self.config.platform)
+            name = config_platform_name(self.config)
             if name is None:
                 raise RuntimeError(
                     f"{type(self).__name__} was asked to capture but no CUDA device is present and "
@@ -190,9 +193,7 @@ class _GraphWrapper:
         if self.config.debug_checks:
             poison_stale_outputs(self, mode.value, desc, entry)
         entry.run()  # a capture does not execute: replay once so this call returns real values
-        leaves = spec.leaves(args, kwargs)
-        spec.note_writes(leaves)
-        spec.copy_back([(s, leaves[s.index]) for s in spec._written])
+        spec.copy_back(spec.note_writes(spec.leaves(args, kwargs)))
         if self.config.debug_checks:
             _check_finite(entry, type(self).__name__, desc)
         entries[desc] = entry
@@ -206,7 +207,7 @@ class _GraphWrapper:
     def unwrap(self) -> Any:
         """The innermost runnable below this library's wrappers."""
         inner = self.runnable
-        return inner.unwrap() if isinstance(inner, _GraphWrapper) else inner
+        return inner.unwrap() if isinstance(inner, GraphWrapper) else inner
 
     def _count(self) -> int:
         return sum(len(d) for d in self._by_mode)
@@ -216,6 +217,37 @@ class _GraphWrapper:
         for d in self._by_mode:
             d.clear()
         release_cached(self._platform)  # give back the pool memory no graph uses any more
+
+    def drop(self, mode: CUDAGraphMode | str, descriptor: BatchDescriptor) -> bool:
+        """Drop the entry captured for ``descriptor`` in runtime ``mode``; True when there was one. The
+        next call of that key captures again; its pool memory is given back by the next ``release_cached``
+        (``clear_graphs`` drops every entry and releases at once)."""
+        mode = CUDAGraphMode.parse(mode)
+        if mode not in _CAPTURING:
+            raise ValueError(
+                f"{type(self).__name__}.drop: mode must be PIECEWISE or FULL (a runtime mode with graphs), got {mode.name}"
+            )
+        return self._by_mode[mode.value].pop(descriptor, None) is not None
+
+    @property
+    def captured_on(self) -> Platform | None:
+        """The platform this wrapper captures on (None before its first capture)."""
+        return self._platform
+
+    def captured(self) -> list[tuple[CUDAGraphMode, BatchDescriptor, GraphEntry]]:
+        """Every entry of this wrapper, in every runtime mode, as ``(mode, descriptor, entry)``."""
+        return [(CUDAGraphMode(i), d, e) for i, entries in enumerate(self._by_mode) for d, e in entries.items()]
+
+    def set_aside_entries(self) -> tuple[dict[BatchDescriptor, GraphEntry], ...]:
+        """Empty this wrapper (as if nothing was captured) and return its entries for
+        :meth:`restore_entries`: captures meanwhile capture anew (the memory estimate's scratch pool)."""
+        saved, self._by_mode = self._by_mode, tuple({} for _ in self._by_mode)
+        return saved
+
+    def restore_entries(self, saved: tuple[dict[BatchDescriptor, GraphEntry], ...] | None) -> None:
+        """Put back what :meth:`set_aside_entries` returned, dropping what was captured since (None:
+        drop every entry and keep none)."""
+        self._by_mode = saved if saved is not None else tuple({} for _ in self._by_mode)
 
     def __repr__(self) -> str:
         mode = "any" if self.runtime_mode is None else self.runtime_mode.name
@@ -258,7 +290,7 @@ def _check_finite(entry: GraphEntry, owner: str, desc: BatchDescriptor) -> None:
             )
 
 
-class CUDAGraphWrapper(_GraphWrapper):
+class CUDAGraphWrapper(GraphWrapper):
     """Captures the whole call as one graph per descriptor when the context's mode is ``runtime_mode``.
 
     Break points inside run inline, so they are captured too.
@@ -276,7 +308,7 @@ class CUDAGraphWrapper(_GraphWrapper):
         super().__init__(runnable, runtime_mode, config)
 
 
-class BreakableCUDAGraphWrapper(_GraphWrapper):
+class BreakableCUDAGraphWrapper(GraphWrapper):
     """Captures the call as graph segments split at break points, which run eagerly on replay.
 
     ``runtime_mode=None`` matches any non-NONE mode; a set mode matches only itself and
@@ -294,10 +326,11 @@ class BreakableCUDAGraphWrapper(_GraphWrapper):
     ):
         super().__init__(runnable, runtime_mode, config)
 
-    def _matches(self, mode: CUDAGraphMode) -> bool:
-        return self.runtime_mode is None or mode == self.runtime_mode
+    def matches(self, mode: CUDAGraphMode) -> bool:
+        """Any non-NONE mode when ``runtime_mode`` is None, else that mode only."""
+        return mode != _NONE and (self.runtime_mode is None or mode == self.runtime_mode)
 
 
 def unwrap_model(obj: Any) -> Any:
     """The innermost runnable through any stack of this library's wrappers."""
-    return obj.unwrap() if isinstance(obj, _GraphWrapper) else obj
+    return obj.unwrap() if isinstance(obj, GraphWrapper) else obj

@@ -16,7 +16,7 @@ import torch
 
 from ..attention import cuda as attention_cuda  # noqa: F401  (registers the varlen backend)
 from ..attention.backends import run_attention
-from ..context import _CONTEXT
+from ..context import current_forward_context
 from ..ops import register_splitting_op
 
 #: Slot of a padding token: its K/V go to the scratch block and are never read.
@@ -50,7 +50,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
 
 
 def current_metadata() -> PagedAttentionMetadata:
-    ctx = _CONTEXT.get()
+    ctx = current_forward_context()
     meta = getattr(ctx, "attn_metadata", None)
     if not isinstance(meta, PagedAttentionMetadata):
         raise RuntimeError(

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..capture.session import eager_break
-from ..context import _CONTEXT
+from ..context import current_forward_context
 from ..ops import register_splitting_op
 
 ATTENTION_KINDS = ("inplace", "fresh", "break", "sdpa")
@@ -37,7 +37,7 @@ class AttnMetadata:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    ctx = _CONTEXT.get()
+    ctx = current_forward_context()
     meta: AttnMetadata | None = getattr(ctx, "attn_metadata", None)
     if meta is None:
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)

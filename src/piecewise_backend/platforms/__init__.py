@@ -3,8 +3,16 @@
 A platform opens capture *scopes* (one per wrapper capture call: stream, gc) and records
 *segments* inside them; a finished segment is a graph with ``replay()``."""
 
-from .base import Graph, Platform, Recorder, fresh_outputs, gc_managed, set_gc_managed
-from .registry import effective_mode, get_platform, resolve_platform_name, warm_up, warmed_step, warmup_scope
+from .base import Graph, Platform, Recorder, Recording, fresh_outputs, gc_managed, set_gc_managed
+from .registry import (
+    config_platform_name,
+    effective_mode,
+    get_platform,
+    resolve_platform_name,
+    warm_up,
+    warmed_step,
+    warmup_scope,
+)
 
 __all__ = [
     "fresh_outputs",
@@ -12,7 +20,9 @@ __all__ = [
     "Graph",
     "Platform",
     "Recorder",
+    "Recording",
     "set_gc_managed",
+    "config_platform_name",
     "effective_mode",
     "get_platform",
     "resolve_platform_name",

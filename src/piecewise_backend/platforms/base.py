@@ -7,7 +7,8 @@ records *segments* inside them; a finished segment is a graph with ``replay()``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -24,16 +25,76 @@ class Recorder(Protocol):
     def abort(self) -> None: ...
 
 
-class Platform(Protocol):
+class Recording(Protocol):
+    """What a capture session needs of a platform: a scope around one whole capture, and a recorder per
+    graph segment (a test or a benchmark can stand in with these three alone)."""
+
     name: str
 
-    def capture_scope(self): ...  # context manager around one whole capture
+    def capture_scope(self) -> AbstractContextManager[None]: ...  # around one whole capture
 
-    def begin(self) -> Recorder: ...
+    def begin(self) -> Recorder: ...  # start recording one segment
 
-    def memory(self) -> int: ...  # a monotone measure of what captures hold (bytes, or recorded ops)
 
-    def describe(self, amount: int) -> str: ...  # ``amount`` of memory() in words
+@runtime_checkable
+class Platform(Recording, Protocol):
+    """Everything the layers above use of a graph platform (``cuda`` or ``simulated``), called directly:
+    none of them probes a platform with ``getattr``. ``tests/platforms`` checks both platforms against it.
+
+    Pools: every capture of the process shares the platform's pool; :meth:`new_pool` makes a private one
+    (a ``BreakableGraph`` of its own) that :meth:`capturing_into` captures into. What a platform holds
+    beyond this (the CUDA platform's generations and streams, the simulator's knobs) is its own.
+    """
+
+    def memory(self) -> int:
+        """A monotone measure of what captures hold: bytes of the platform's graph pools."""
+        ...
+
+    def describe(self, amount: int) -> str:
+        """``amount`` of :meth:`memory` in words (the capture report's)."""
+        ...
+
+    def new_pool(self) -> Any:
+        """A private graph pool, for :meth:`capturing_into` (``BreakableGraph.pool()``)."""
+        ...
+
+    def capturing_into(
+        self, pool: Any, stream: Any = None, capture_error_mode: str = "global"
+    ) -> AbstractContextManager[None]:
+        """Around one capture into the private ``pool`` (instead of :meth:`Recording.capture_scope`)."""
+        ...
+
+    def pool_memory(self, pool: Any) -> int:
+        """Bytes the private ``pool`` holds."""
+        ...
+
+    def fresh_pool(self) -> AbstractContextManager[Any]:
+        """Captures go to a new shared pool meanwhile (the memory estimate's scratch pool); yields it."""
+        ...
+
+    def release_cached(self) -> int:
+        """Give back the pool memory no graph uses any more; returns the bytes released."""
+        ...
+
+    def owner_test(self, pool: Any = None) -> Callable[[torch.Tensor], bool]:
+        """A test "was this tensor allocated in the graph pool?" (``pool``: a private one), for one capture."""
+        ...
+
+    def weak_ref(self, t: torch.Tensor, pool: Any = None) -> torch.Tensor:
+        """A view of the pool tensor ``t`` that keeps none of its memory alive."""
+        ...
+
+    def warmup_scope(self) -> AbstractContextManager[None]:
+        """Where eager warm-ups for this platform's captures run (CUDA: the capture stream)."""
+        ...
+
+    def warmed_step(self) -> AbstractContextManager[None]:
+        """Around the warm-ups of one capture and that capture: what they warmed counts for it only."""
+        ...
+
+    def warm_up(self, fn: Callable[..., Any], args: tuple, kwargs: dict, times: int) -> None:
+        """Before a capture no caller warmed up: run ``fn`` ``times`` times eagerly where this platform needs it."""
+        ...
 
 
 _gc_probe: list[Callable[[], bool]] = [lambda: False]

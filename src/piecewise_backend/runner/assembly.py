@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..backend.compiler import PiecewiseBackend
-from ..capture.wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, _GraphWrapper
+from ..capture.wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, GraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import AttentionGraphSupport, CUDAGraphMode
@@ -96,9 +96,9 @@ def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) 
     return wrapped
 
 
-def _wrappers(model: Any) -> list[_GraphWrapper]:
+def _wrappers(model: Any) -> list[GraphWrapper]:
     stack = []
-    while isinstance(model, _GraphWrapper):
+    while isinstance(model, GraphWrapper):
         stack.append(model)
         model = model.runnable
     return stack
@@ -106,7 +106,7 @@ def _wrappers(model: Any) -> list[_GraphWrapper]:
 
 def find_backend(model: Any) -> PiecewiseBackend | None:
     """Best effort: the PiecewiseBackend a ``torch.compile``d model (below any wrappers) was compiled with."""
-    model = model.unwrap() if isinstance(model, _GraphWrapper) else model
+    model = model.unwrap() if isinstance(model, GraphWrapper) else model
     obj: Any = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
     for _ in range(8):  # torch nests its own wrappers around the user's backend
         if obj is None or isinstance(obj, PiecewiseBackend):
@@ -138,21 +138,15 @@ def clear_graphs(model: Any) -> None:
         backend.clear_graphs()
 
 
-def drop_graph(model: Any, mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+def drop_graph(model: Any, mode: CUDAGraphMode, desc: BatchDescriptor) -> bool:
     """Drop the graphs of one ``(mode, desc)`` of ``model`` (wrapper stack, micro-batched and per-piece
-    entries); the pool memory they used is given back by the next ``release_cached``."""
-    for wrapper in _wrappers(model):
-        if isinstance(wrapper, UBatchWrapper):
-            for inner in (wrapper.full, wrapper.split):
-                if inner is not None:
-                    inner._by_mode[mode.value].pop(desc, None)
-            wrapper._split_rows.pop(desc, None)
-        elif wrapper._matches(mode):
-            wrapper._by_mode[mode.value].pop(desc, None)
+    entries: each one's ``drop``); the pool memory they used is given back by the next ``release_cached``.
+    True when any was dropped."""
+    dropped = [wrapper.drop(mode, desc) for wrapper in _wrappers(model)]
     backend = find_backend(model)
     if backend is not None:
-        for piece in backend.piece_wrappers:
-            piece._by_mode[mode.value].pop(desc, None)
+        dropped.append(backend.drop(mode, desc))
+    return any(dropped)
 
 
 def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> None:
@@ -162,7 +156,7 @@ def validate_capture_coverage(model: Any, dispatcher: CudagraphDispatcher) -> No
     for mode in (_PIECEWISE, _FULL):
         if not dispatcher.keys[mode]:
             continue
-        if any(w._matches(mode) for w in stack) or (mode == _PIECEWISE and per_piece):
+        if any(w.matches(mode) for w in stack) or (mode == _PIECEWISE and per_piece):
             continue
         desc: BatchDescriptor = max(dispatcher.keys[mode], key=lambda d: d.num_tokens)
         installed = ", ".join(

@@ -105,7 +105,7 @@ class CudagraphDispatcher:
                 f"(uniform_decode_query_len={q}), got num_tokens={num_tokens}"
             )
         if self.mode == _NONE or num_tokens > self.max_size:
-            return _NONE, self._eager_key(num_tokens)
+            return _NONE, self.eager_key(num_tokens)
         padded = self._pad[num_tokens]
         if not disable_full:
             if uniform_decode:
@@ -118,9 +118,15 @@ class CudagraphDispatcher:
         relaxed = self._mixed_piecewise.get(padded)
         if relaxed is not None:
             return _PIECEWISE, relaxed
-        return _NONE, self._eager_key(num_tokens)
+        return _NONE, self.eager_key(num_tokens)
 
-    def _eager_key(self, num_tokens: int) -> BatchDescriptor:
+    def piecewise_key(self, num_tokens: int) -> BatchDescriptor | None:
+        """The PIECEWISE key a mixed batch padded to ``num_tokens`` dispatches to (None: no such key)."""
+        return self._mixed_piecewise.get(num_tokens)
+
+    def eager_key(self, num_tokens: int) -> BatchDescriptor:
+        """The key of a step of ``num_tokens`` run eagerly (runtime mode NONE): ``BatchDescriptor(num_tokens)``,
+        built once per token count."""
         desc = self._eager.get(num_tokens)
         if desc is None:
             desc = BatchDescriptor(num_tokens)

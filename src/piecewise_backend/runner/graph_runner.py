@@ -1,51 +1,50 @@
 """GraphRunner: the engine-facing object that pads, dispatches, captures and replays.
 
-It owns one persistent buffer per input (see :mod:`.static_inputs`); every step copies the
-batch into those buffers, so graphs always read the addresses they captured. This module holds
-the runner and its step path; capturing (warm-ups, the capture loop, :class:`CaptureReport`,
-the progress bar) is in :mod:`.orchestration`.
+Its parts, each a module of its own: :class:`~.buffers.StepBuffers` owns one persistent buffer
+per input and the views of them a step reads (every step copies its batch there, so graphs always
+read the addresses they captured); :class:`~.step.ModelStep` runs the wrapped model once on such
+views, plain or micro-batched, for a step as for a warm-up or a capture; capture planning
+(:mod:`.orchestration`, :mod:`.lazy`) takes those two, not the runner; :mod:`.ubatch_step` splits a
+step in halves. The runner holds the state a step consults (dispatcher, lazy demand, whether
+capture is closed) and the one step path of :meth:`GraphRunner.run`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 from ..capture.memory import graphs_created
-from ..capture.wrappers import CUDAGraphWrapper
 from ..config import CompilationConfig
-from ..context import BatchDescriptor, set_forward_context
-from ..inputs import mark_persistent
+from ..context import BatchDescriptor
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..observability import logger
 from ..platforms.registry import effective_mode
-from ..shapes import mark_token_views
-from ..ubatch.wrapper import UBatchWrapper
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
 from .assembly import clear_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
+from .buffers import StepBuffers
 from .dispatcher import CudagraphDispatcher
 from .lazy import Key, LazyCapture, capture_within
-from .orchestration import CaptureReport, capture_all, capture_one, estimate_memory
+from .orchestration import CaptureReport, capture_all, estimate_memory
 from .static_inputs import (
     StaticInput,
-    check_captured_context,
     check_context,
     check_full_context,
     check_request_rows,
     check_tensor,
-    context_tensors,
-    eager_tensor,
-    fill,
     fits,
     input_names,
     step_counts,
 )
+from .step import ContextFn, ModelStep
+
+__all__ = ["CaptureReport", "GraphRunner", "StaticInput"]  # CaptureReport, StaticInput: imported from here too
 
 
 class GraphRunner:
@@ -98,11 +97,10 @@ class GraphRunner:
             )
         if len(set(names)) != len(names):
             raise ValueError(f"GraphRunner input names must be unique, got {names}")
-        self.inputs = {i.name: i for i in inputs}
         positional = model_kwargs is None and model_args is None
-        self.model_args = input_names("model_args", model_args, names, names if positional else [])
-        self.model_kwargs = input_names("model_kwargs", model_kwargs, names, [])
-        both = sorted(set(self.model_args) & set(self.model_kwargs))
+        model_args_ = input_names("model_args", model_args, names, names if positional else [])
+        model_kwargs_ = input_names("model_kwargs", model_kwargs, names, [])
+        both = sorted(set(model_args_) & set(model_kwargs_))
         if both:
             raise ValueError(f"inputs {both} are in both model_args and model_kwargs; pass each one way")
         if context_fn is not None and not callable(context_fn):
@@ -117,14 +115,12 @@ class GraphRunner:
                 f"per='request' inputs {per_request} need GraphRunner(max_num_reqs=...) (their row count)"
             )
         self.max_num_reqs = max_num_reqs
-        self._per_request = frozenset(per_request)
-        self._request_row = frozenset(i.name for i in inputs if i.request_row)  # rebased per micro-batch half
-        if self._request_row and not per_request:
+        request_row = sorted(i.name for i in inputs if i.request_row)  # rebased per micro-batch half
+        if request_row and not per_request:
             raise ValueError(
-                f"request_row inputs {sorted(self._request_row)} hold rows of per-request inputs, but this runner "
+                f"request_row inputs {request_row} hold rows of per-request inputs, but this runner "
                 "has none: add the per='request' inputs they index"
             )
-        self._request_rows = {name: max_num_reqs for name in per_request}  # other inputs: the step's token rows
         downgrades = []  # what this runner does not do of what config asked, in words
         effective = effective_mode(config)
         if effective != config.cudagraph_mode:
@@ -161,28 +157,59 @@ class GraphRunner:
         self.config = config.replace(cudagraph_mode=mode)
         self.drafter = drafter
         self.attention_backend = attention_backend
-        self.context_fn = context_fn
-        self.model = wrap_model(model, self.config, drafter=drafter)
+        wrapped = wrap_model(model, self.config, drafter=drafter)
         self.dispatcher = CudagraphDispatcher(self.config)
         self.dispatcher.initialize_keys(_drafter_mode(mode) if drafter else mode, uniform_decode_query_len)
-        validate_capture_coverage(self.model, self.dispatcher)
+        validate_capture_coverage(wrapped, self.dispatcher)
         self.device = torch.device(device) if device is not None else _model_device(model)
-        self.buffers = {
-            i.name: torch.full((self._rows(i), *i.shape), i.pad, dtype=i.dtype, device=self.device) for i in inputs
-        }
-        mark_persistent(*self.buffers.values())  # graphs read them in place: no staging copy per replay
-        self._buffer_storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
+        #: The persistent input buffers and the views a step reads (``.buffers`` is its dict of tensors).
+        self.step_buffers = StepBuffers(
+            inputs, tokens=self.dispatcher.max_size, max_num_reqs=max_num_reqs, device=self.device
+        )
+        #: The step function: the wrapped model run once on laid-out views (steps, warm-ups, captures).
+        self.step = ModelStep(
+            wrapped, self.step_buffers, model_args=model_args_, model_kwargs=model_kwargs_, context_fn=context_fn,
+            uniform_decode_query_len=uniform_decode_query_len,
+            ubatch_threshold=self.config.dbo_decode_token_threshold if self._ubatching else None,
+        )
         self._replays = mode != CUDAGraphMode.NONE  # a step may replay a graph
         self.last_mode = CUDAGraphMode.NONE
         self.last_ubatched = False  # the last step was micro-batched (use_ubatching)
         self.steps = 0  # steps run by a micro-batching runner (named in its errors)
         self.capture_closed = False  # after capture(): an unseen descriptor raises instead of capturing
         self.report: CaptureReport | None = None
-        self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
         self.lazy = LazyCapture()  # captured keys, demand for the others, capture measurements
         self._lazy_capture = self._budget = None
         self.lazy_capture = lazy_capture
         self.graph_memory_budget = graph_memory_budget
+
+    @property
+    def model(self) -> Any:
+        """The wrapped model (the wrapper stack ``wrap_model`` built for the runner's mode)."""
+        return self.step.model
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent input buffers, by input name (one row per token of the largest capture size, or
+        ``max_num_reqs`` rows per request)."""
+        return self.step_buffers.tensors
+
+    @property
+    def inputs(self) -> dict[str, StaticInput]:
+        """The runner's inputs, by name."""
+        return self.step_buffers.specs
+
+    @property
+    def model_args(self) -> list[str]:
+        return self.step.model_args
+
+    @property
+    def model_kwargs(self) -> list[str]:
+        return self.step.model_kwargs
+
+    @property
+    def context_fn(self) -> ContextFn | None:
+        return self.step.context_fn
 
     @property
     def lazy_capture(self) -> bool:
@@ -217,53 +244,6 @@ class GraphRunner:
     def mode(self) -> CUDAGraphMode:
         return self.config.cudagraph_mode
 
-    def _rows(self, spec: StaticInput) -> int:
-        return self.max_num_reqs if spec.per == "request" else self.dispatcher.max_size  # type: ignore[return-value]
-
-    def _views(self, padded: int) -> dict[str, torch.Tensor]:
-        return {name: buf if name in self._per_request else buf[:padded] for name, buf in self.buffers.items()}
-
-    def _call(
-        self, views: Mapping[str, torch.Tensor], mode: CUDAGraphMode, desc: BatchDescriptor, extra: dict,
-        capturing: bool = False,
-    ) -> Any:
-        attrs = dict(self.context_fn(dict(views))) if self.context_fn else {}
-        guard = None
-        if mode == CUDAGraphMode.FULL and self.context_fn is not None:
-            guard = self._guard_context(("step", desc), desc, context_tensors(attrs), self._full_entries())
-        attrs.update(extra)
-        if capturing:
-            attrs["allow_capture"] = True  # capture() captures even when an earlier capture() closed this runner
-        elif self.capture_closed or self._route_lazily:
-            attrs.setdefault("allow_capture", False)
-        with set_forward_context(mode, desc, **attrs):
-            out = self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
-        if guard is not None:
-            guard()
-        return out
-
-    def _full_entries(self) -> dict | None:
-        """The FULL entries of plain (not micro-batched) steps, by descriptor."""
-        m = self.model
-        if isinstance(m, UBatchWrapper) or isinstance(m, CUDAGraphWrapper) and m.runtime_mode == CUDAGraphMode.FULL:
-            return m.entries
-        return None
-
-    def _guard_context(
-        self, key: tuple, desc: BatchDescriptor, now: dict[str, tuple], entries: dict | None
-    ) -> Callable[[], Any] | None:
-        """Before a FULL call: refuse ``context_fn`` tensors (``now``: :func:`context_tensors`) other than
-        those the graph of ``desc`` captured. When this call may capture ``desc``, returns what records
-        them once it did (a failed capture records nothing)."""
-        if entries is None:
-            return None
-        if desc in entries:
-            known = self._captured_context.get(key)
-            if known is not None:
-                check_captured_context(known, now, desc)
-            return None
-        return lambda: desc in entries and self._captured_context.__setitem__(key, now)
-
     def run(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
         query_lens: Sequence[int] | None = None, **batch: torch.Tensor,
@@ -279,18 +259,19 @@ class GraphRunner:
         never saw it at capture, so only eager code reads it (breaks of PIECEWISE steps,
         NONE steps): on a FULL step its tensors must be views of this runner's buffers.
         """
-        if batch.keys() != self.inputs.keys():
-            missing, extra = sorted(set(self.inputs) - set(batch)), sorted(set(batch) - set(self.inputs))
+        specs = self.step_buffers.specs
+        if batch.keys() != specs.keys():
+            missing, extra = sorted(set(specs) - set(batch)), sorted(set(batch) - set(specs))
             raise ValueError(
-                f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(self.inputs)}"
+                f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(specs)}"
             )
         fit = True  # every non-leading dim fits the buffers (else: an eager step)
         for name, t in batch.items():
-            spec = self.inputs[name]
+            spec = specs[name]
             check_tensor(spec, t)
             if fit and t.shape[1:] != spec.shape:
                 fit = fits(spec, t)
-        n, reqs = step_counts(batch, self.inputs)
+        n, reqs = step_counts(batch, specs)
         if reqs is not None:
             if reqs > self.max_num_reqs:  # type: ignore[operator]
                 raise ValueError(
@@ -302,55 +283,83 @@ class GraphRunner:
                 raise ValueError(f"GraphRunner.run: num_reqs={num_reqs} but the per-request inputs have {reqs} rows")
         context = {} if context is None else check_context(context, replays=self._replays)
         if self.config.debug_checks:
-            for name in self._request_row:
-                check_request_rows(self.inputs[name], batch[name], 0, reqs, where=f" (the step has {reqs} requests)")
+            for name in self.step_buffers.request_row:
+                check_request_rows(specs[name], batch[name], 0, reqs, where=f" (the step has {reqs} requests)")
+        agreed = None  # micro-batching: what every rank runs this step
+        total, dispatch_reqs = n, num_reqs
         if self._ubatching:
             lens = _ubatch.check_query_lens(query_lens, n, reqs)
-            return _ubatch.run_step(self, batch, n, num_reqs, uniform_decode, context, fit, lens)
+            self.steps += 1
+            q = self.dispatcher.uniform_decode_query_len
+            split = _ubatch.split_point(n, lens, uniform_decode, q, num_reqs)
+            agreed = _ubatch.agree(self.config, n, uniform_decode, split, fit, self.steps)
+            total, uniform_decode, fit = agreed.num_tokens, agreed.uniform, agreed.fit  # the largest rank's step
+            dispatch_reqs = num_reqs if total == n else None
         mode, desc = self.dispatcher.dispatch(
-            n, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter
+            total, uniform_decode=uniform_decode, num_reqs=dispatch_reqs, disable_full=self.drafter
         )
-        if mode != CUDAGraphMode.NONE and not fit:
-            logger.debug("step of %d tokens does not fit the static buffers: running eagerly", n)
-            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(n)
-        wanted = None
+        if mode != CUDAGraphMode.NONE and not fit:  # one rank's inputs are too wide for the buffers: all eagerly
+            logger.debug("step of %d tokens does not fit the static buffers: running eagerly", total)
+            mode, desc = CUDAGraphMode.NONE, BatchDescriptor(total)
+        wanted = None  # lazy capture: the key this step wanted and has no graph of
         if self._route_lazily and mode != CUDAGraphMode.NONE:
-            mode, desc, wanted = self.lazy.route(self.dispatcher, mode, desc, n)
+            mode, desc, wanted = self.lazy.route(self.dispatcher, mode, desc, total)
         if mode == CUDAGraphMode.FULL and context:
-            check_full_context(context, self._buffer_storages)
+            check_full_context(context, self.step_buffers.storages)
+        may_capture = False if self.capture_closed or self._route_lazily else None
+        if agreed is not None:
+            self.last_ubatched = agreed.ubatch
+            if agreed.ubatch:
+                return self._run_halves(batch, agreed, mode, desc, n, num_reqs, context, may_capture)
         self.last_mode = mode
-        if self.config.debug_checks:
+        if self.config.debug_checks and agreed is None:
             _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
+        buffers = self.step_buffers
         if mode == CUDAGraphMode.NONE:
-            rows = self._request_rows
+            padded = total  # above n only when another rank's step is larger (micro-batching)
             if wanted is None:
-                views = {k: eager_tensor(self.inputs[k], t, rows.get(k, n), self.device) for k, t in batch.items()}
-                return self._call(views, mode, desc, context)
-            # A step a graph will serve later runs on the buffers' first rows, marked as the capture's
-            # warm-ups mark them: Dynamo traces the one graph those use, not one per size (nor another
-            # for inference tensors), so neither later steps nor capture_idle compile again.
-            for name, t in batch.items():
-                fill(self.buffers[name], t, rows.get(name, n), self.inputs[name].pad)
-            views = self._views(n)
-            mark_token_views(views, self.inputs)
-            began = time.perf_counter()
-            out = self._call(views, mode, desc, context)
-            self.lazy.note_eager(wanted, time.perf_counter() - began)
-            return out
-        padded = desc.num_tokens
-        rows = self._request_rows
-        for name, t in batch.items():
-            fill(self.buffers[name], t, rows.get(name, padded), self.inputs[name].pad)
-        out = self._call(self._views(padded), mode, desc, context)
+                out = self.step(buffers.eager_views(batch, total), mode, desc, context=context, may_capture=may_capture)
+            else:
+                # A step a graph will serve later runs on the buffers' first rows, marked as the capture's
+                # warm-ups mark them: Dynamo traces the one graph those use, not one per size (nor another
+                # for inference tensors), so neither later steps nor capture_idle compile again.
+                buffers.fill(batch, total)
+                views = buffers.views(total)
+                buffers.mark_token_views(views)
+                began = time.perf_counter()
+                out = self.step(views, mode, desc, context=context, may_capture=may_capture)
+                self.lazy.note_eager(wanted, time.perf_counter() - began)
+            if padded == n:
+                return out  # what the model returned, as an eager call returns it
+        else:
+            padded = desc.num_tokens
+            buffers.fill(batch, padded)
+            out = self.step(buffers.views(padded), mode, desc, context=context, may_capture=may_capture)
         if isinstance(out, torch.Tensor):  # the common case, without tree_map's flatten and unflatten
             return _unpad(out, n, padded)
         return tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out)
+
+    def _run_halves(
+        self, batch: dict[str, torch.Tensor], agreed: _ubatch.Agreement, mode: CUDAGraphMode, desc: BatchDescriptor,
+        n: int, num_reqs: int | None, context: dict, may_capture: bool | None,
+    ) -> Any:
+        """The rest of a micro-batched step: lay its halves out and run them (one call of the wrapped model)."""
+        buffers = self.step_buffers
+        mode, agreed, halves = _ubatch.plan(agreed, mode, desc, n, self.dispatcher.uniform_decode_query_len, buffers)
+        self.last_mode = mode
+        if self.config.debug_checks:
+            _ubatch.check_half_rows(buffers, batch, agreed.split, n, num_reqs)
+        views = _ubatch.layout(buffers, batch, agreed.split, halves, graph=mode == CUDAGraphMode.FULL)
+        desc = desc if mode == CUDAGraphMode.FULL else BatchDescriptor(sum(halves.rows))
+        out = self.step(views, mode, desc, context=context, may_capture=may_capture, halves=halves)
+        cut = agreed.split[0]
+        return tree_map(lambda o: _ubatch.unsplit(o, cut, n, halves), out)
 
     def clear_graphs(self) -> None:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""
         clear_graphs(self.model)
         self.lazy.forget()
-        self._captured_context.clear()
+        self.step.forget()
 
     def capture(self, *, disable_after: bool = True, progress: bool | None = None) -> CaptureReport:
         """Warm up and capture every descriptor the dispatcher can emit, largest first.
@@ -362,18 +371,29 @@ class GraphRunner:
         With a ``graph_memory_budget`` the descriptors are captured by the lazy policy (no
         time limit): none predicted past the budget, and those left out run eagerly.
         """
+        plan = self.dispatcher.capture_descriptors()
         if self._budget is None:
-            return capture_all(self, disable_after, progress)
-        keys = [(mode, d) for mode, descs in self.dispatcher.capture_descriptors() for d in descs]
-        began, segments = time.perf_counter(), graphs_created()
-        before = self.lazy.grown
-        captured = capture_within(self, keys, math.inf, self._budget)
-        added = self.lazy.grown - before
-        self.report = CaptureReport(
-            len(captured), time.perf_counter() - began,
-            f"{len(captured)} of {len(keys)} descriptors within graph_memory_budget={self._budget}", added,
-            graphs_created() - segments,
-        )
+            # growth: only the total, not per capture
+            self.report = capture_all(
+                self.step_buffers, self.step, self.config, plan, progress=progress,
+                on_capture=lambda mode, desc, seconds: self.lazy.note_capture(mode, desc, seconds, None),
+            )
+            logger.info(
+                "captured %d graphs in %.2f s (%s); attention: %s", self.report.graphs, self.report.seconds,
+                self.report.stats, self.attention_backend or "the model's own",
+            )
+        else:
+            keys = [(mode, d) for mode, descs in plan for d in descs]
+            began, segments = time.perf_counter(), graphs_created()
+            before = self.lazy.grown
+            captured = capture_within(
+                self.step_buffers, self.step, self.config, self.lazy, keys, math.inf, self._budget
+            )
+            self.report = CaptureReport(
+                len(captured), time.perf_counter() - began,
+                f"{len(captured)} of {len(keys)} descriptors within graph_memory_budget={self._budget}",
+                self.lazy.grown - before, graphs_created() - segments,
+            )
         self.capture_closed = disable_after
         return self.report
 
@@ -385,16 +405,15 @@ class GraphRunner:
         steps, on the thread that runs them."""
         if not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool) or not max_seconds >= 0:
             raise ValueError(f"capture_idle: max_seconds must be a number of seconds >= 0, got {max_seconds!r}")
-        return capture_within(self, list(self.lazy.demand), float(max_seconds), self._budget, clock)
-
-    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
-        """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
-        capture_one(self, mode, desc, platform)
+        return capture_within(
+            self.step_buffers, self.step, self.config, self.lazy, list(self.lazy.demand), float(max_seconds),
+            self._budget, clock,
+        )
 
     def estimate_capture_memory(self) -> int:
         """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the
         largest descriptor of each mode is captured into a scratch pool, which is then released."""
-        return estimate_memory(self)
+        return estimate_memory(self.step_buffers, self.step, self.config, self.dispatcher.capture_descriptors())
 
 
 def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:

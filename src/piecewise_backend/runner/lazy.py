@@ -34,12 +34,16 @@ from typing import Any
 
 from ..capture.memory import release_cached
 from ..capture.session import bulk_capture
+from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
 from ..observability import logger
-from ..platforms.registry import get_platform, resolve_platform_name
+from ..platforms.registry import config_platform_name, get_platform
 from . import agreement as _parallel
-from .assembly import drop_graph
+from .buffers import StepBuffers
+from .dispatcher import CudagraphDispatcher
+from .orchestration import capture_one
+from .step import Step
 
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 #: The first capture's predicted seconds, in eager steps of its descriptor: warm-ups, the capture
@@ -81,7 +85,9 @@ class LazyCapture:
 
     # ------------------------------------------------------------------ the step path
 
-    def route(self, dispatcher: Any, mode: CUDAGraphMode, desc: BatchDescriptor, n: int) -> tuple[CUDAGraphMode, BatchDescriptor, Key | None]:
+    def route(
+        self, dispatcher: CudagraphDispatcher, mode: CUDAGraphMode, desc: BatchDescriptor, n: int
+    ) -> tuple[CUDAGraphMode, BatchDescriptor, Key | None]:
         """What a step dispatched to ``(mode, desc)`` runs: the graph when captured, else a PIECEWISE
         graph of its size (for a FULL key), else eagerly; the third item is the key it wanted (None: captured)."""
         key = (mode, desc)
@@ -89,10 +95,10 @@ class LazyCapture:
             return mode, desc, None
         self.demand.setdefault(key, Demand()).steps += 1
         if mode == _FULL:
-            relaxed = dispatcher._mixed_piecewise.get(desc.num_tokens)
+            relaxed = dispatcher.piecewise_key(desc.num_tokens)
             if relaxed is not None and (_PIECEWISE, relaxed) in self.captured:
                 return _PIECEWISE, relaxed, None
-        return _NONE, dispatcher._eager_key(n), key
+        return _NONE, dispatcher.eager_key(n), key
 
     def note_eager(self, key: Key, seconds: float) -> None:
         demand = self.demand[key]
@@ -150,20 +156,20 @@ class LazyCapture:
 
 
 def capture_within(
-    runner: Any, keys: Iterable[Key], max_seconds: float, budget: int | None,
-    clock: Callable[[], float] = time.perf_counter,
+    buffers: StepBuffers, step: Step, config: CompilationConfig, lazy: LazyCapture, keys: Iterable[Key],
+    max_seconds: float, budget: int | None, clock: Callable[[], float] = time.perf_counter,
 ) -> list[Key]:
-    """Capture ``keys`` (as ordered by :meth:`LazyCapture.order`) within ``max_seconds`` and ``budget``;
-    returns the keys captured, in capture order. Steps must not run meanwhile (one thread)."""
+    """Capture ``keys`` (as ordered by :meth:`LazyCapture.order`) within ``max_seconds`` and ``budget``
+    (bytes ``lazy``'s captures may add to the pool), with ``step`` on ``buffers``; returns the keys
+    captured, in capture order. Steps must not run meanwhile (one thread)."""
     if _parallel.distributed():
         raise RuntimeError(
             "capture_idle in a process group: ranks would predict different times and capture different graphs, "
             "then dispatch different steps; capture up front with capture() on every rank instead"
         )
-    lazy: LazyCapture = runner.lazy
     start = clock()
     plan = lazy.order((k for k in keys if k not in lazy.captured and k not in lazy.too_large), budget)
-    name = resolve_platform_name(runner.config.platform)
+    name = config_platform_name(config)
     if not plan or name is None:
         return []
     platform = get_platform(name)
@@ -178,14 +184,13 @@ def capture_within(
                 continue
             bulk.enter()
             if not captured:
-                for buf_name, buf in runner.buffers.items():  # never a previous step's data (real KV slots)
-                    buf.fill_(runner.inputs[buf_name].pad)
+                buffers.reset()  # never a previous step's data (real KV slots)
             before, began = platform.memory(), clock()
-            runner._capture_one(mode, desc, platform)
+            capture_one(buffers, step, mode, desc, platform, config.num_warmups)
             lazy.note_capture(mode, desc, clock() - began, platform.memory() - before)
             if budget is not None and lazy.grown > budget:
                 grew = lazy.history[-1].growth or 0
-                drop_graph(runner.model, mode, desc)
+                step.drop(mode, desc)
                 release_cached(platform)
                 lazy.captured.discard((mode, desc))
                 lazy.too_large.add((mode, desc))

@@ -1,16 +1,18 @@
-"""GraphRunner's capture orchestration: warm up and capture every descriptor, and report it.
+"""Capture orchestration: warm up and capture every descriptor, report it, estimate what it costs.
 
-:func:`capture_all` is :meth:`GraphRunner.capture <piecewise_backend.GraphRunner.capture>`: it resets
-the runner's buffers, captures the dispatcher's descriptors largest first (:func:`capture_one` per
-descriptor, with its warm-ups on the capture stream) behind an optional progress bar, and returns a
-:class:`CaptureReport`. :func:`estimate_memory` measures what that will cost before capturing.
-The step path (padding, dispatch, replay) stays in :mod:`.runner`.
+These functions take the :class:`~.buffers.StepBuffers` a step reads and the :class:`~.step.Step`
+that runs the model (with the config it captures under), not a runner: :func:`capture_all` is
+:meth:`GraphRunner.capture <piecewise_backend.GraphRunner.capture>` without a budget, resetting the
+buffers and capturing the plan largest first (:func:`capture_one` per descriptor, with its warm-ups
+on the capture stream) behind an optional progress bar; :func:`estimate_memory` measures what that
+costs before capturing. The step path (padding, dispatch, replay) is GraphRunner's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -20,13 +22,17 @@ except ImportError:  # a bare GPU box may lack it: capture works, without a prog
 
 from ..capture.memory import graphs_created, scratch_pool
 from ..capture.session import bulk_capture
+from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
-from ..observability import logger
-from ..platforms.registry import get_platform, resolve_platform_name, warmed_step, warmup_scope
-from ..shapes import mark_token_views
+from ..platforms.base import Platform
+from ..platforms.registry import config_platform_name, get_platform, warmed_step, warmup_scope
 from . import agreement as _parallel
-from . import ubatch_step as _ubatch
+from .buffers import StepBuffers
+from .step import Step
+
+Plan = Sequence[tuple[CUDAGraphMode, Sequence[BatchDescriptor]]]  # (mode, descriptors largest first), as
+# CudagraphDispatcher.capture_descriptors() returns it
 
 
 @dataclasses.dataclass
@@ -42,64 +48,74 @@ class CaptureReport:
         return self.graphs
 
 
-def capture_all(runner: Any, disable_after: bool, progress: bool | None) -> CaptureReport:
-    """Capture every descriptor of ``runner``'s dispatcher, largest first (``GraphRunner.capture``)."""
-    plan = runner.dispatcher.capture_descriptors()
+def capture_one(
+    buffers: StepBuffers, step: Step, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Platform | None,
+    num_warmups: int,
+) -> None:
+    """Warm up ``num_warmups`` times (on the capture stream) and capture one descriptor with the views a
+    step of it reads; a FULL descriptor the step also runs micro-batched captures that graph too."""
+    views = buffers.views(desc.num_tokens)
+    with warmed_step(platform):  # the warm-ups count for this descriptor's capture only
+        for _ in range(num_warmups):
+            buffers.mark_token_views(views)  # one Dynamo graph for every size, 1 too
+            with warmup_scope(platform):  # on the capture stream (CUDA)
+                out = step(views, CUDAGraphMode.NONE, desc, may_capture=True)
+            _parallel.wait_collectives(out)  # the warm-up's outputs are dropped unused
+        with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
+            step(views, mode, desc, may_capture=True)
+    halves = step.capture_halves(desc) if mode == CUDAGraphMode.FULL else None
+    if halves is None:
+        return
+    views = buffers.views(desc.num_tokens)  # the same step micro-batched: one more graph
+    with warmed_step(platform):
+        for _ in range(num_warmups):
+            with warmup_scope(platform):  # the threads run on the launching thread's stream: the capture stream
+                step(views, CUDAGraphMode.NONE, BatchDescriptor(desc.num_tokens), may_capture=True, halves=halves)
+        with _parallel.capture_agreement(CUDAGraphMode.FULL, desc):
+            step(views, CUDAGraphMode.FULL, desc, may_capture=True, halves=halves)
+
+
+def capture_all(
+    buffers: StepBuffers, step: Step, config: CompilationConfig, plan: Plan, *,
+    progress: bool | None = None,
+    on_capture: Callable[[CUDAGraphMode, BatchDescriptor, float], Any] | None = None,
+) -> CaptureReport:
+    """Capture every descriptor of ``plan``, in its order (largest first), on ``config``'s platform, after
+    resetting ``buffers`` to their pads; ``on_capture(mode, desc, seconds)`` after each."""
     total = sum(len(descs) for _, descs in plan)
-    platform_name = resolve_platform_name(runner.config.platform)
+    platform_name = config_platform_name(config)
     platform = get_platform(platform_name) if platform_name and total else None
     before = platform.memory() if platform else 0
-    for name, buf in runner.buffers.items():
-        buf.fill_(runner.inputs[name].pad)
+    buffers.reset()
     segments_before = graphs_created()
     start = time.perf_counter()
     with bulk_capture(), _progress(total, progress) as bar:
         for mode, descs in plan:
             for desc in descs:
                 began = time.perf_counter()
-                runner._capture_one(mode, desc, platform)
-                runner.lazy.note_capture(mode, desc, time.perf_counter() - began, None)  # growth: only the total
+                capture_one(buffers, step, mode, desc, platform, config.num_warmups)
+                if on_capture is not None:
+                    on_capture(mode, desc, time.perf_counter() - began)
                 bar.update(1)
                 bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
     added = platform.memory() - before if platform else 0
     stats = platform.describe(added) if platform else "no graphs"
-    runner.report = CaptureReport(total, time.perf_counter() - start, stats, added, graphs_created() - segments_before)
-    logger.info(
-        "captured %d graphs in %.2f s (%s); attention: %s", total, runner.report.seconds, stats,
-        runner.attention_backend or "the model's own",
-    )
-    runner.capture_closed = disable_after
-    return runner.report
+    return CaptureReport(total, time.perf_counter() - start, stats, added, graphs_created() - segments_before)
 
 
-def capture_one(runner: Any, mode: CUDAGraphMode, desc: BatchDescriptor, platform: Any) -> None:
-    """Warm up (on the capture stream) and capture one descriptor with the step's own views."""
-    views = runner._views(desc.num_tokens)
-    with warmed_step(platform):  # the warm-ups count for this descriptor's capture only
-        for _ in range(runner.config.num_warmups):
-            mark_token_views(views, runner.inputs)  # one Dynamo graph for every size, 1 too
-            with warmup_scope(platform):  # on the capture stream (CUDA)
-                out = runner._call(views, CUDAGraphMode.NONE, desc, {}, capturing=True)
-            _parallel.wait_collectives(out)  # the warm-up's outputs are dropped unused
-        with _parallel.capture_agreement(mode, desc):  # a rank that fails stops its peers too
-            runner._call(views, mode, desc, {}, capturing=True)
-    if runner._ubatching and mode == CUDAGraphMode.FULL:  # the same step micro-batched: one more graph
-        _ubatch.capture_ubatched(runner, desc, platform, warmed_step, warmup_scope, _parallel.capture_agreement)
-
-
-def estimate_memory(runner: Any) -> int:
-    """Bytes ``runner.capture()`` will add to the pool (``GraphRunner.estimate_capture_memory``): the
+def estimate_memory(buffers: StepBuffers, step: Step, config: CompilationConfig, plan: Plan) -> int:
+    """Bytes capturing ``plan`` will add to the pool (``GraphRunner.estimate_capture_memory``): the
     largest descriptor of each mode, captured into a scratch pool in capture order and released.
     Smaller sizes reuse that memory, so this is close to the real total (not a sum over sizes)."""
-    plan = [(mode, descs[0]) for mode, descs in runner.dispatcher.capture_descriptors() if descs]
-    name = resolve_platform_name(runner.config.platform)
-    if not plan or name is None:
+    largest = [(mode, descs[0]) for mode, descs in plan if descs]
+    name = config_platform_name(config)
+    if not largest or name is None:
         return 0
     platform = get_platform(name)
     with scratch_pool(platform):
         before = platform.memory()
-        for mode, desc in plan:
-            runner._capture_one(mode, desc, platform)
+        for mode, desc in largest:
+            capture_one(buffers, step, mode, desc, platform, config.num_warmups)
         return platform.memory() - before
 
 

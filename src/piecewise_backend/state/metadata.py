@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention.backends import capturing
-from ..context import _CONTEXT
+from ..context import current_forward_context
 from ..modes import CUDAGraphMode
 
 #: Name of the per-token input the state cache adds to a runner.
@@ -41,7 +41,7 @@ class StateMetadata:
 
 def current_state_metadata(op: str) -> StateMetadata:
     """The forward context's ``state_metadata``, or a RuntimeError naming ``op`` and how to provide it."""
-    ctx = _CONTEXT.get()
+    ctx = current_forward_context()
     meta = getattr(ctx, "state_metadata", None)
     if not isinstance(meta, StateMetadata):
         raise RuntimeError(
@@ -58,7 +58,7 @@ def one_token_per_request(op: str, device: torch.device) -> bool:
     Captured in any other mode, the op sits inside a PIECEWISE segment, where it can neither read the
     step's request boundaries nor assume one token per request: the model was not split at it.
     """
-    ctx = _CONTEXT.get()
+    ctx = current_forward_context()
     if ctx is not None and ctx.runtime_mode == CUDAGraphMode.FULL:
         return True
     if capturing(device):

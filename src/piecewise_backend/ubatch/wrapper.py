@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..capture.wrappers import CUDAGraphWrapper, _GraphWrapper
+from ..capture.wrappers import CUDAGraphWrapper, GraphWrapper
 from ..config import CompilationConfig
-from ..context import _CONTEXT, BatchDescriptor, set_forward_context
+from ..context import BatchDescriptor, current_forward_context, set_forward_context
 from ..modes import CUDAGraphMode
-from ..platforms.registry import resolve_platform_name
+from ..platforms.registry import config_platform_name
 from .threads import DEFAULT_TIMEOUT_S, NUM_UBATCHES, UBatchThreads
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -61,7 +61,7 @@ def combine_outputs(outputs: list[Any], slices: list[UBatchSlice]) -> Any:
     return tree_unflatten(leaves, flat[0][1])
 
 
-class UBatchWrapper(_GraphWrapper):
+class UBatchWrapper(GraphWrapper):
     """Micro-batching wrapper; ``runtime_mode`` FULL (graphs of whole steps) or NONE (eager).
 
     ``timeout_s``: how long a micro-batched step may take before it fails (nothing waits forever).
@@ -107,7 +107,7 @@ class UBatchWrapper(_GraphWrapper):
         return self.full.entries if self.full is not None else {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         slices = getattr(ctx, "ubatch_slices", None) if ctx is not None else None
         if slices is None:
             return self.full(*args, **kwargs) if self.full is not None else self.runnable(*args, **kwargs)
@@ -131,11 +131,11 @@ class UBatchWrapper(_GraphWrapper):
     def _run_halves(self, *args: Any, **kwargs: Any) -> Any:
         """Both halves in their threads, turn by turn; ``args`` (the whole step's) are not used:
         the halves' are views of them (a graph captured here reads the step's buffers)."""
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         slices = list(ctx.ubatch_slices)
         mode = ctx.runtime_mode if ctx.runtime_mode == _FULL else _NONE
         jobs = [self._job(i, s, mode) for i, s in enumerate(slices)]
-        cuda = resolve_platform_name(self.config.platform) == "cuda"  # the simulator's steps keep no streams
+        cuda = config_platform_name(self.config) == "cuda"  # the simulator's steps keep no streams
         outputs, self.last_order = self.threads.run(jobs, self.timeout_s, streams=cuda)
         return combine_outputs(outputs, slices)
 
@@ -147,7 +147,15 @@ class UBatchWrapper(_GraphWrapper):
         return run
 
     def _count(self) -> int:
-        return sum(w._count() for w in (self.full, self.split) if w is not None)
+        return sum(len(w.captured()) for w in (self.full, self.split) if w is not None)
+
+    def drop(self, mode: CUDAGraphMode | str, descriptor: BatchDescriptor) -> bool:
+        """Drop the graphs of ``descriptor`` in ``mode``, the plain and the micro-batched one; True when
+        there was one."""
+        dropped = [w.drop(mode, descriptor) for w in (self.full, self.split) if w is not None]
+        if CUDAGraphMode.parse(mode) == _FULL:
+            self._split_rows.pop(descriptor, None)
+        return any(dropped)
 
     def clear_graphs(self) -> None:
         """Drop every captured entry, micro-batched or not."""

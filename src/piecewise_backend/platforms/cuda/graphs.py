@@ -76,7 +76,7 @@ class CudaRecorder:
                 f"the capture and later captures use a fresh pool: {RULES}, then capture again"
             ) from e
         self.platform.segment_ended()
-        self.platform._route_breaks()  # a break may follow: its results come from the pool too
+        self.platform.route_breaks()  # a break may follow: its results come from the pool too
         empty = False
         for w in caught:
             if _EMPTY_WARNING in str(w.message):

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from ...context import _CONTEXT, set_forward_context
+from ...context import context_attributes, current_forward_context, set_forward_context
 from ...modes import CUDAGraphMode
+from ...weak import weak_ref_tensor
 from ..base import gc_managed
 from .graphs import _EMPTY_WARNING, CudaGraphSegment, CudaRecorder, EmptyGraph  # noqa: F401 (re-exported)
 from .pools import Generations, PrivatePool
@@ -80,7 +81,9 @@ class CudaPlatform:
         """The ``MemPool`` of every generation alive (the current one last)."""
         return [g.mempool for g in self.generations.all()]
 
-    def _route_breaks(self) -> None:
+    def route_breaks(self) -> None:
+        """Between two segments of this thread's capture: allocate from the pool (a break's fresh
+        results are pool memory), until the next segment begins."""
         if getattr(self._local, "routing", None) is None:
             routing = torch.cuda.use_mem_pool(self.generations.current.mempool, device=self.device)
             routing.__enter__()  # a use of the pool and a current-thread routing to it, until _stop_routing
@@ -169,7 +172,7 @@ class CudaPlatform:
                     gens.forget_private(gen)
                     pool.gen = None
                     unused, gens.current = gens.current, shared
-                    gens._end(unused, "made after a failed capture, never used")
+                    gens.retire(unused, "made after a failed capture, never used")
                 gens.current = shared
 
     def pool_memory(self, pool: PrivatePool) -> int:
@@ -220,9 +223,9 @@ class CudaPlatform:
         """
         if getattr(self._local, "warmed", None) is self.stream:
             return
-        ctx = _CONTEXT.get()
+        ctx = current_forward_context()
         desc = ctx.batch_descriptor if ctx is not None else None
-        attrs = {k: v for k, v in vars(ctx).items() if not k.startswith("_") and k != "batch_descriptor"} if ctx else {}
+        attrs = context_attributes(ctx) if ctx is not None else {}
         with self.warmed_step():  # the capture follows at once; if it cannot start, no mark is left
             for _ in range(times):
                 with self.warmup_scope(), set_forward_context(CUDAGraphMode.NONE, desc, **attrs):
@@ -282,6 +285,33 @@ class CudaPlatform:
 
     def describe(self, amount: int) -> str:
         return f"{amount / 2**20:.1f} MiB in the CUDA graph pool of cuda:{self.device}"
+
+    def owner_test(self, pool: Any = None) -> Callable[[torch.Tensor], bool]:
+        """A test "was this tensor allocated in one of this platform's pools?", from one
+        ``torch.cuda.memory_snapshot()`` (call it once per capture, not per tensor): a tensor in one of the
+        pools the platform holds is pool memory (the graphs' tensors, and a break's results, which the
+        platform routes to the pool while breaks run); a tensor outside them (allocated before the capture,
+        or by another thread) stays strongly held, never weakened into memory nobody owns. ``pool`` (a
+        private pool) is among them."""
+        ids = {tuple(p.id) for p in self.pools}
+        ranges = [
+            (s["address"], s["address"] + s["total_size"])
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id", ())) in ids
+        ]
+
+        def owns(t: torch.Tensor) -> bool:
+            # by address alone: host and device addresses never overlap (one unified address space)
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                return False
+            ptr = t.untyped_storage().data_ptr()
+            return any(lo <= ptr < hi for lo, hi in ranges)
+
+        return owns
+
+    def weak_ref(self, t: torch.Tensor, pool: Any = None) -> torch.Tensor:
+        """A view of ``t``'s memory that owns none of it (:func:`~piecewise_backend.weak.weak_ref_tensor`)."""
+        return weak_ref_tensor(t)
 
 
 def _check_stream(stream: Any, device: int) -> None:

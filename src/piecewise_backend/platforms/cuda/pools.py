@@ -120,7 +120,8 @@ class Generations:
         self.older.append(self.current)
         self.current = self._new()
 
-    def _end(self, gen: Generation, why: str) -> None:
+    def retire(self, gen: Generation, why: str) -> None:
+        """End ``gen`` (its graphs are parked with a generation of the same stream, if one is alive) for ``why``."""
         if gen.failures:
             why += f"; {gen.failures} failed capture(s) in it, {gen.leaked} leaked device use(s) given back"
         # A caller's stream may carry another generation (two graphs captured on one stream): its graphs
@@ -140,14 +141,14 @@ class Generations:
         warm-up made the stream's cuBLAS workspace, a switch would leave the capture without it."""
         for gen in [g for g in self.older if not g.live]:
             self.older.remove(gen)
-            self._end(gen, "its graphs were dropped")
+            self.retire(gen, "its graphs were dropped")
         for gen, owner in [(g, o) for g, o in self.private if o() is None and not g.live and g is not self.current]:
             self.forget_private(gen)
-            self._end(gen, "its BreakableGraph pool was dropped")
+            self.retire(gen, "its BreakableGraph pool was dropped")
         if not current:
             return
         if self.current.graphs and not self.current.live:
-            self._end(self.current, "its graphs were dropped")
+            self.retire(self.current, "its graphs were dropped")
             self.current = self._new()
         elif self.current.parked() > _PARK_LIMIT:
             self.switch()
@@ -161,7 +162,7 @@ class Generations:
         if scratch.graphs and scratch.live:
             self.older.append(scratch)  # ends once the graphs still captured into it are dropped
         else:
-            self._end(scratch, "scratch pool")
+            self.retire(scratch, "scratch pool")
 
     def pool_bytes(self, snapshot: list[dict[str, Any]]) -> dict[tuple[int, int], int]:
         held: dict[tuple[int, int], int] = {}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -330,6 +330,38 @@ class SimulatedPlatform:
 
     def owns(self, t: torch.Tensor) -> bool:
         return self.pool.owns(t)
+
+    def owner_test(self, pool: SimPool | None = None) -> Callable[[torch.Tensor], bool]:
+        """A test "was this tensor allocated in the shared pool (or ``pool``)?": the pool's own bookkeeping."""
+        return self.owns if pool is None else pool.owns
+
+    def weak_ref(self, t: torch.Tensor, pool: SimPool | None = None) -> torch.Tensor:
+        """A weak view of the pool tensor ``t`` (:meth:`SimPool.weak`): it keeps no block alive."""
+        return (self.pool if pool is None else pool).weak(t)
+
+    def release_cached(self) -> int:
+        """Give back the shared pool's wholly free segments; returns the bytes."""
+        return self.pool.release_cached()
+
+    @contextlib.contextmanager
+    def fresh_pool(self) -> Iterator[SimPool]:
+        """Captures allocate from a new shared pool meanwhile; yields it. The pool before is shared again
+        afterwards; the scratch pool keeps only the memory still viewed."""
+        saved, self.pool = self.pool, SimPool()
+        try:
+            yield self.pool
+        finally:
+            self.pool = saved
+
+    def warmup_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Warm-ups run where they are (no streams, no per-stream state on the CPU)."""
+        return contextlib.nullcontext()
+
+    def warmed_step(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def warm_up(self, fn: Callable[..., Any], args: tuple, kwargs: dict, times: int) -> None:
+        """Nothing to warm: a simulated capture needs no per-stream state (CUDA's does)."""
 
     def new_pool(self) -> SimPool:
         """A private graph pool (a ``pb.BreakableGraph`` of its own): captures use it inside :meth:`capturing_into`."""
