@@ -1,3 +1,3 @@
-"""Documented path of ``piecewise_backend.models.moe`` (the toy MoE): a re-export."""
+"""Documented path of ``piecewise_backend.testing.moe`` (the toy MoE): a re-export."""
 
-from .models.moe import Attention, MoE, ToyMoE, rms_norm  # noqa: F401
+from .testing.moe import Attention, MoE, ToyMoE, rms_norm  # noqa: F401

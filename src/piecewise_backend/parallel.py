@@ -1,7 +1,7 @@
 """Documented path of tensor parallelism: ``runner.agreement`` (cross-rank step agreement) and
-``models.sharding`` (toy-model sharding), re-exported."""
+``testing.sharding`` (toy-model sharding), re-exported."""
 
-from .models.sharding import ToyMLP, make_kv_caches, shard_mlp, shard_toy_llama  # noqa: F401
+from .testing.sharding import ToyMLP, make_kv_caches, shard_mlp, shard_toy_llama  # noqa: F401
 from .runner.agreement import (  # noqa: F401
     DEFAULT_TIMEOUT_S,
     PeerCaptureError,

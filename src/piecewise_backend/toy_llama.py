@@ -1,6 +1,6 @@
-"""Documented path of ``piecewise_backend.models.toy_llama`` (the toy Llama): a re-export."""
+"""Documented path of ``piecewise_backend.testing.toy_llama`` (the toy Llama): a re-export."""
 
-from .models.toy_llama import (  # noqa: F401
+from .testing.toy_llama import (  # noqa: F401
     ATTENTION_KINDS,
     AttnMetadata,
     DecoderLayer,

@@ -240,3 +240,25 @@ def test_doc_paths_and_modules_exist(path: Path) -> None:
                 except ImportError:
                     pytest.fail(f"{path.name} names piecewise_backend{dotted}, which does not exist")
             obj = getattr(obj, part)
+
+
+def test_architecture_map_names_every_package_and_module() -> None:
+    """docs/architecture.md's layer table names every package of src (``name/``) and every module: a
+    top-level one as ``name.py``, one in a package by its name in that package's row."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ")]
+    src = ROOT / "src" / "piecewise_backend"
+    missing = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src)
+        if rel.parent == Path("."):
+            if not any(f"`{path.name}`" in row for row in rows):
+                missing.append(rel.as_posix())
+            continue
+        package = rel.parts[0]
+        row = next((r for r in rows if f"`{package}/`" in r), None)
+        if row is None:
+            missing.append(f"{package}/")
+        elif path.name != "__init__.py" and not re.search(rf"\b{path.stem}\b", row):
+            missing.append(rel.as_posix())
+    assert not missing, f"docs/architecture.md's layer table does not name {sorted(set(missing))}"

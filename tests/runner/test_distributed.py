@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import piecewise_backend as pb
-from piecewise_backend.models.sharding import ToyMLP, _group_rows, shard_mlp, shard_toy_llama
+from piecewise_backend.testing.sharding import ToyMLP, _group_rows, shard_mlp, shard_toy_llama
 from piecewise_backend.runner.agreement import capture_agreement, check_same_step, init_tensor_parallel
 from piecewise_backend.platforms.simulated import collectives as sim_collectives
 

@@ -27,7 +27,7 @@ from ..serve.loop import RequestOutput, StepInfo
 from ..serve.sampling import SamplingParams
 from .speculative import SpecEngine, truncated_drafter
 from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
-from .tiny import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
+from ..testing.hf_models import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
 
 __all__ = [
     "adapt",

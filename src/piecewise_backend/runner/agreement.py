@@ -2,7 +2,7 @@
 
 The runner calls :func:`capture_agreement`, :func:`check_same_step` and :func:`wait_collectives`;
 :func:`init_tensor_parallel` joins the process group ``torchrun`` describes. Sharding the toy
-models lives in ``piecewise_backend.models.sharding`` (see ``docs/distributed.md``).
+models lives in ``piecewise_backend.testing.sharding`` (see ``docs/distributed.md``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Helpers for users' own tests: stable, normalized FX code for expecttests."""
+"""graph_code: stable, normalized FX code for expecttests (users' own tests and ours)."""
 
 from __future__ import annotations
 
