@@ -21,7 +21,6 @@ from ..serve.model_runner import KVLayout, first_parameter
 from ..serve.speculative import SpeculativeEngine, check_speculative_args
 from .engine import adapt, check_hf_model, generation_eos, kv_shape
 from .host_breaks import no_full_graphs
-from .mixers import candidates
 
 
 class SpecEngine(SpeculativeEngine):
@@ -61,14 +60,6 @@ class SpecEngine(SpeculativeEngine):
         if vocab[0] != vocab[1]:
             raise ValueError(f"the drafter's vocabulary ({vocab[1]} tokens) must be the target's ({vocab[0]})")
         for role, m, c in (("target", target, config), ("drafter", drafter, drafter_config or config)):
-            stateful = candidates(m)
-            if stateful:  # before either model is adapted
-                layer, module = stateful[0]
-                raise ValueError(
-                    f"SpecEngine cannot serve the {role} {type(m).__name__}: {type(module).__name__} (layer {layer}) "
-                    "keeps a recurrent or convolution state, which rejected draft tokens would leave advanced (no "
-                    "per-position state snapshots to roll back to); serve it with HFEngine"
-                )
             limit = getattr(m.config.get_text_config(), "max_position_embeddings", None)
             if limit is not None and max_model_len > limit:
                 raise ValueError(f"max_model_len={max_model_len} exceeds {type(m).__name__}'s max_position_embeddings={limit}")
@@ -83,7 +74,9 @@ class SpecEngine(SpeculativeEngine):
         super().__init__(
             adapted_target, adapted_drafter, target_config, num_speculative_tokens=num_speculative_tokens,
             target_layout=KVLayout(*kv_shape(adapted_target)), drafter_layout=KVLayout(*kv_shape(adapted_drafter)),
-            vocab_size=vocab[0], drafter_config=drafter_config, target_attention_support=target_attention_support,
+            vocab_size=vocab[0], target_state_specs=adapted_target.state_specs,
+            drafter_state_specs=adapted_drafter.state_specs, drafter_config=drafter_config,
+            target_attention_support=target_attention_support,
             attention_backend=attention_backend, **engine_args,
         )
         self.target.model, self.drafter.model = target, drafter  # the HF models (adapted in place)

@@ -139,17 +139,44 @@ class ModelRunner:
             uniform_decode_query_len=uniform_decode_query_len, drafter=drafter,
         )
 
-    def run(self, layout: Sequence[tuple[Hashable, int, int]], tokens: Sequence[int], uniform: bool) -> torch.Tensor:
-        """One step over ``layout`` (``(request slot, first position, tokens)`` each) and its ``tokens``;
-        the logits of every token. They live in graph memory: read them before any other replay."""
+    def run(
+        self, layout: Sequence[tuple[Hashable, int, int]], tokens: Sequence[int] | torch.Tensor, uniform: bool,
+        commit: bool = True,
+    ) -> torch.Tensor:
+        """One step over ``layout`` (``(request slot, first position, tokens)`` each) and its ``tokens``
+        (ids, or a device tensor of them); the logits of every token. They live in graph memory: read
+        them before any other replay. ``commit=False`` leaves the state layers' states as they were
+        before the step (the copies it wrote become current only through :meth:`commit`)."""
         meta = self.cache.step_inputs(layout)
         if self.states is not None:  # a new (or preempted) request gets a zeroed slot
             meta.update(self.states.step_inputs(layout))
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.cache.device)
+        if isinstance(tokens, torch.Tensor):
+            ids = tokens.to(device=self.cache.device, dtype=torch.long)
+        else:
+            ids = torch.tensor(list(tokens), dtype=torch.long, device=self.cache.device)
         logits = self.runner.run(uniform_decode=uniform, num_reqs=len(layout) if uniform else None, input_ids=ids, **meta)
-        if self.states is not None:  # the step succeeded: the states it wrote become current
-            self.states.commit(slot for slot, _, _ in layout)
+        if commit:
+            self.commit([slot for slot, _, _ in layout])
         return logits
+
+    def commit(self, slots: Sequence[Hashable]) -> None:
+        """The states the last step wrote for ``slots`` become current (no-op without state layers)."""
+        if self.states is not None and slots:
+            self.states.commit(slots)
+
+    def snapshot(self, slots: Sequence[Hashable]) -> list[list[torch.Tensor]] | None:
+        """Copies of the current states of ``slots`` (None without state layers): what :meth:`restore` puts back."""
+        if self.states is None:
+            return None
+        return [[self.states.state(slot, i).clone() for i in range(len(self.states.states))] for slot in slots]
+
+    def restore(self, slots: Sequence[Hashable], snapshot: list[list[torch.Tensor]] | None) -> None:
+        """Put the states :meth:`snapshot` copied back as the current ones of ``slots``."""
+        if self.states is None or snapshot is None:
+            return
+        for slot, saved in zip(slots, snapshot):
+            for i, t in enumerate(saved):
+                self.states.state(slot, i).copy_(t)
 
 
 class Decode:

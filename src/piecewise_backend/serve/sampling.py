@@ -197,3 +197,35 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     drawn = (masked + noise).argmax(-1)
     is_greedy = torch.tensor([p.greedy for p in params]).to(device)
     return torch.where(is_greedy, greedy, drawn)
+
+
+#: ``noise_key`` purposes: a request's token itself (plain decoding, and speculative decoding's bonus
+#: token), a drafter's proposal, the acceptance test of a draft, and the draw after a rejection.
+TOKEN, DRAFT, ACCEPT, RESAMPLE = 0, 1, 2, 3
+
+
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of ``logits`` ``(rows, vocab)`` samples from under its params: the
+    softmax of its filtered logits (float32), one-hot at the argmax for a greedy row."""
+    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    if all(p.greedy for p in params):
+        return greedy
+    device = logits.device
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    probs = filtered_logits(logits, temperature.to(device), top_k, top_p).softmax(-1)
+    is_greedy = torch.tensor([p.greedy for p in params]).to(device)
+    return torch.where(is_greedy[:, None], greedy, probs)
+
+
+def sample_from(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ``(rows, vocab)`` (unnormalized is fine; zeros are never drawn), with
+    the Gumbel noise of each row's key (a device tensor of 32-bit keys)."""
+    return (probs.log() + gumbel_noise(keys, probs.shape[-1])).argmax(-1)
+
+
+def uniform_noise(keys: torch.Tensor) -> torch.Tensor:
+    """One uniform draw in (0, 1) per key (float32), from the same hash as :func:`gumbel_noise`."""
+    h = _mix_tensor(_mix_tensor(keys ^ 0x85EBCA6B) ^ keys)
+    return ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24

@@ -13,8 +13,9 @@ token) carries k drafted tokens, so its budget and KV blocks count them. One ste
 2. the target runs one step over every chunk plus its drafts. A step of decoding requests only is
    uniform, ``k + 1`` query tokens each: FULL graphs keyed with ``uniform_decode_query_len = k + 1``;
    a step with a prompt chunk is a mixed batch;
-3. greedy acceptance keeps the longest prefix of drafts equal to the target's argmax, plus the
-   target's own next token; both caches drop the rejected tokens (:meth:`PagedKVCache.truncate`).
+3. acceptance keeps a prefix of the drafts plus one token of the target's (greedy: the drafts equal
+   to its argmax; sampled: rejection sampling, see :class:`Speculate`); both caches drop the
+   rejected tokens (:meth:`PagedKVCache.truncate`) and state layers keep no rejected token.
 
 Two caches rather than one with two layer groups: the models differ in layer count (and may
 differ in KV heads), each model's attention indexes its cache by its own layer number, and the
@@ -34,11 +35,12 @@ from ..context import BatchDescriptor
 from ..kv.cache import PagedKVCache
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner import CaptureReport
+from ..state.cache import StateSpec
 from .arguments import check_attention_backend, check_engine_args, check_tokens_budget, eos_ids, is_int
 from .engine import Engine, check_config, check_vocab
 from .loop import Executed, StepInfo, chunk_ends
 from .model_runner import KVLayout, ModelRunner, first_parameter
-from .sampling import SamplingParams
+from .sampling import ACCEPT, DRAFT, RESAMPLE, TOKEN, SamplingParams, noise_key, probabilities, sample_from, uniform_noise
 from .scheduler import Request, StepPlan
 
 
@@ -117,7 +119,24 @@ class CachesInStep:
 
 
 class Speculate:
-    """The speculative step (see the module docstring): drafts, one verifying target step, acceptance."""
+    """The speculative step (see the module docstring): drafts, one verifying target step, acceptance.
+
+    Sampling is speculative (rejection) sampling, batched on the device with one read-back per round:
+    the drafter samples each proposal ``x`` from its distribution ``q`` (after the request's
+    temperature, top-k and top-p); the target's ``p`` accepts it with probability
+    ``min(1, p(x) / q(x))``; the first rejected position draws from ``norm(max(0, p - q))`` and a
+    round that accepts all ``k`` draws its bonus token from ``p``, so the tokens follow the target's
+    own distribution. Every draw is keyed by (seed, position, purpose): a seeded request's tokens do
+    not depend on the batch around it. Greedy requests are the special case of one-hot ``p`` and
+    ``q``: the target's own greedy tokens.
+
+    State layers: a rejected draft must leave the states as if it never ran. The target's step
+    writes its states without committing them; a request whose drafts were all accepted commits,
+    one with a rejection keeps the states from before the step and recomputes its accepted tokens
+    in its next round (its K/V rolled back to the same point). The drafter's states are copied after
+    its first step of the round (``ModelRunner.snapshot``: one request's state bytes, for the round)
+    and put back when fewer than ``k - 1`` drafts were accepted.
+    """
 
     def __init__(self, target: ModelRunner, drafter: ModelRunner, k: int):
         self.target, self.drafter, self.k = target, drafter, k
@@ -129,54 +148,132 @@ class Speculate:
         k = self.k
         chunks = plan.chunks
         final = [start + count == r.length for r, start, count in chunks]
-        drafts, drafter_modes = self._draft(chunks, final)
+        drafting = [r for (r, _, _), f in zip(chunks, final) if f]
+        drafts, q, drafter_modes, saved = self._draft(chunks, final, drafting)
         layout = [(r.slot, start, count + (k if f else 0)) for (r, start, count), f in zip(chunks, final)]
-        tokens = [t for (r, start, count), f in zip(chunks, final) for t in r.tokens(start, count) + drafts.get(r, [])]
+        host: list[int] = []
+        draft_rows: list[int] = []
+        for (r, start, count), f in zip(chunks, final):
+            host += r.tokens(start, count)
+            if f:
+                draft_rows += range(len(host), len(host) + k)
+                host += [0] * k  # the drafts, filled on the device
+        ids = torch.tensor(host, dtype=torch.long, device=self.target.cache.device)
+        if drafting:
+            ids[torch.tensor(draft_rows, device=ids.device)] = drafts.flatten().to(ids.device)
         verify_only = all(f and count == 1 for (_, _, count), f in zip(chunks, final))
-        logits = self.target.run(layout, tokens, verify_only)
-        argmax = logits.argmax(-1).tolist()  # graph memory: the next replay of any graph may overwrite it
+        logits = self.target.run(layout, ids, verify_only, commit=False)
         mode = self.target.runner.last_mode
         key = self.target.runner.dispatcher.dispatch(
-            len(tokens), uniform_decode=verify_only, num_reqs=len(chunks) if verify_only else None
+            len(host), uniform_decode=verify_only, num_reqs=len(chunks) if verify_only else None
         )[1]
         new: list[list[int]] = []
         verified: list[tuple[Request, int]] = []
-        for (r, start, count), f, end in zip(chunks, final, chunk_ends(layout)):
+        commit = []
+        if drafting:
+            ends = [end for end, f in zip(chunk_ends(layout), final) if f]
+            rows = torch.tensor([e - k + j for e in ends for j in range(k + 1)], device=logits.device)
+            tokens, accepted = self._accept(logits[rows].view(len(drafting), k + 1, -1), drafts, q, drafting)
+            read = torch.cat([drafts.flatten(), accepted, tokens]).tolist()  # the round's one read-back
+            n = len(drafting)
+            drafted = [read[i * k:(i + 1) * k] for i in range(n)]
+            accepted_list, last = read[n * k:n * k + n], read[n * k + n:]
+        d = 0
+        stateful_target = self.target.states is not None
+        for (r, start, count), f in zip(chunks, final):
             if not f:  # a prompt chunk: K/V written, nothing to sample yet
-                r.computed = r.draft_computed = start + count
+                r.computed = start + count
+                r.draft_computed = max(r.draft_computed, start + count)
+                commit.append(r.slot)
                 new.append([])
                 continue
-            verdict = argmax[end - k : end + 1]  # the target's token after each of the last k + 1 positions
-            a = 0
-            while a < k and drafts[r][a] == verdict[a]:
-                a += 1
-            length = r.length
-            # valid K/V: the target fed seq[:length] and a accepted drafts; the drafter fed drafts[:k - 1]
-            r.computed = length + a
-            r.draft_computed = length + min(a, k - 1)
+            a, length = accepted_list[d], r.length
+            if a == k or not stateful_target:
+                r.computed = length + a  # valid K/V: the sequence and the accepted drafts
+                commit.append(r.slot)
+            else:  # the states after the step hold rejected drafts: keep those from before it, recompute
+                r.computed = start
             self.target.cache.truncate(r.slot, r.computed)
+            if saved is not None and a < k - 1:  # the drafter's states ran past the last accepted draft
+                self.drafter.restore([r.slot], [saved[d]])
+                r.draft_computed = length
+            else:
+                r.draft_computed = length + min(a, k - 1)  # it fed the sequence and drafts[:k - 1]
             self.drafter.cache.truncate(r.slot, r.draft_computed)
-            new.append(drafts[r][:a] + [verdict[a]])
+            new.append(drafted[d][:a] + [last[d]])
             verified.append((r, a))
-        self._pending = dict(mode=mode, key=key, tokens=len(tokens), verify_only=verify_only,
+            d += 1
+        self.target.commit(commit)
+        self._pending = dict(mode=mode, key=key, tokens=len(host), verify_only=verify_only,
                              drafter_modes=tuple(drafter_modes), verified=verified)
-        return Executed(new, len(tokens), verify_only, mode)
+        return Executed(new, len(host), verify_only, mode)
 
-    def _draft(self, chunks: list[tuple[Request, int, int]], final: list[bool]) -> tuple[dict, list[CUDAGraphMode]]:
-        """The drafter's steps: each final chunk's k proposals, and the mode of each step."""
-        layout = [(r.slot, r.draft_computed, start + count - r.draft_computed) for r, start, count in chunks]
-        tokens = [t for (r, start, count) in chunks for t in r.tokens(r.draft_computed, start + count - r.draft_computed)]
-        argmax = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout)).argmax(-1).tolist()
+    def _draft(
+        self, chunks: list[tuple[Request, int, int]], final: list[bool], drafting: list[Request],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[CUDAGraphMode], list | None]:
+        """The drafter's steps: each final chunk's k proposals ``(requests, k)`` on the device, their
+        distributions ``(requests, k, vocab)`` (None when every request is greedy), the mode of each
+        step, and the drafting requests' states after the first step (None without state layers)."""
+        k = self.k
+        feed = [(r, start + count - r.draft_computed) for r, start, count in chunks]
+        layout = [(r.slot, r.draft_computed, n) for r, n in feed if n > 0]
+        tokens = [t for r, n in feed if n > 0 for t in r.tokens(r.draft_computed, n)]
+        logits = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout))
         modes = [self.drafter.runner.last_mode]
-        drafting = [r for (r, _, _), f in zip(chunks, final) if f]
-        drafts = {r: [argmax[end]] for (r, _, _), f, end in zip(chunks, final, chunk_ends(layout)) if f}
-        for j in range(1, self.k if drafting else 0):
-            layout = [(r.slot, r.length + j - 1, 1) for r in drafting]
-            argmax = self.drafter.run(layout, [drafts[r][-1] for r in drafting], True).argmax(-1).tolist()
-            for r, token in zip(drafting, argmax):
-                drafts[r].append(token)
-            modes.append(self.drafter.runner.last_mode)
-        return drafts, modes
+        if not drafting:
+            return torch.empty(0, k, dtype=torch.long), None, modes, None
+        ends = {slot: end for (slot, _, _), end in zip(layout, chunk_ends(layout))}
+        params = [r.sampling for r in drafting]
+        sampled = any(not p.greedy for p in params)
+        rows = logits[torch.tensor([ends[r.slot] for r in drafting], device=logits.device)]
+        drafts, dists = [], []
+        for j in range(k):
+            if j:
+                layout = [(r.slot, r.length + j - 1, 1) for r in drafting]
+                rows = self.drafter.run(layout, drafts[-1], True)
+                modes.append(self.drafter.runner.last_mode)
+            if sampled:
+                probs = probabilities(rows, params)
+                keys = torch.tensor([noise_key(r.seed, r.length + j, DRAFT) for r in drafting], device=rows.device)
+                drafts.append(sample_from(probs, keys))
+                dists.append(probs)
+            else:
+                drafts.append(rows.argmax(-1))
+            if j == 0:
+                saved = self.drafter.snapshot([r.slot for r in drafting])
+        return torch.stack(drafts, 1), (torch.stack(dists, 1) if sampled else None), modes, saved
+
+    def _accept(
+        self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, requests: list[Request],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request, the token after its accepted drafts and how many were accepted (device tensors).
+        ``logits`` ``(requests, k + 1, vocab)``: the target's at the last sequence token and each draft."""
+        k = self.k
+        drafts = drafts.to(logits.device)
+        if q is None:  # all greedy: accept while the draft is the target's argmax
+            argmax = logits.argmax(-1)
+            agree = (drafts == argmax[:, :k]).long()
+            accepted = agree.cumprod(-1).sum(-1)
+            return argmax.gather(1, accepted[:, None])[:, 0], accepted
+        n, vocab = len(requests), logits.shape[-1]
+        params = [r.sampling for r in requests for _ in range(k + 1)]
+        p = probabilities(logits.reshape(n * (k + 1), vocab), params).view(n, k + 1, vocab)
+        q = q.to(p.device)
+        p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+        q_x = q.gather(-1, drafts[..., None])[..., 0]
+        keys = torch.tensor([[noise_key(r.seed, r.length + j, ACCEPT) for j in range(k)] for r in requests],
+                            device=p.device)
+        accept = (uniform_noise(keys.flatten()).view(n, k) * q_x < p_x).long()  # u < p(x) / q(x)
+        accepted = accept.cumprod(-1).sum(-1)
+        residual = (p - torch.cat([q, torch.zeros_like(q[:, :1])], 1)).clamp(min=0)  # after all k: p itself
+        at = accepted[:, None, None].expand(n, 1, vocab)
+        chosen = residual.gather(1, at)[:, 0]
+        chosen = torch.where(chosen.sum(-1, keepdim=True) > 0, chosen, p.gather(1, at)[:, 0])  # p == q: no mass left
+        draw_keys = torch.tensor(
+            [[noise_key(r.seed, r.length + j, RESAMPLE if j < k else TOKEN) for j in range(k + 1)] for r in requests],
+            device=p.device,
+        ).gather(1, accepted[:, None])[:, 0]
+        return sample_from(chosen, draw_keys), accepted
 
     def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None:
         p = self._pending
@@ -202,8 +299,11 @@ class SpeculativeEngine(Engine):
     and one vocabulary. ``config`` is the target's; the drafter uses ``drafter_config`` (default:
     ``config``) with ``drafter=True``. The target's capture sizes gain every verify size
     ``r * (k + 1)`` up to ``max_num_reqs`` requests (within ``max_capture_size`` when it was given),
-    so each verify step has an exact FULL key. Acceptance is greedy: tokens equal the target's own
-    greedy decoding. ``lazy_capture`` and ``graph_memory_budget`` apply to each runner.
+    so each verify step has an exact FULL key. Greedy requests get the target's own greedy tokens,
+    sampled ones speculative (rejection) sampling: tokens that follow the target's distribution
+    (:class:`Speculate`). ``target_state_specs`` / ``drafter_state_specs``: the states of each model's
+    state layers (a target with state layers verifies in PIECEWISE graphs: its FULL graphs hold one
+    token per request). ``lazy_capture`` and ``graph_memory_budget`` apply to each runner.
     """
 
     def __init__(
@@ -216,6 +316,8 @@ class SpeculativeEngine(Engine):
         target_layout: KVLayout,
         drafter_layout: KVLayout,
         vocab_size: int,
+        target_state_specs: Sequence[StateSpec] | None = None,
+        drafter_state_specs: Sequence[StateSpec] | None = None,
         drafter_config: CompilationConfig | None = None,
         target_attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
         max_num_reqs: int = 4,
@@ -251,8 +353,10 @@ class SpeculativeEngine(Engine):
                       attention_backend=attention_backend, lazy_capture=lazy_capture,
                       graph_memory_budget=graph_memory_budget)
         self.target = ModelRunner(target, target_config, kv_layout=target_layout, uniform_decode_query_len=k + 1,
-                                  attention_support=target_attention_support, **common)
-        self.drafter = ModelRunner(drafter, drafter_config or config, kv_layout=drafter_layout, drafter=True, **common)
+                                  attention_support=target_attention_support, state_specs=target_state_specs or (),
+                                  **common)
+        self.drafter = ModelRunner(drafter, drafter_config or config, kv_layout=drafter_layout, drafter=True,
+                                   state_specs=drafter_state_specs or (), **common)
         chosen = self.target.attention_backend, self.drafter.attention_backend
         #: the caches' attention backend(s) in words, as ``Engine.attention_backend`` (both's, when they differ)
         self.attention_backend = chosen[0] if chosen[0] == chosen[1] else f"target: {chosen[0]}; drafter: {chosen[1]}"
@@ -312,8 +416,8 @@ class SpeculativeEngine(Engine):
         on_round: Callable[[RoundInfo], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> list[list[int]]:
-        """Greedy completions of ``prompts``, equal to the target's own greedy decoding; :attr:`stats`
-        holds this call's totals. ``on_round`` gets a :class:`RoundInfo` per step, ``on_step`` a
+        """Completions of ``prompts``: greedy ones equal to the target's own greedy decoding, sampled
+        ones following its distribution under their ``SamplingParams``; :attr:`stats` holds this call's totals. ``on_round`` gets a :class:`RoundInfo` per step, ``on_step`` a
         ``StepInfo``; the rest as :meth:`Engine.generate`."""
         if on_round is not None and not callable(on_round):
             raise TypeError(f"on_round must be callable(RoundInfo), got {type(on_round).__name__}")
@@ -327,15 +431,6 @@ class SpeculativeEngine(Engine):
         self._speculate.stats = SpecStats()
         return super().generate(prompts, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling,
                                 on_token=on_token, on_step=step)
-
-    def _check_sampling(self, params: Sequence[SamplingParams | None]) -> None:
-        bad = next((p for p in params if p is not None and not p.greedy), None)
-        if bad is not None:
-            raise ValueError(
-                "SpecEngine accepts drafts greedily (equal to the target's argmax), so it cannot sample: "
-                f"sampling={bad!r} needs rejection sampling, which it does not have; use temperature 0, "
-                "or HFEngine to sample"
-            )
 
 
 def check_speculative_args(
