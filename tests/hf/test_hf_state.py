@@ -159,15 +159,33 @@ def test_llama4_chunked_layers_and_its_temperature_bound():
         hf.HFEngine(model, CONFIG, max_model_len=32)
 
 
-def test_spec_engine_refuses_state_layers_before_touching_the_models():
-    target = hf.tiny_random_model("qwen3_next")
-    drafter = hf.tiny_random_model("llama")
-    with pytest.raises(ValueError, match=r"cannot serve the target Qwen3NextForCausalLM: Qwen3NextGatedDeltaNet"):
-        SpecEngine(target, drafter, CONFIG, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match=r"cannot serve the drafter"):
-        SpecEngine(hf.tiny_random_model("llama"), hf.tiny_random_model("lfm2"), CONFIG, num_speculative_tokens=2)
-    assert "forward" not in vars(target.model.layers[0].linear_attn)
-    assert target.config._attn_implementation == "sdpa"
+def nudged_drafter(model: torch.nn.Module) -> torch.nn.Module:
+    """A drafter that differs from ``model``: its weights plus noise, so some drafts are rejected."""
+    drafter = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2 * p.std())
+    return drafter
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "mamba2"])  # gated delta net, Mamba2 hybrid, pure Mamba
+def test_spec_engine_decodes_state_layer_models_like_generate(arch):
+    """A rejected draft leaves the states as if it never ran: tokens equal the target's greedy generate,
+    with a drafter that differs from the target (state layers in both)."""
+    target = hf.tiny_random_model(model_type(arch))
+    reference = copy.deepcopy(target)
+    engine = SpecEngine(target, nudged_drafter(target), CONFIG, num_speculative_tokens=2, max_num_reqs=3,
+                        max_model_len=40, block_size=4)
+    assert engine.target.states is not None and engine.drafter.states is not None
+    engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    outputs = engine.generate(prompts, [5, 7, 9])
+    assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+    assert 0 < engine.stats.accepted < engine.stats.proposed, engine.stats  # rejections rolled back
+    assert engine.target.states.slots == {} and engine.drafter.states.slots == {}
 
 
 def test_a_model_without_attention_is_served():

@@ -35,7 +35,7 @@ from ..context import BatchDescriptor
 from ..kv.cache import PagedKVCache
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner import CaptureReport
-from ..state.cache import StateSpec
+from ..state.cache import StateCache, StateSpec
 from .arguments import check_attention_backend, check_engine_args, check_tokens_budget, eos_ids, is_int
 from .engine import Engine, check_config, check_vocab
 from .loop import Executed, StepInfo, chunk_ends
@@ -115,6 +115,22 @@ class CachesInStep:
     def free(self, request: Hashable) -> None:
         for c in self.caches:
             if request in c.tables:
+                c.free(request)
+
+
+class StatesInStep:
+    """The state caches of both models, freed together when the scheduler releases a request."""
+
+    def __init__(self, caches: Sequence[StateCache | None]):
+        self.caches = [c for c in caches if c is not None]
+
+    @property
+    def slots(self) -> set:
+        return {slot for c in self.caches for slot in c.slots}
+
+    def free(self, request: Hashable) -> None:
+        for c in self.caches:
+            if request in c.slots:
                 c.free(request)
 
 
@@ -366,8 +382,9 @@ class SpeculativeEngine(Engine):
         if budget < k + 1:
             raise ValueError(f"max_num_batched_tokens={budget} leaves no room for a request's token and its "
                              f"{k} drafts: give at least num_speculative_tokens + 1 = {k + 1}")
+        states = StatesInStep([self.target.states, self.drafter.states])
         self._serve([self.target, self.drafter], self._speculate, CachesInStep([self.target.cache, self.drafter.cache]),
-                    max_num_reqs, budget, lookahead=k)
+                    max_num_reqs, budget, states if states.caches else None, lookahead=k)
 
     def capture(self, progress: bool = False) -> CaptureReport:
         """Capture both runners before serving (target first; all graphs share one pool): one report
