@@ -351,16 +351,16 @@ def test_a_bad_attention_backend_is_refused_naming_the_valid_ones_before_either_
     assert target.config._attn_implementation != hf.ATTN_IMPLEMENTATION != drafter.config._attn_implementation
 
 
-def test_spec_engine_streams_kept_tokens_refuses_sampling_and_preempts_when_blocks_run_out():
-    """SpecEngine has streaming; it has no sampling (greedy acceptance: refused up front); a batch
-    that runs out of KV blocks is preempted and recomputed, as HFEngine's, and still matches generate."""
+def test_spec_engine_streams_kept_tokens_samples_with_a_seed_and_preempts_when_blocks_run_out():
+    """SpecEngine streams; samples (a seed reproduces the tokens); a batch that runs out of KV blocks is
+    preempted and recomputed, as HFEngine's, and still matches generate."""
     target = hf.tiny_random_model("llama", num_hidden_layers=2)
     reference = copy.deepcopy(target)
     config = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
     engine = spec.SpecEngine(target, target, config, num_speculative_tokens=2, max_model_len=32, block_size=4, num_blocks=8,
                              max_num_batched_tokens=32)
-    with pytest.raises(ValueError, match="SpecEngine accepts drafts greedily .* so it cannot sample: sampling=SamplingParams"):
-        engine.generate([[1, 2]], 3, sampling=hf.SamplingParams(0.7))
+    sampled = [engine.generate([[1, 2]], 6, sampling=hf.SamplingParams(0.7, seed=3), eos_token_id=[]) for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0][0]) == 6
     crowded = [[1 + i] * 9 for i in range(3)]  # 3 x 4 blocks of K/V (drafts included) in a cache of 8
     steps: list = []
     out = engine.generate(crowded, 4, eos_token_id=[], on_step=steps.append)
