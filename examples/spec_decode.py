@@ -6,10 +6,12 @@ target itself, so every draft is accepted). Prompts of different lengths join an
 different rounds. Each round prints the modes the drafter's k steps and the target's verify step
 ran (verify steps replay FULL graphs, the drafter breakable PIECEWISE ones), the drafts each
 request accepted, and at the end the acceptance rate and tokens per target step. With --check
-every request's tokens must equal the target's own ``model.generate(do_sample=False)``.
-Without CUDA it runs on the simulated graph platform and says so.
+every request's tokens must equal the target's own ``model.generate(do_sample=False)``; --sample
+also samples (rejection sampling: temperature 0.7, top-p 0.9, a seed per request) and, with --check,
+runs it twice: the seeds must reproduce the tokens. State-layer types (qwen3_next, nemotron_h,
+mamba2, ...) are served too: a rejected draft leaves no state behind. Without CUDA it runs on the simulated graph platform and says so.
 
-Run: python examples/spec_decode.py --arch llama --num-speculative-tokens 2 --check
+Run: python examples/spec_decode.py --arch llama --num-speculative-tokens 2 --check [--sample]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 import piecewise_backend as pb
 from piecewise_backend.hf import tiny_random_model
+from piecewise_backend.hf import SamplingParams
 from piecewise_backend.spec import RoundInfo, SpecEngine, truncated_drafter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, default=3, metavar="L",
                         help=f"drafter layers, 1..{TARGET_LAYERS} ({TARGET_LAYERS}: the target as its own drafter)")
     parser.add_argument("--check", action="store_true", help="compare with the target's model.generate(do_sample=False)")
+    parser.add_argument("--sample", action="store_true",
+                        help="also sample (temperature 0.7, top-p 0.9, a seed per request: rejection sampling); "
+                             "with --check, a second run must give the same tokens")
     args = parser.parse_args(argv)
     k = args.num_speculative_tokens
     if k < 1:
@@ -88,11 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"acceptance rate: {s.acceptance_rate:.3f} ({s.accepted}/{s.proposed} drafts)")
     print(f"tokens per target step: {s.tokens_per_target_step:.3f} ({s.emitted} tokens in {s.request_steps} "
           f"request-steps, {s.rounds} target steps; plain greedy decoding: 1.000)")
-    if not args.check:
-        return 0
-    ties: list[int] = []  # hf_generate's check also passes near-ties; here every token must equal generate's
-    bad = set(check(reference, prompts, outputs, NEW_TOKENS, eos, ties)) | set(ties)
-    print(f"check: {len(prompts) - len(bad)}/{len(prompts)} requests match model.generate token for token")
+    bad: set[int] = set()
+    if args.check:
+        ties: list[int] = []  # hf_generate's check also passes near-ties; here every token must equal generate's
+        bad = set(check(reference, prompts, outputs, NEW_TOKENS, eos, ties)) | set(ties)
+        print(f"check: {len(prompts) - len(bad)}/{len(prompts)} requests match model.generate token for token")
+    if args.sample:
+        sampling = [SamplingParams(temperature=0.7, top_p=0.9, seed=i) for i in range(len(prompts))]
+        sampled = engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, sampling=sampling)
+        s = engine.stats
+        print(f"sampled (temperature 0.7, top-p 0.9): acceptance rate {s.acceptance_rate:.3f}, tokens per target step "
+              f"{s.tokens_per_target_step:.3f}")
+        if args.check:
+            again = engine.generate(prompts, NEW_TOKENS, eos_token_id=eos, sampling=sampling)
+            same = sum(a == b for a, b in zip(sampled, again))
+            print(f"check: {same}/{len(prompts)} sampled requests reproduced by their seeds")
+            bad |= {i for i, (a, b) in enumerate(zip(sampled, again)) if a != b}
     return 1 if bad else 0
 
 

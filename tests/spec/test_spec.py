@@ -453,3 +453,13 @@ def test_spec_engine_online_with_chunked_prefill_cancel_and_lazy_capture():
     assert engine.generate(PROMPTS, 6, on_round=rounds.append) == first
     assert any(r.verify_only and r.target_mode == M.FULL for r in rounds), rounds
     assert engine.cached_tokens() == {} and engine.target.cache.tables == {} == engine.drafter.cache.tables
+
+
+def test_spec_decode_example_samples_and_serves_a_state_layer_model(capsys):
+    example = load_file("examples/spec_decode.py")
+    assert example.main(["--arch", "qwen3_next", "--num-speculative-tokens", "2", "--draft-layers", "1", "--check",
+                         "--sample"]) == 0
+    out = capsys.readouterr().out
+    assert "check: 5/5 requests match model.generate token for token" in out
+    assert "check: 5/5 sampled requests reproduced by their seeds" in out
+    assert re.search(r"^sampled \(temperature 0.7, top-p 0.9\): acceptance rate (\S+)", out, re.M)
