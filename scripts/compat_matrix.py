@@ -11,7 +11,7 @@ logits for ``GraphRunner`` + ``PagedKVCache`` (tests/support/pbtest's ``PagedTin
 * ``not offered``: the engine has no option for this axis (named);
 * ``wrong`` / ``crash``: a difference from the reference, or an error after construction: a bug.
 
-Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy] [--out docs/compatibility.md]
+Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy spec-sample spec-state] [--out docs/compatibility.md]
 Dynamo is reset before every cell (each cell compiles its own models).
 """
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # PagedTinyLM: the toy mode
 import piecewise_backend as pb  # noqa: E402
 from piecewise_backend import attention, kv  # noqa: E402
 
-ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy")
+ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy", "spec-sample", "spec-state")
 MODES = tuple(m.name for m in pb.CUDAGraphMode)
 OUTCOMES = ("works", "downgraded", "refused", "not offered", "wrong", "crash")
 BLOCK = 4
@@ -177,7 +177,7 @@ def _generate(arch: str, layers: int, prompts: Sequence[Sequence[int]], n: int) 
     if key not in _EXPECTED:
         from piecewise_backend.hf import tiny_random_model
 
-        model = tiny_random_model(arch, num_hidden_layers=layers)
+        model = tiny_random_model(arch, num_hidden_layers=layers) if layers else tiny_random_model(arch)
         # no stop token, as the engines' eos_token_id=[]: the config's is cleared too, so that generate
         # has no eos to fall back to (the tiny llama's is 2, which prompt [8, 9] reaches at its 3rd token)
         model.generation_config.eos_token_id = None
@@ -294,8 +294,56 @@ def _spec_lazy_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps]
     return [engine.target.runner, engine.drafter.runner], workload
 
 
+def _spec_sample_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """SpecEngine as in ``spec``, sampling: greedy and seeded requests in one batch; the greedy ones must be
+    generate's tokens, the sampled ones reproduced by their seeds in a second run."""
+    from piecewise_backend.hf import SamplingParams, tiny_random_model
+    from piecewise_backend.spec import SpecEngine, truncated_drafter
+
+    target = tiny_random_model("llama", num_hidden_layers=2)
+    engine = SpecEngine(target, truncated_drafter(target, 1), cell.config(), num_speculative_tokens=2,
+                        max_num_reqs=3, max_model_len=32, block_size=BLOCK, attention_backend=cell.backend)
+    prompts = [*PROMPTS, LATE]
+    sampling = [None if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(len(prompts))]
+
+    def workload(steps: _Steps) -> str | None:
+        engine.capture()
+        runs = [engine.generate(prompts, GEN_TOKENS, eos_token_id=[], sampling=sampling,
+                                on_round=lambda info: steps.add(engine.target.runner)) for _ in range(2)]
+        expected = _generate("llama", 2, prompts, GEN_TOKENS)
+        greedy = [i for i, s in enumerate(sampling) if s is None]
+        wrong = _compare([runs[0][i] for i in greedy], [expected[i] for i in greedy])
+        if wrong:
+            return "greedy " + wrong
+        if runs[0] != runs[1]:
+            return f"the seeds did not reproduce the sampled tokens: {runs[0]} then {runs[1]}"
+        return None
+
+    return [engine.target.runner, engine.drafter.runner], workload
+
+
+def _spec_state_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """SpecEngine on a state-layer model: a tiny qwen3_next (gated delta nets and attention), k=2, its first
+    layer as the drafter; the target's greedy tokens vs generate."""
+    from piecewise_backend.hf import tiny_random_model
+    from piecewise_backend.spec import SpecEngine, truncated_drafter
+
+    target = tiny_random_model("qwen3_next")
+    engine = SpecEngine(target, truncated_drafter(target, 1), cell.config(), num_speculative_tokens=2,
+                        max_num_reqs=3, max_model_len=32, block_size=BLOCK, attention_backend=cell.backend)
+    prompts = [*PROMPTS, LATE]
+
+    def workload(steps: _Steps) -> str | None:
+        engine.capture()
+        outputs = engine.generate(prompts, GEN_TOKENS, eos_token_id=[],
+                                  on_round=lambda info: steps.add(engine.target.runner))
+        return _compare(outputs, _generate("qwen3_next", 0, prompts, GEN_TOKENS))
+
+    return [engine.target.runner, engine.drafter.runner], workload
+
+
 BUILDERS = {"runner": _runner_cell, "serve": _serve_cell, "hf": _hf_cell, "spec": _spec_cell,
-            "spec-lazy": _spec_lazy_cell}
+            "spec-lazy": _spec_lazy_cell, "spec-sample": _spec_sample_cell, "spec-state": _spec_state_cell}
 
 
 def not_offered(cell: Cell) -> str | None:
@@ -350,6 +398,10 @@ TITLES = {
              "reference: a full recompute)",
     "spec-lazy": "`SpecEngine` with `lazy_capture` and preemption (as `spec`; served before and after `capture_idle`; "
                  "reference: the target's `model.generate`)",
+    "spec-sample": "`SpecEngine` sampling (as `spec`; greedy and seeded requests in one batch; reference: generate for "
+                   "the greedy ones, a second run for the seeded ones)",
+    "spec-state": "`SpecEngine` on state layers (tiny qwen3_next, its first layer as the drafter, k=2; reference: "
+                  "the target's `model.generate`)",
 }
 HEADER = "| cudagraph_mode | use_ubatching | use_breakable | attention backend | outcome | steps ran | why |"
 

@@ -40,6 +40,8 @@ SAMPLE = [
     Cell("serve", "FULL_AND_PIECEWISE", False, True, "bounded"),  # your own model: chunks, preemption
     Cell("serve", "FULL", True, False, "reference"),
     Cell("spec-lazy", "FULL_AND_PIECEWISE", False, True, "bounded"),  # served before and after capture_idle
+    Cell("spec-sample", "FULL_AND_PIECEWISE", False, True, "bounded"),  # greedy and seeded requests together
+    Cell("spec-state", "FULL", True, False, "reference"),  # state layers: PIECEWISE verify, said why
 ]
 
 
