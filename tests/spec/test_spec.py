@@ -463,3 +463,18 @@ def test_spec_decode_example_samples_and_serves_a_state_layer_model(capsys):
     assert "check: 5/5 requests match model.generate token for token" in out
     assert "check: 5/5 sampled requests reproduced by their seeds" in out
     assert re.search(r"^sampled \(temperature 0.7, top-p 0.9\): acceptance rate (\S+)", out, re.M)
+
+
+def test_any_small_causal_lm_with_the_targets_vocabulary_drafts():
+    """A drafter of another architecture (a 1-layer qwen2 for a llama target, both 256 tokens): the
+    target's greedy tokens; one of another vocabulary keeps its clear error."""
+    target = hf.tiny_random_model("llama", num_hidden_layers=2)
+    reference = copy.deepcopy(target)
+    config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", platform="simulated", compile_pieces="eager",
+                                  capture_sizes=[2, 4, 8, 16])
+    engine = spec.SpecEngine(target, hf.tiny_random_model("qwen2", num_hidden_layers=1, seed=3), config,
+                             num_speculative_tokens=2, max_num_reqs=3, max_model_len=48, block_size=4)
+    assert engine.generate(PROMPTS, 6, eos_token_id=[]) == [greedy(reference, p, 6, eos=[]) for p in PROMPTS]
+    with pytest.raises(ValueError, match=r"the drafter's vocabulary \(128 tokens\) must be the target's \(256\)"):
+        spec.SpecEngine(target, hf.tiny_random_model("qwen2", num_hidden_layers=1, vocab_size=128), config,
+                        num_speculative_tokens=2)
