@@ -213,3 +213,17 @@ def test_aot_compile_works_with_dynamos_aot_flag_off(tmp_path):
         torch.testing.assert_close(compiled(ids(3)), model(ids(3)))
         assert torch._dynamo.config.enable_aot_compile is False  # left as the caller set it
         torch.testing.assert_close(pb.load_compiled(tmp_path / "m.pb", model)(ids(2)), model(ids(2)))
+
+
+def test_importing_the_package_does_not_import_dynamo():
+    """PiecewiseArtifact's base imports all of Dynamo (~1.2 s here): the class is built on first use, so a user
+    of the compile-free API or the simulator does not pay for it at import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, piecewise_backend, piecewise_backend.backend.aot as aot; assert 'torch._dynamo' not in sys.modules; "
+            "cls = aot.PiecewiseArtifact; assert 'torch._dynamo' in sys.modules and cls is aot._artifact_class(); "
+            "print(cls.__module__, cls.__qualname__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["piecewise_backend.backend.aot", "PiecewiseArtifact"]

@@ -23,6 +23,7 @@ writable by no other user (:mod:`.trust`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -34,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dynamo.aot_compile_types import SerializableCallable
 
 from ..config import CompilationConfig
 from ..observability import counters
@@ -99,7 +99,7 @@ class _AOTBackend(PiecewiseBackend):
         split = self.splits[-1]
         inductor = self.config.compile_pieces == "inductor"
         pieces = {p.index: self.piece_artifacts[id(p.module)] for p in split.pieces if inductor and not p.is_splitting}
-        return PiecewiseArtifact(forward, split, self.config, pieces)
+        return _artifact_class()(forward, split, self.config, pieces)
 
 
 class _LoadBackend(PiecewiseBackend):
@@ -119,42 +119,57 @@ class _LoadBackend(PiecewiseBackend):
         return direct_forward(split.split_gm)
 
 
-class PiecewiseArtifact(SerializableCallable):
-    """What :func:`aot_compile`'s backend returns: the stitched pieces, savable as bytes."""
+def __getattr__(name: str) -> Any:
+    if name == "PiecewiseArtifact":  # built on first use (pickle finds it here too): see _artifact_class
+        return _artifact_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def __init__(self, forward: Callable[..., Any], split: SplitGraph, config: CompilationConfig, pieces: dict[int, Any]):
-        self.forward, self.split, self.config, self.pieces = forward, split, config, pieces
 
-    def __call__(self, *args: Any) -> Any:
-        return self.forward(*args)
+@functools.cache
+def _artifact_class() -> type:
+    """``PiecewiseArtifact``, built on first use: its base, ``SerializableCallable``, imports all of Dynamo
+    (about 1.2 s), which ``import piecewise_backend`` would otherwise pay for every user."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
 
-    @classmethod
-    def serialize_compile_artifacts(cls, fn: PiecewiseArtifact) -> bytes:
-        blobs: dict[int, bytes] = {}  # identical pieces share one artifact object: store it once
-        for a in fn.pieces.values():
-            if id(a) not in blobs:
-                blobs[id(a)] = a.serialize()
-        state = {
-            "env": _environment(),
-            "split": _pickle_split(fn.split),
-            "kinds": [(p.name, p.index, p.is_splitting) for p in fn.split.pieces],
-            "config": fn.config.replace(splitting_ops=[], cache_dir=None, debug_dump_dir=None),
-            "pieces": {i: id(a) for i, a in fn.pieces.items()},
-            "blobs": blobs,
-        }
-        return pickle.dumps(state)
+    class PiecewiseArtifact(SerializableCallable):
+        """What :func:`aot_compile`'s backend returns: the stitched pieces, savable as bytes."""
 
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> PiecewiseArtifact:
-        state = pickle.loads(data)
-        env = _environment()
-        if state["env"] != env:
-            raise RuntimeError(f"compiled with {state['env']}, cannot load under {env}; compile again")
-        artifacts = {k: load_artifact(b) for k, b in state["blobs"].items()}
-        pieces = {i: artifacts[k] for i, k in state["pieces"].items()}
-        split = _unpickle_split(state["split"], state["kinds"])
-        forward = _LoadBackend(state["config"], pieces).assemble(split)
-        return cls(forward, split, state["config"], pieces)
+        def __init__(self, forward: Callable[..., Any], split: SplitGraph, config: CompilationConfig, pieces: dict[int, Any]):
+            self.forward, self.split, self.config, self.pieces = forward, split, config, pieces
+
+        def __call__(self, *args: Any) -> Any:
+            return self.forward(*args)
+
+        @classmethod
+        def serialize_compile_artifacts(cls, fn: PiecewiseArtifact) -> bytes:
+            blobs: dict[int, bytes] = {}  # identical pieces share one artifact object: store it once
+            for a in fn.pieces.values():
+                if id(a) not in blobs:
+                    blobs[id(a)] = a.serialize()
+            state = {
+                "env": _environment(),
+                "split": _pickle_split(fn.split),
+                "kinds": [(p.name, p.index, p.is_splitting) for p in fn.split.pieces],
+                "config": fn.config.replace(splitting_ops=[], cache_dir=None, debug_dump_dir=None),
+                "pieces": {i: id(a) for i, a in fn.pieces.items()},
+                "blobs": blobs,
+            }
+            return pickle.dumps(state)
+
+        @classmethod
+        def deserialize_compile_artifacts(cls, data: bytes) -> PiecewiseArtifact:
+            state = pickle.loads(data)
+            env = _environment()
+            if state["env"] != env:
+                raise RuntimeError(f"compiled with {state['env']}, cannot load under {env}; compile again")
+            artifacts = {k: load_artifact(b) for k, b in state["blobs"].items()}
+            pieces = {i: artifacts[k] for i, k in state["pieces"].items()}
+            split = _unpickle_split(state["split"], state["kinds"])
+            forward = _LoadBackend(state["config"], pieces).assemble(split)
+            return cls(forward, split, state["config"], pieces)
+
+    PiecewiseArtifact.__module__, PiecewiseArtifact.__qualname__ = __name__, "PiecewiseArtifact"  # pickled by name
+    return PiecewiseArtifact
 
 
 class CompiledModel:
