@@ -43,6 +43,7 @@ class CompilationConfig:
     use_ubatching: bool = False  # micro-batching (dual-batch overlap): UBatchWrapper instead of the graph wrappers
     dbo_decode_token_threshold: int = 32  # a pure-decode step is micro-batched from this many tokens
     dbo_prefill_token_threshold: int = 512  # a step with a prefill, from this many tokens
+    use_inductor_graph_partition: bool = False  # one Inductor compile partitioned at the splitting ops (not yet)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)
@@ -118,6 +119,20 @@ class CompilationConfig:
             raise ValueError(f"CompilationConfig.debug_checks must be a bool, got {self.debug_checks!r}")
         if not isinstance(self.use_ubatching, bool):
             raise ValueError(f"CompilationConfig.use_ubatching must be a bool, got {self.use_ubatching!r}")
+        if not isinstance(self.use_inductor_graph_partition, bool):
+            raise ValueError(
+                f"CompilationConfig.use_inductor_graph_partition must be a bool, got {self.use_inductor_graph_partition!r}"
+            )
+        if self.use_inductor_graph_partition:
+            import torch
+
+            why = ("no GPU here, and Inductor partitions only GPU nodes (torch's Scheduler.should_partition keeps "
+                   "every CPU node in one graph)" if not torch.cuda.is_available() else
+                   "this release compiles the pieces one by one and has no partitioned compile yet")
+            raise ValueError(
+                f"CompilationConfig.use_inductor_graph_partition=True is refused: {why}; use the default "
+                "(False): each piece between splitting ops is compiled on its own (compile_pieces)"
+            )
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             value = getattr(self, name)
             if not _is_int(value) or value < 2:  # a micro-batched step has two non-empty halves

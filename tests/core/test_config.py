@@ -139,6 +139,7 @@ BAD = [
     ("dbo_decode_token_threshold", True),
     ("dbo_prefill_token_threshold", 0),
     ("dbo_prefill_token_threshold", "512"),
+    ("use_inductor_graph_partition", "yes"),
 ]
 
 
@@ -230,3 +231,12 @@ def test_ubatching_defaults_and_thresholds_kept():
     assert (config.use_ubatching, config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold) == (
         True, 2, 9,
     )
+
+
+def test_inductor_graph_partition_is_a_field_refused_with_its_reason():
+    assert pb.CompilationConfig().use_inductor_graph_partition is False
+    reason = "Inductor partitions only GPU nodes" if not torch.cuda.is_available() else "no partitioned compile yet"
+    with pytest.raises(ValueError, match=rf"use_inductor_graph_partition=True is refused: .*{reason}"):
+        pb.CompilationConfig(use_inductor_graph_partition=True)
+    with pytest.raises(ValueError, match="use_inductor_graph_partition must be a bool, got 'yes'"):
+        pb.CompilationConfig(use_inductor_graph_partition="yes")
