@@ -94,7 +94,8 @@ class _AOTBackend(PiecewiseBackend):
         super().__init__(config)
         self._serializable = True
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> PiecewiseArtifact:
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+        """A ``PiecewiseArtifact`` of the stitched pieces (its class is built on first use)."""
         forward = super().__call__(gm, example_inputs, **kwargs)
         split = self.splits[-1]
         inductor = self.config.compile_pieces == "inductor"

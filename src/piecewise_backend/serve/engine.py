@@ -158,7 +158,6 @@ class Engine:
         :meth:`generate`'s ``eos_token_id``: an int or a list of ints (``[]``: none); None: the
         engine's default. ``on_token(request_id, token_id)`` is called as each of its tokens is produced.
         """
-        self._check_sampling([sampling])
         stops = eos_ids(stop_token_ids, self.default_eos(), vocab_size=self.vocab_size, name="stop_token_ids")
         return self._loop.add(
             prompt, max_new_tokens, sampling=sampling, stop_token_ids=sorted(stops), request_id=request_id,
@@ -210,12 +209,8 @@ class Engine:
                               default_eos=self.default_eos(), reserve=reserve,
                               reserve_reason="speculative tokens - 1" if reserve else "")
         params = per_request(sampling, len(args.prompts))
-        self._check_sampling(params)
         with torch.inference_mode():
             return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step)
-
-    def _check_sampling(self, params: Sequence[SamplingParams | None]) -> None:
-        """Refuse sampling parameters this engine cannot honour (every one, here)."""
 
 
 def check_config(config: Any) -> None:
