@@ -156,7 +156,7 @@ def decode_table(device: str, quick: bool, deadline: float | None) -> Section:
     raise_recompile_limits()
     full = hf.HFEngine(make_model(device, sizes), config, **kwargs)
     report = full.capture()
-    lazy = hf.HFEngine(make_model(device, sizes), config, lazy_capture=True, **kwargs)
+    lazy = hf.HFEngine(make_model(device, sizes), config, lazy_capture=True, step_capture_budget_s=0, **kwargs)
 
     def timed(engine: hf.HFEngine) -> tuple[float, list[list[int]], set]:
         events: list[tuple[float, int]] = []

@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     reference = copy.deepcopy(model) if args.check else None  # keeps HF's own SDPA attention
     try:
-        engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8, lazy_capture=args.lazy)
+        # step_capture_budget_s=0: only capture_idle captures (a lazy engine otherwise catches up inside steps)
+        engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8, lazy_capture=args.lazy,
+                          step_capture_budget_s=0)
     except ValueError as e:  # an architecture the paged attention cannot serve, and why
         parser.error(str(e))
     if not args.lazy:

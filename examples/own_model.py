@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"online: {len(finished)} requests, {finished[cancelled].request_id} cancelled, the others == full recompute")
 
     # lazy capture: serve at once, capture what traffic asked for when idle
+    # step_capture_budget_s=0: only capture_idle captures (by default a lazy engine also catches up inside steps)
     lazy = serve.Engine(make_model().to(device), make_config(), kv_layout=KV_LAYOUT, vocab_size=VOCAB, max_num_reqs=4,
-                        max_model_len=32, block_size=4, lazy_capture=True)
+                        max_model_len=32, block_size=4, lazy_capture=True, step_capture_budget_s=0)
     before = lazy.generate(prompts, budget)
     captured = lazy.capture_idle(60.0)
     after = lazy.generate(prompts, budget)

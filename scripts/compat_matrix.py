@@ -270,7 +270,7 @@ def _spec_lazy_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps]
 
     target = tiny_random_model("llama", num_hidden_layers=2)
     engine = SpecEngine(target, truncated_drafter(target, 1), cell.config(), num_speculative_tokens=2,
-                        max_num_reqs=3, max_model_len=32, block_size=BLOCK, num_blocks=6, lazy_capture=True,
+                        max_num_reqs=3, max_model_len=32, block_size=BLOCK, num_blocks=6, lazy_capture=True, step_capture_budget_s=0,
                         max_num_batched_tokens=16, attention_backend=cell.backend)
     prompts = [*PROMPTS, LATE]
 

@@ -52,8 +52,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def lazy_engine():
-    """Serves before any capture; the tests capture it in idle time as they go."""
-    return hf.HFEngine(hf.tiny_random_model("llama"), CONFIG, lazy_capture=True, **ENGINE)
+    """Serves before any capture; the tests capture it in idle time as they go (no catch-up inside steps)."""
+    return hf.HFEngine(hf.tiny_random_model("llama"), CONFIG, lazy_capture=True, step_capture_budget_s=0, **ENGINE)
 
 
 # ------------------------------------------------------------------ chunked prefill

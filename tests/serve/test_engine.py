@@ -121,7 +121,7 @@ def test_a_seed_gives_the_same_tokens_at_any_batch_index_and_under_any_id(crowde
 
 
 def test_lazy_capture_serves_at_once_and_captures_when_idle(reference):
-    engine = make_engine(lazy_capture=True)
+    engine = make_engine(lazy_capture=True, step_capture_budget_s=0)  # only capture_idle captures
     steps: list[serve.StepInfo] = []
     with pb.expect(captures=0):
         first = engine.generate(PROMPTS, 12, on_step=steps.append)
@@ -193,3 +193,30 @@ def test_own_decoder_on_cuda(reference):
     out = engine.generate(PROMPTS, 12, on_step=steps.append)
     assert out == [reference[tuple(p)] for p in PROMPTS]
     assert {s.mode for s in steps} == {M.FULL, M.PIECEWISE}
+
+
+def test_a_lazy_engine_catches_up_under_continuous_traffic(reference):
+    """No idle time, no capture_idle: each step may spend step_capture_budget_s capturing what traffic asked
+    for, so a lazy engine ends up replaying graphs; tokens stay the full recompute's."""
+    engine = make_engine(lazy_capture=True, step_capture_budget_s=5.0)  # generous: the simulator records every op
+    assert make_engine(lazy_capture=True).step_capture_budget_s == 0.05  # the default with lazy_capture
+    modes: list[pb.CUDAGraphMode] = []
+    for _ in range(3):  # the same traffic three times, requests added while others run
+        ids = [engine.add_request(p, 12) for p in PROMPTS[:2]]
+        engine.step()
+        modes.append(engine.runner.last_mode)
+        ids += [engine.add_request(p, 12) for p in PROMPTS[2:]]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((r.request_id, r) for r in engine.step())
+            modes.append(engine.runner.last_mode)
+        done.update((r.request_id, r) for r in engine.step())
+        assert [done[i].token_ids for i in ids] == [reference[tuple(p)] for p in PROMPTS]
+    assert modes[0] == M.NONE and M.FULL in modes[len(modes) // 2:], modes
+    assert engine.runner.lazy.captured  # captured inside steps
+
+
+def test_step_capture_budget_is_checked():
+    with pytest.raises(ValueError, match=r"step_capture_budget_s must be None .* got -1"):
+        make_engine(lazy_capture=True, step_capture_budget_s=-1)
+    assert make_engine().step_capture_budget_s == 0.0  # not lazy: steps never capture

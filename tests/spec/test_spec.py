@@ -435,7 +435,8 @@ def test_spec_decode_example_checks_multi_query_and_mla_models(arch, capsys):
 def test_spec_engine_online_with_chunked_prefill_cancel_and_lazy_capture():
     """The loop's features on SpecEngine: add/cancel while others run, an 11-token prompt prefilled in
     chunks of an 8-token budget (drafts count), serving before any capture, capture_idle later."""
-    engine, reference = make_engine(2, "FULL_AND_PIECEWISE", draft_layers=1, lazy_capture=True, max_num_batched_tokens=8)
+    engine, reference = make_engine(2, "FULL_AND_PIECEWISE", draft_layers=1, lazy_capture=True, max_num_batched_tokens=8,
+                                    step_capture_budget_s=0)
     ids = [engine.add_request(p, 6) for p in PROMPTS[:2]]
     steps = [engine.step() for _ in range(2)]
     assert engine.cancel_request(ids[0]) and engine.last_round is not None

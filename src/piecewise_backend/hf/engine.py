@@ -202,12 +202,13 @@ class HFEngine(Engine):
         lazy_capture: bool = False,
         max_num_batched_tokens: int | None = None,
         graph_memory_budget: int | None = None,
+        step_capture_budget_s: float | None = None,
     ):
         # every argument is checked before adapt, which changes the model
         check_engine_args(
             max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
-            graph_memory_budget=graph_memory_budget,
+            graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
         )
         check_config(config)
         vocab_size = check_hf_model(model, config, max_model_len)
@@ -220,6 +221,7 @@ class HFEngine(Engine):
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             attention_backend=attention_backend, lazy_capture=lazy_capture,
             max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
+            step_capture_budget_s=step_capture_budget_s,
         )
         self.model = model
 
@@ -270,5 +272,5 @@ def check_hf_model(model: Any, config: CompilationConfig, max_model_len: int) ->
 #: Keyword arguments of HFEngine (the rest of from_pretrained's go to transformers).
 _ENGINE_KWARGS = frozenset({
     "max_num_reqs", "max_model_len", "block_size", "num_blocks", "attention_backend", "lazy_capture",
-    "max_num_batched_tokens", "graph_memory_budget",
+    "max_num_batched_tokens", "graph_memory_budget", "step_capture_budget_s",
 })

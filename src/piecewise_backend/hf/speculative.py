@@ -51,10 +51,12 @@ class SpecEngine(SpeculativeEngine):
         lazy_capture: bool = False,
         max_num_batched_tokens: int | None = None,
         graph_memory_budget: int | None = None,
+        step_capture_budget_s: float | None = None,
     ):
         engine_args = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size,
                            num_blocks=num_blocks, lazy_capture=lazy_capture,
-                           max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget)
+                           max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
+                           step_capture_budget_s=step_capture_budget_s)
         check_speculative_args(num_speculative_tokens, config, drafter_config, **engine_args)
         vocab = [m.config.get_text_config().vocab_size for m in (target, drafter)]
         if vocab[0] != vocab[1]:

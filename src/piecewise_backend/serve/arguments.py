@@ -131,7 +131,7 @@ def check_attention_backend(attention_backend: Any, *, device: Any, dtype: Any, 
 
 def check_engine_args(
     *, max_num_reqs: Any, max_model_len: Any, block_size: Any, num_blocks: Any, lazy_capture: Any,
-    max_num_batched_tokens: Any, graph_memory_budget: Any,
+    max_num_batched_tokens: Any, graph_memory_budget: Any, step_capture_budget_s: Any = None,
 ) -> None:
     """The engines' shared constructor arguments, each checked by its own name before anything is
     built (``num_blocks=0`` is refused, not replaced by the default)."""
@@ -150,6 +150,10 @@ def check_engine_args(
     check_tokens_budget(max_num_batched_tokens)
     if graph_memory_budget is not None and (not is_int(graph_memory_budget) or graph_memory_budget < 0):
         raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {_show(graph_memory_budget)}")
+    s = step_capture_budget_s
+    if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Real) or not s >= 0 or s == float("inf")):
+        raise ValueError(f"step_capture_budget_s must be None (the default) or a finite number of seconds >= 0 "
+                         f"(0: never capture inside a step), got {_show(s)}")
 
 
 def check_tokens_budget(value: Any) -> None:

@@ -31,6 +31,10 @@ from .sampling import SamplingParams, per_request
 from .scheduler import KVBlocks
 
 
+#: A lazy engine's default ``step_capture_budget_s``: what a step may add to its latency to catch up.
+STEP_CAPTURE_BUDGET_S = 0.05
+
+
 class Engine:
     """Continuous batching of ``model`` (the protocol of the module docstring) on a GraphRunner with a
     paged KV cache.
@@ -40,7 +44,9 @@ class Engine:
     step's tokens (default: the largest capture size), longer prompts are prefilled in chunks;
     ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool;
     ``eos_token_id`` (an int or a list of ints) is the stop token ``generate`` and ``add_request``
-    use when they are given none.
+    use when they are given none. ``step_capture_budget_s``: seconds a step of a lazy engine may
+    spend, before it runs, capturing graphs traffic asked for (None: 0.05 with ``lazy_capture``,
+    else 0; 0: only ``capture_idle`` captures); no capture predicted to overrun it starts.
     """
 
     def __init__(
@@ -60,11 +66,12 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         graph_memory_budget: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        step_capture_budget_s: float | None = None,
     ):
         check_engine_args(
             max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
-            graph_memory_budget=graph_memory_budget,
+            graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
         )
         check_config(config)
         if not isinstance(kv_layout, KVLayout):
@@ -87,18 +94,40 @@ class Engine:
         self.model = model
         self.cache, self.states, self.runner, self.backend = main.cache, main.states, main.runner, main.backend
         self.attention_backend = main.attention_backend
-        self._serve([main], Decode(main), main.cache, max_num_reqs, max_num_batched_tokens, main.states)
+        self._serve([main], Decode(main), main.cache, max_num_reqs, max_num_batched_tokens, main.states,
+                    step_capture_budget_s=step_capture_budget_s)
 
     def _serve(
         self, runners: list[ModelRunner], executor: StepExecutor, blocks: KVBlocks, max_num_reqs: int,
         max_num_batched_tokens: int | None, states: Any = None, lookahead: int = 0,
+        step_capture_budget_s: float | None = None,
     ) -> None:
         """The loop over ``executor`` (every engine's last constructor step)."""
         self._runners = runners
+        lazy = any(m.runner.lazy_capture for m in runners)
+        #: Seconds a step of a lazy engine may spend capturing graphs traffic asked for, before it runs
+        #: (``capture_idle`` within that slice; 0: never). Default: :data:`STEP_CAPTURE_BUDGET_S` with
+        #: ``lazy_capture=True``, else 0.
+        self.step_capture_budget_s = float(
+            (STEP_CAPTURE_BUDGET_S if lazy else 0.0) if step_capture_budget_s is None else step_capture_budget_s
+        )
         self.max_num_reqs = max_num_reqs
         self.max_step_tokens = runners[0].runner.dispatcher.max_size
         budget = max_num_batched_tokens or self.max_step_tokens or blocks.max_model_len  # NONE mode: a whole prompt
         self._loop = ServingLoop(executor, blocks, self.vocab_size, max_num_reqs, budget, states, lookahead)
+        self._loop.before_step = self._catch_up
+
+    def _catch_up(self) -> None:
+        """Before a step: capture demanded graphs within ``step_capture_budget_s`` (a lazy engine under
+        continuous traffic converges to captured speed without the caller finding idle time)."""
+        budget = self.step_capture_budget_s
+        if budget <= 0:
+            return
+        deadline = time.perf_counter() + budget
+        for m in self._runners:
+            if m.runner.demand:
+                with torch.inference_mode():
+                    m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
 
     def default_eos(self) -> Any:
         """The stop token(s) used when ``generate`` or ``add_request`` is given none."""

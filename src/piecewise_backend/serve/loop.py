@@ -125,6 +125,8 @@ class ServingLoop:
         self._done: deque[RequestOutput] = deque()  # finished or cancelled, not yet returned by step()
         self._next_id = 0
         self._calls = itertools.count()  # generate() calls: their requests' ids
+        #: called at the start of every step, before it is planned (the engine's lazy catch-up)
+        self.before_step: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -282,6 +284,8 @@ class ServingLoop:
     def advance(self) -> StepInfo:
         """Plan and run one step; finished requests go to the results queue. Holds the lock."""
         with self.lock:
+            if self.before_step is not None:
+                self.before_step()
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 raise RuntimeError(  # cannot happen while every request fits the cache alone

@@ -345,11 +345,13 @@ class SpeculativeEngine(Engine):
         max_num_batched_tokens: int | None = None,
         graph_memory_budget: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        step_capture_budget_s: float | None = None,
     ):
         k = check_speculative_args(
             num_speculative_tokens, config, drafter_config, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
             block_size=block_size, num_blocks=num_blocks, lazy_capture=lazy_capture,
             max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
+            step_capture_budget_s=step_capture_budget_s,
         )
         for layout in (target_layout, drafter_layout):
             if not isinstance(layout, KVLayout):
@@ -384,7 +386,8 @@ class SpeculativeEngine(Engine):
                              f"{k} drafts: give at least num_speculative_tokens + 1 = {k + 1}")
         states = StatesInStep([self.target.states, self.drafter.states])
         self._serve([self.target, self.drafter], self._speculate, CachesInStep([self.target.cache, self.drafter.cache]),
-                    max_num_reqs, budget, states if states.caches else None, lookahead=k)
+                    max_num_reqs, budget, states if states.caches else None, lookahead=k,
+                    step_capture_budget_s=step_capture_budget_s)
 
     def capture(self, progress: bool = False) -> CaptureReport:
         """Capture both runners before serving (target first; all graphs share one pool): one report
