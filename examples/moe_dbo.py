@@ -106,6 +106,7 @@ def main() -> int:
         if not worst < TOLERANCE:
             print(f"rank {rank}: micro-batched logits differ by {worst} (> {TOLERANCE})", file=sys.stderr)
     say(f"steps run as (micro-batched, mode): {sorted(seen)}")
+    dist.barrier()  # every rank done with its collectives before any tears gloo down (an early one aborted a peer)
     dist.destroy_process_group()
     return 1 if failed else 0
 

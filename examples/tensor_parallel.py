@@ -132,6 +132,7 @@ def main() -> int:
         failed = not worst < TOLERANCE
         if failed:
             print(f"rank 0: sharded logits differ from the unsharded model by {worst} (> {TOLERANCE})", file=sys.stderr)
+    dist.barrier()  # every rank done with its collectives before any tears gloo down (an early one aborted a peer)
     dist.destroy_process_group()
     return 1 if failed else 0
 
