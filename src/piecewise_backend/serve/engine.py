@@ -23,6 +23,7 @@ from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
 from ..runner import CaptureReport
+from ..runner.agreement import distributed
 from ..state.cache import StateSpec
 from .arguments import check_attention_backend, check_engine_args, check_generate, check_tokens_budget, eos_ids, is_int
 from .loop import RequestOutput, ServingLoop, StepExecutor, StepInfo
@@ -121,7 +122,7 @@ class Engine:
         """Before a step: capture demanded graphs within ``step_capture_budget_s`` (a lazy engine under
         continuous traffic converges to captured speed without the caller finding idle time)."""
         budget = self.step_capture_budget_s
-        if budget <= 0:
+        if budget <= 0 or distributed():  # ranks would capture different graphs (capture_idle refuses it)
             return
         deadline = time.perf_counter() + budget
         for m in self._runners:
