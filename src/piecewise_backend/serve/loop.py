@@ -216,12 +216,6 @@ class ServingLoop:
         with self.lock:
             return self.scheduler.has_unfinished()
 
-    def cancel_all(self) -> None:
-        """Drop every unfinished request (their blocks freed); nothing is reported for them."""
-        with self.lock:
-            self.scheduler.release_all()
-            self._live.clear()
-
     # ------------------------------------------------------------------ generate
 
     def generate(

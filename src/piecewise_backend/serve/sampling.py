@@ -188,15 +188,20 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     greedy = logits.argmax(-1)
     if all(p.greedy for p in params):
         return greedy
+    masked, is_greedy = _filtered(logits, params)
+    noise = gumbel_noise(torch.tensor(list(keys), dtype=torch.long).to(logits.device), logits.shape[-1])
+    return torch.where(is_greedy, greedy, (masked + noise).argmax(-1))
+
+
+def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's filtered logits under its params (:func:`filtered_logits`; greedy rows at temperature 1),
+    and which rows are greedy (a device bool tensor)."""
     device = logits.device
     temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     masked = filtered_logits(logits, temperature.to(device), top_k, top_p)
-    noise = gumbel_noise(torch.tensor(list(keys), dtype=torch.long).to(device), logits.shape[-1])
-    drawn = (masked + noise).argmax(-1)
-    is_greedy = torch.tensor([p.greedy for p in params]).to(device)
-    return torch.where(is_greedy, greedy, drawn)
+    return masked, torch.tensor([p.greedy for p in params]).to(device)
 
 
 #: ``noise_key`` purposes: a request's token itself (plain decoding, and speculative decoding's bonus
@@ -210,13 +215,8 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
     if all(p.greedy for p in params):
         return greedy
-    device = logits.device
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    probs = filtered_logits(logits, temperature.to(device), top_k, top_p).softmax(-1)
-    is_greedy = torch.tensor([p.greedy for p in params]).to(device)
-    return torch.where(is_greedy[:, None], greedy, probs)
+    masked, is_greedy = _filtered(logits, params)
+    return torch.where(is_greedy[:, None], greedy, masked.softmax(-1))
 
 
 def sample_from(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

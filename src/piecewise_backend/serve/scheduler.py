@@ -230,10 +230,3 @@ class Scheduler:
             return left, self.lookahead
         count = min(left - 1, budget) if self.lookahead else min(left, budget)
         return max(count, 0), 0
-
-    def release_all(self) -> list[Request]:
-        """Drop every request (after an error, or on cancel-all), freeing their blocks; returns them."""
-        dropped = [*self.running, *self.waiting]
-        for request in dropped:
-            self.remove(request)
-        return dropped

@@ -88,7 +88,7 @@ class CachesInStep:
         first = self.caches[0]
         if any(c.block_size != first.block_size or c.max_model_len != first.max_model_len for c in self.caches):
             raise ValueError("caches planned together need one block_size and max_model_len")
-        self.block_size, self.max_model_len, self.device = first.block_size, first.max_model_len, first.device
+        self.block_size, self.max_model_len = first.block_size, first.max_model_len
 
     @property
     def tables(self) -> dict:
