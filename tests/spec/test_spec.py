@@ -479,3 +479,11 @@ def test_any_small_causal_lm_with_the_targets_vocabulary_drafts():
     with pytest.raises(ValueError, match=r"the drafter's vocabulary \(128 tokens\) must be the target's \(256\)"):
         spec.SpecEngine(target, hf.tiny_random_model("qwen2", num_hidden_layers=1, vocab_size=128), config,
                         num_speculative_tokens=2)
+
+
+def test_truncated_drafter_of_a_model_whose_layer_types_follow_its_layer_count():
+    """mamba2's ``layer_types`` is a read-only property derived from ``num_hidden_layers``: left alone, not set."""
+    target = hf.tiny_random_model("mamba2", num_hidden_layers=3)
+    drafter = spec.truncated_drafter(target, 1)
+    assert drafter.config.num_hidden_layers == 1 and len(drafter.config.layer_types) == 1
+    assert len(target.config.layer_types) == 3

@@ -97,7 +97,9 @@ def truncated_drafter(model: torch.nn.Module, num_layers: int) -> torch.nn.Modul
         raise ValueError(f"num_layers must be an int in 1..{total} (the target's layer count), got {num_layers!r}")
     config.get_text_config().num_hidden_layers = num_layers
     for name in ("layer_types",):  # per-layer lists follow the layer count
-        if isinstance(getattr(config, name, None), list):
+        prop = getattr(type(config), name, None)
+        derived = isinstance(prop, property) and prop.fset is None  # mamba2's follows num_hidden_layers itself
+        if not derived and isinstance(getattr(config, name, None), list):
             setattr(config, name, getattr(config, name)[:num_layers])
     draft = type(model)(config)
     missing = draft.load_state_dict(model.state_dict(), strict=False).missing_keys
