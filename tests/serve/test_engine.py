@@ -220,3 +220,39 @@ def test_step_capture_budget_is_checked():
     with pytest.raises(ValueError, match=r"step_capture_budget_s must be None .* got -1"):
         make_engine(lazy_capture=True, step_capture_budget_s=-1)
     assert make_engine().step_capture_budget_s == 0.0  # not lazy: steps never capture
+
+
+def test_a_lazy_engine_serves_before_compiling_and_capture_idle_compiles_first(reference):
+    """The first steps run the model uncompiled (no Dynamo graph reaches the backend); capture_idle compiles
+    (one graph) and then captures; tokens equal the full recompute's before and after."""
+    engine = make_engine(lazy_capture=True, step_capture_budget_s=0)
+    assert engine.runner.needs_compile
+    with pb.expect(graphs=0, captures=0):
+        first = engine.generate(PROMPTS, 12)
+    assert first == [reference[tuple(p)] for p in PROMPTS] and engine.runner.needs_compile
+    engine.runner.lazy.compile_estimate_s = 30.0
+    with pb.expect(graphs=0, captures=0):  # a compile predicted past the time given does not start
+        assert engine.capture_idle(10.0) == []
+    engine.runner.lazy.compile_estimate_s = None
+    with pb.expect(graphs=1):
+        captured = engine.capture_idle(60.0)
+    assert captured and not engine.runner.needs_compile and engine.runner.lazy.compile_seconds > 0
+    again: list[serve.StepInfo] = []
+    with pb.expect(graphs=0):
+        assert engine.generate(PROMPTS, 12, on_step=again.append) == first
+    assert M.FULL in {s.mode for s in again}
+
+
+def test_the_catch_up_accrues_its_budget_towards_the_compile(reference):
+    """0.5 s a step and a compile predicted at 1.2 s: the first step makes the demand, the next two accrue
+    1.0 s, the fourth (1.5 s accrued) compiles before it runs; tokens stay the full recompute's."""
+    engine = make_engine(lazy_capture=True, step_capture_budget_s=0.5)
+    engine.runner.lazy.compile_estimate_s = 1.2
+    compiled_at, done = [], {}
+    ids = [engine.add_request(p, 12) for p in PROMPTS]
+    while engine.has_unfinished_requests():
+        done.update((r.request_id, r.token_ids) for r in engine.step())
+        compiled_at.append(not engine.runner.needs_compile)
+    done.update((r.request_id, r.token_ids) for r in engine.step())
+    assert compiled_at[:4] == [False, False, False, True], compiled_at
+    assert [done[i] for i in ids] == [reference[tuple(p)] for p in PROMPTS]

@@ -61,6 +61,9 @@ class GraphRunner:
     eagerly and counts as demand, and :meth:`capture_idle` captures what was asked for in the
     time it is given (:mod:`.lazy`). ``graph_memory_budget`` (bytes this runner's graphs may add
     to the pool) bounds :meth:`capture` and :meth:`capture_idle`; with it, too, no step captures.
+    ``eager_model`` (with ``lazy_capture``): ``model`` uncompiled (``model`` being its
+    ``torch.compile``): steps run it until :meth:`capture_idle` compiles, so the first steps wait
+    for no Dynamo trace (:attr:`needs_compile`, :mod:`.lazy`).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class GraphRunner:
         attention_backend: str | None = None,
         lazy_capture: bool = False,
         graph_memory_budget: int | None = None,
+        eager_model: Any = None,
     ):
         if config is None:
             config = CompilationConfig()
@@ -103,6 +107,8 @@ class GraphRunner:
         both = sorted(set(model_args_) & set(model_kwargs_))
         if both:
             raise ValueError(f"inputs {both} are in both model_args and model_kwargs; pass each one way")
+        if eager_model is not None and not callable(eager_model):
+            raise TypeError(f"eager_model must be callable (the model uncompiled), got {type(eager_model).__name__}")
         if context_fn is not None and not callable(context_fn):
             raise TypeError(f"context_fn must be callable(views) -> dict, got {type(context_fn).__name__}")
         per_request = [i.name for i in inputs if i.per == "request"]
@@ -171,6 +177,7 @@ class GraphRunner:
             wrapped, self.step_buffers, model_args=model_args_, model_kwargs=model_kwargs_, context_fn=context_fn,
             uniform_decode_query_len=uniform_decode_query_len,
             ubatch_threshold=self.config.dbo_decode_token_threshold if self._ubatching else None,
+            eager_model=eager_model if lazy_capture is True and mode != CUDAGraphMode.NONE else None,
         )
         self._replays = mode != CUDAGraphMode.NONE  # a step may replay a graph
         self.last_mode = CUDAGraphMode.NONE
@@ -234,6 +241,11 @@ class GraphRunner:
             raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {value!r}")
         self._budget = value
         self._route_lazily = bool(self._lazy_capture) or value is not None
+
+    @property
+    def needs_compile(self) -> bool:
+        """Steps still run ``eager_model``: :meth:`capture_idle` (or :meth:`capture`) compiles first."""
+        return self.step.needs_compile
 
     @property
     def demand(self) -> dict[Key, int]:
@@ -325,7 +337,8 @@ class GraphRunner:
                 # for inference tensors), so neither later steps nor capture_idle compile again.
                 buffers.fill(batch, total)
                 views = buffers.views(total)
-                buffers.mark_token_views(views)
+                if not self.step.needs_compile:  # the uncompiled model needs no marks (nor Dynamo's import)
+                    buffers.mark_token_views(views)
                 began = time.perf_counter()
                 out = self.step(views, mode, desc, context=context, may_capture=may_capture)
                 self.lazy.note_eager(wanted, time.perf_counter() - began)

@@ -19,6 +19,15 @@ descriptors between steps, on the serving thread, under two limits:
   is the measurement the rest are predicted from (measuring with the capture estimator instead
   would capture too, and spend the slice). A capture that overran the budget anyway is dropped.
 
+**Compile first.** A runner given the uncompiled model (``GraphRunner(eager_model=...)``, as every
+engine's is) serves its first steps on it: no Dynamo trace, no pieces. Before its first capture,
+:func:`capture_within` compiles: one warm-up step through the compiled model (Dynamo's trace, the
+split, the pieces). That compile cannot be cut short, so it starts only when its predicted cost
+fits the time left: :attr:`LazyCapture.compile_estimate_s`, by default
+:data:`COMPILE_ESTIMATE_S` for the config's ``compile_pieces`` (measured here: a tiny model's trace
+and eager pieces take 1-2 s cold, Inductor pieces 5-30 s), or what the last compile in this process
+took when that is larger; set it to what your model measures. Until it fits, nothing is captured.
+
 Order: largest first, as at startup (section 4.6): entries hold their capture memory weakly, so a
 smaller capture reuses what a larger one left in the pool and the pool costs about its largest
 capture; a capture larger than all before it is the one that grows the pool.
@@ -38,7 +47,7 @@ from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
 from ..observability import logger
-from ..platforms.registry import config_platform_name, get_platform
+from ..platforms.registry import config_platform_name, get_platform, warmup_scope
 from . import agreement as _parallel
 from .buffers import StepBuffers
 from .dispatcher import CudagraphDispatcher
@@ -49,6 +58,11 @@ _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGrap
 #: The first capture's predicted seconds, in eager steps of its descriptor: warm-ups, the capture
 #: (the simulator records every op: about 3 eager steps), its replay, and margin.
 CAPTURE_COST_STEPS = 8
+#: The predicted seconds of the compile before the first capture (Dynamo's trace and the pieces), by
+#: ``compile_pieces``, until one is measured: a tiny model's cold trace with eager pieces took 1.3-1.5 s
+#: on a 2-core CPU, Inductor pieces add the first Inductor compile of the process (about 7 s) and more.
+COMPILE_ESTIMATE_S = {"eager": 2.0, "inductor": 20.0}
+_last_compile: dict[str, float] = {}  # compile_pieces -> seconds the last compile in this process took
 
 Key = tuple[CUDAGraphMode, BatchDescriptor]
 
@@ -82,6 +96,10 @@ class LazyCapture:
         self.history: list[CaptureRecord] = []
         self.grown = 0  # pool bytes this runner's measured captures added
         self.too_large: set[Key] = set()  # captured once, overran the budget, dropped
+        #: Seconds the compile before the first capture is predicted to take (None: the default of
+        #: :meth:`predict_compile`); set it to what this model's compile measures.
+        self.compile_estimate_s: float | None = None
+        self.compile_seconds: float | None = None  # what this runner's compile took (None: not compiled here)
 
     # ------------------------------------------------------------------ the step path
 
@@ -133,6 +151,17 @@ class LazyCapture:
         eager = self.demand.get((mode, desc), Demand()).eager_seconds
         return CAPTURE_COST_STEPS * eager if math.isfinite(eager) else 0.0
 
+    def predict_compile(self, compile_pieces: str) -> float:
+        """Seconds the compile before the first capture is predicted to take: :attr:`compile_estimate_s`
+        when set, else :data:`COMPILE_ESTIMATE_S` (or the last compile measured in this process, if longer)."""
+        if self.compile_estimate_s is not None:
+            return self.compile_estimate_s
+        return max(COMPILE_ESTIMATE_S.get(compile_pieces, 20.0), _last_compile.get(compile_pieces, 0.0))
+
+    def note_compile(self, compile_pieces: str, seconds: float) -> None:
+        self.compile_seconds = seconds
+        _last_compile[compile_pieces] = seconds
+
     def predict_growth(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> int | None:
         """Pool bytes the capture of ``(mode, desc)`` is predicted to add (None: nothing measured)."""
         measured = [r for r in self.history if r.growth is not None]
@@ -174,6 +203,10 @@ def capture_within(
         return []
     platform = get_platform(name)
     captured: list[Key] = []
+    if step.needs_compile:  # serve before compiling: compile now, if it fits, then capture
+        if lazy.predict_compile(config.compile_pieces) > max_seconds - (clock() - start):
+            return []
+        compile_now(buffers, step, plan[-1][1], platform, lazy, config.compile_pieces, clock)
     with _Bulk() as bulk:
         for mode, desc in plan:
             left = max_seconds - (clock() - start)
@@ -203,6 +236,26 @@ def capture_within(
     if captured:
         logger.info("captured %d graphs in %.2f s of %.2f s given", len(captured), clock() - start, max_seconds)
     return captured
+
+
+def compile_now(
+    buffers: StepBuffers, step: Step, desc: BatchDescriptor, platform: Any, lazy: LazyCapture, compile_pieces: str,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Compile ``step``'s model (Dynamo's trace and the pieces): one warm-up of ``desc``'s size on the reset,
+    marked buffers (no real KV slot); returns and records its seconds."""
+    buffers.reset()
+    views = buffers.views(desc.num_tokens)
+    buffers.mark_token_views(views)  # the one graph every size uses, as a capture's warm-up traces it
+    began = clock()
+    with warmup_scope(platform):
+        out = step(views, _NONE, BatchDescriptor(desc.num_tokens), may_capture=True)
+    _parallel.wait_collectives(out)
+    seconds = clock() - began
+    lazy.note_compile(compile_pieces, seconds)
+    logger.info("compiled the model in %.2f s (predicted %.2f s) before capturing", seconds,
+                lazy.predict_compile(compile_pieces))
+    return seconds
 
 
 class _Bulk:

@@ -57,6 +57,12 @@ class Step(Protocol):
         """Drop the graphs of ``(mode, desc)`` (a capture that overran a memory budget)."""
         ...
 
+    @property
+    def needs_compile(self) -> bool:
+        """Plain steps still run the uncompiled model: the first warm-up or capture compiles (Dynamo's
+        trace and the pieces), and steps run the compiled model from then on."""
+        ...
+
 
 class ModelStep:
     """A GraphRunner's :class:`Step`: ``model`` (the wrapped model) called with ``model_args`` positionally
@@ -65,6 +71,10 @@ class ModelStep:
 
     On a FULL call it checks that ``context_fn`` returned the tensors the graph captured: a FULL replay
     reads those and would silently ignore new ones (:func:`~.static_inputs.check_captured_context`).
+
+    ``eager_model`` (the same model, uncompiled): plain steps (mode NONE, not a warm-up or a capture,
+    not micro-batched) call it instead of ``model`` until a call of ``model`` has run once, so a lazy
+    runner serves before Dynamo traces (:attr:`needs_compile`).
     """
 
     def __init__(
@@ -77,8 +87,10 @@ class ModelStep:
         context_fn: ContextFn | None = None,
         uniform_decode_query_len: int = 1,
         ubatch_threshold: int | None = None,
+        eager_model: Any = None,
     ) -> None:
         self.model = model
+        self._eager = eager_model  # None once the compiled model ran (or when there is none)
         self.model_args = list(model_args)
         self.model_kwargs = list(model_kwargs)
         self.context_fn = context_fn
@@ -115,8 +127,14 @@ class ModelStep:
             attrs["allow_capture"] = True  # a capture captures even when steps may not
         elif may_capture is False:
             attrs.setdefault("allow_capture", False)
+        model = self.model
+        eager = self._eager
+        if eager is not None and mode == _NONE and not may_capture and halves is None:
+            model = eager  # serve before compiling: no Dynamo trace on this step
         with set_forward_context(mode, desc, **attrs):
-            out = self.model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+            out = model(*[views[a] for a in self.model_args], **{k: views[k] for k in self.model_kwargs})
+        if model is not eager:
+            self._eager = None  # the compiled model has run (traced and compiled): steps use it from now on
         if guard is not None:
             guard()
         return out
@@ -167,6 +185,10 @@ class ModelStep:
 
     def drop(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> bool:
         return drop_graph(self.model, mode, desc)
+
+    @property
+    def needs_compile(self) -> bool:
+        return self._eager is not None
 
     def forget(self) -> None:
         """The model's graphs were all dropped: forget the context tensors they captured."""

@@ -117,18 +117,33 @@ class Engine:
         budget = max_num_batched_tokens or self.max_step_tokens or blocks.max_model_len  # NONE mode: a whole prompt
         self._loop = ServingLoop(executor, blocks, self.vocab_size, max_num_reqs, budget, states, lookahead)
         self._loop.before_step = self._catch_up
+        self._compile_credit = 0.0  # catch-up seconds accrued towards the compile (see _catch_up)
 
     def _catch_up(self) -> None:
         """Before a step: capture demanded graphs within ``step_capture_budget_s`` (a lazy engine under
-        continuous traffic converges to captured speed without the caller finding idle time)."""
+        continuous traffic converges to captured speed without the caller finding idle time).
+
+        The compile before the first capture (Dynamo's trace and the pieces) cannot be cut short and
+        costs far more than one step's budget: the budget of the steps that ran uncompiled accrues
+        towards it, and the step where the accrued seconds cover its predicted cost compiles (then
+        captures with what is left); so with a ~1.5 s compile and 0.05 s a step, about 30 steps run
+        eagerly and one pays the compile."""
         budget = self.step_capture_budget_s
         if budget <= 0 or distributed():  # ranks would capture different graphs (capture_idle refuses it)
             return
-        deadline = time.perf_counter() + budget
-        for m in self._runners:
-            if m.runner.demand:
-                with torch.inference_mode():
-                    m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
+        wanting = [m for m in self._runners if m.runner.demand]
+        if not wanting:
+            return
+        slice_s = budget
+        if any(m.runner.needs_compile for m in wanting):
+            self._compile_credit += budget
+            slice_s = max(budget, self._compile_credit)
+        deadline = time.perf_counter() + slice_s
+        for m in wanting:
+            with torch.inference_mode():
+                m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
+        if not any(m.runner.needs_compile for m in self._runners):
+            self._compile_credit = 0.0
 
     def default_eos(self) -> Any:
         """The stop token(s) used when ``generate`` or ``add_request`` is given none."""

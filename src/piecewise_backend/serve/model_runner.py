@@ -123,7 +123,8 @@ class ModelRunner:
         #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
         self.states = StateCache(list(state_specs), num_slots=max_num_reqs, device=param.device) if state_specs else None
         self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
-        compiled = torch.compile(own_code(Step)(model), backend=self.backend)
+        step = own_code(Step)(model)
+        compiled = torch.compile(step, backend=self.backend)
         inputs = [StaticInput("input_ids"), *self.cache.static_inputs()]
         support = min(attention_support, self.cache.attention_graph_support)
         context_fn = self.cache.context_fn
@@ -137,6 +138,7 @@ class ModelRunner:
             max_num_reqs=max_num_reqs, device=param.device, attention_support=support,
             attention_backend=self.attention_backend, lazy_capture=lazy_capture, graph_memory_budget=graph_memory_budget,
             uniform_decode_query_len=uniform_decode_query_len, drafter=drafter,
+            eager_model=step,  # lazy: served uncompiled until capture_idle compiles
         )
 
     def run(
