@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 
 logger = logging.getLogger("piecewise_backend")
@@ -78,6 +79,21 @@ def expect(**deltas: int) -> Iterator[None]:
     if wrong:
         detail = ", ".join(f"{k}: changed by {got}, expected {want}" for k, (got, want) in wrong.items())
         raise AssertionError(f"counter mismatch: {detail}")
+
+
+#: Seconds spent per named phase of capture work, accumulated (``timed_phase``): a capture reads the
+#: difference around each descriptor (the simulator's "checks": its validation replays).
+phase_seconds: collections.Counter[str] = collections.Counter()
+
+
+@contextlib.contextmanager
+def timed_phase(name: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``phase_seconds[name]``."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        phase_seconds[name] += time.perf_counter() - began
 
 
 def reset_counters() -> None:

@@ -207,3 +207,25 @@ def test_lazy_settings_are_validated():
         pb.GraphRunner(model, SIM, [pb.StaticInput("input_ids")], lazy_capture=1)
     with pytest.raises(ValueError, match="graph_memory_budget must be None or a number of bytes >= 0, got -5"):
         pb.GraphRunner(model, SIM, [pb.StaticInput("input_ids")], graph_memory_budget=-5)
+
+
+def test_a_capture_report_splits_its_seconds_per_descriptor_and_phase():
+    """capture() of a model Dynamo has not traced yet: the first warm-up is the compile, every descriptor has
+    its seconds split by phase, and the phases sum to the total; captured again, nothing compiles."""
+    model = make_model(2, "break")
+    config = SIM.replace(cudagraph_mode=M.FULL_AND_PIECEWISE, capture_sizes=[1, 2, 4])
+    runner = pb.GraphRunner(torch.compile(model, backend=pb.make_backend(config)), config, [pb.StaticInput("input_ids")])
+    with torch.no_grad():
+        report = runner.capture(progress=False)
+    assert [(d.mode, d.desc.num_tokens) for d in report.per_descriptor] == [
+        (M.PIECEWISE, 4), (M.PIECEWISE, 2), (M.PIECEWISE, 1), (M.FULL, 4), (M.FULL, 2), (M.FULL, 1)]
+    assert set(report.phases) == {"compile", "warmup", "capture", "checks", "gc", "other"}
+    assert report.phases["compile"] > 0 and report.per_descriptor[0].phases["compile"] > 0  # traced by the first
+    assert report.phases["checks"] > 0 and report.phases["capture"] > 0  # the simulator validates every segment
+    assert sum(report.phases.values()) == pytest.approx(report.seconds, rel=1e-6)
+    for d in report.per_descriptor:
+        assert sum(d.phases.values()) == pytest.approx(d.seconds, rel=0.05, abs=0.01)
+    runner.clear_graphs()
+    with torch.no_grad():
+        again = runner.capture(progress=False)
+    assert again.graphs == 6 and again.phases["compile"] == 0 and again.phases["warmup"] > 0

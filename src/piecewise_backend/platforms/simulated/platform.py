@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
+from ...observability import timed_phase
 from ..base import fresh_outputs
 from . import checks
 from . import collectives as sim_collectives
@@ -169,7 +170,7 @@ class _RecordingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         if kind is OpKind.ALLOCATION:
             out = self.register_fresh(out)
-            out.untyped_storage().fill_(0xFF)  # fresh memory holds garbage, for eager and replay alike
+            _garbage(out)  # fresh memory holds garbage, for eager and replay alike
             return out
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
@@ -229,15 +230,24 @@ class _RecordingMode(TorchDispatchMode):
 
     def restore(self) -> None:
         """Tensors that existed before the segment, and the default generator, as they were."""
-        for storage, saved in self.snapshots.values():
-            storage.copy_(saved)
+        with torch._C._DisableTorchDispatch():  # the simulator's own writes: no mode (the pool's) sees them
+            for storage, saved in self.snapshots.values():
+                storage.copy_(saved)
         torch.set_rng_state(self.rng)
 
     def undo(self) -> None:
         """Back to what a capture leaves: older tensors as they were, new ones garbage."""
         self.restore()
         for t in self.allocated.values():
-            t.untyped_storage().fill_(0xFF)  # NaN for floats, -1 for ints: memory holds garbage
+            _garbage(t)
+
+
+def _garbage(t: torch.Tensor) -> None:
+    """NaN bits for floats, -1 for ints: what memory a capture did not execute holds. In place, with no
+    dispatch mode seeing it: the simulator's own write, not the program's (a pool mode around the capture
+    would only pass it through, at the cost of a mode call per tensor)."""
+    with torch._C._DisableTorchDispatch():
+        t.untyped_storage().fill_(0xFF)
 
 
 def is_recording() -> bool:
@@ -267,7 +277,7 @@ class _SimRecorder:
         graph = SimulatedGraph(self.mode.ops)
         if self.platform.validate:
             # The check's replay neither allocates from the pool nor communicates.
-            with self.platform.pool_paused(), sim_collectives.validating():
+            with self.platform.pool_paused(), sim_collectives.validating(), timed_phase("checks"):
                 validate_segment(self.mode, graph)  # raises, leaving the capture undone, if unfaithful
         self.mode.undo()  # a capture does not execute
         self.platform.pool.weaken_ops(graph.ops)  # the graph pins no pool memory
