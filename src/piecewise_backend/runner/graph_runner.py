@@ -248,6 +248,12 @@ class GraphRunner:
         return self.step.needs_compile
 
     @property
+    def pending_capture_seconds(self) -> float:
+        """Predicted seconds of the longest single start :meth:`capture_idle` waits for to serve the demand
+        (the compile while :attr:`needs_compile`, else the costliest demanded capture; 0: no demand)."""
+        return self.lazy.costliest_start(self.config.compile_pieces, self.step.needs_compile)
+
+    @property
     def demand(self) -> dict[Key, int]:
         """Steps that ran without the graph they dispatched to, per ``(mode, descriptor)`` not captured."""
         return {k: d.steps for k, d in self.lazy.demand.items()}

@@ -158,6 +158,16 @@ class LazyCapture:
             return self.compile_estimate_s
         return max(COMPILE_ESTIMATE_S.get(compile_pieces, 20.0), _last_compile.get(compile_pieces, 0.0))
 
+    def costliest_start(self, compile_pieces: str, needs_compile: bool) -> float:
+        """Predicted seconds of the longest single start the demand waits for: the compile when it is still
+        needed, else the costliest demanded capture (0: no demand)."""
+        if not self.demand:
+            return 0.0
+        if needs_compile:
+            return self.predict_compile(compile_pieces)
+        pending = [k for k in self.demand if k not in self.captured and k not in self.too_large]
+        return max((self.predict_seconds(mode, desc) for mode, desc in pending), default=0.0)
+
     def note_compile(self, compile_pieces: str, seconds: float) -> None:
         self.compile_seconds = seconds
         _last_compile[compile_pieces] = seconds

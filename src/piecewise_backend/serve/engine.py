@@ -117,33 +117,34 @@ class Engine:
         budget = max_num_batched_tokens or self.max_step_tokens or blocks.max_model_len  # NONE mode: a whole prompt
         self._loop = ServingLoop(executor, blocks, self.vocab_size, max_num_reqs, budget, states, lookahead)
         self._loop.before_step = self._catch_up
-        self._compile_credit = 0.0  # catch-up seconds accrued towards the compile (see _catch_up)
+        self._capture_credit = 0.0  # catch-up seconds accrued and not spent (see _catch_up)
 
     def _catch_up(self) -> None:
         """Before a step: capture demanded graphs within ``step_capture_budget_s`` (a lazy engine under
         continuous traffic converges to captured speed without the caller finding idle time).
 
-        The compile before the first capture (Dynamo's trace and the pieces) cannot be cut short and
-        costs far more than one step's budget: the budget of the steps that ran uncompiled accrues
-        towards it, and the step where the accrued seconds cover its predicted cost compiles (then
-        captures with what is left); so with a ~1.5 s compile and 0.05 s a step, about 30 steps run
-        eagerly and one pays the compile."""
+        The budget is an average: every step with demand adds ``step_capture_budget_s`` to a credit, the
+        step's slice is the credit, and what the captures took is taken off it. A start that costs more
+        than one step's budget (the compile before the first capture: Dynamo's trace and the pieces, which
+        cannot be cut short; a capture slower than the budget, as on the simulator) waits until the credit
+        accrued covers its predicted cost, and that one step pays it: with a ~1.5 s compile predicted at
+        2 s and 0.05 s a step, 40 steps run eagerly, then one compiles. The credit never exceeds the
+        costliest start the demand waits for plus one step's budget, so it cannot pile up into a long burst of captures."""
         budget = self.step_capture_budget_s
         if budget <= 0 or distributed():  # ranks would capture different graphs (capture_idle refuses it)
             return
         wanting = [m for m in self._runners if m.runner.demand]
         if not wanting:
+            self._capture_credit = 0.0
             return
-        slice_s = budget
-        if any(m.runner.needs_compile for m in wanting):
-            self._compile_credit += budget
-            slice_s = max(budget, self._compile_credit)
-        deadline = time.perf_counter() + slice_s
+        cap = budget + max(m.runner.pending_capture_seconds for m in wanting)  # never a burst beyond that
+        self._capture_credit = min(self._capture_credit + budget, cap)
+        began = time.perf_counter()
+        deadline = began + self._capture_credit
         for m in wanting:
             with torch.inference_mode():
                 m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
-        if not any(m.runner.needs_compile for m in self._runners):
-            self._compile_credit = 0.0
+        self._capture_credit = max(0.0, self._capture_credit - (time.perf_counter() - began))
 
     def default_eos(self) -> Any:
         """The stop token(s) used when ``generate`` or ``add_request`` is given none."""
