@@ -72,6 +72,7 @@ class Round:
     replayed: int
     seconds: float
     worst_catch_up_s: float
+    catch_up_s: float
     compiled_at: int | None
     tokens: dict[int, list[int]]
 
@@ -81,7 +82,7 @@ def serve_round(engine, traffic: Traffic) -> Round:
     ids: list = []
     refill = iter(traffic.refill)
     lazy = engine.runner.lazy
-    replayed, worst, compiled_at = 0, 0.0, None
+    replayed, worst, total, compiled_at = 0, 0.0, 0.0, None
     done: dict = {}
     began = time.perf_counter()
     step = 0
@@ -101,7 +102,7 @@ def serve_round(engine, traffic: Traffic) -> Round:
         added = sum(r.seconds for r in lazy.history[history:])
         if needed and not engine.runner.needs_compile:
             compiled_at, added = step, added + (lazy.compile_seconds or 0.0)
-        worst = max(worst, added)
+        worst, total = max(worst, added), total + added
         replayed += engine.runner.last_mode != pb.CUDAGraphMode.NONE
         step += 1
         if step > 50 * traffic.steps:
@@ -109,7 +110,7 @@ def serve_round(engine, traffic: Traffic) -> Round:
     seconds = time.perf_counter() - began
     for r in engine.results():
         done[r.request_id] = r.token_ids
-    return Round(step, replayed, seconds, worst, compiled_at, {k: done[i] for k, i in enumerate(ids) if i in done})
+    return Round(step, replayed, seconds, worst, total, compiled_at, {k: done[i] for k, i in enumerate(ids) if i in done})
 
 
 def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
@@ -143,12 +144,13 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
             x = rounds[v][r]
             rows.append([f"round {r + 1}", v, x.steps, f"{x.replayed} ({x.replayed / x.steps:.0%})", fmt_time(x.seconds),
                          "-" if v == "up-front" else fmt_time(x.worst_catch_up_s),
+                         "-" if v == "up-front" else fmt_time(x.catch_up_s),
                          "-" if v == "up-front" or x.compiled_at is None else x.compiled_at])
     up, lz = rounds["up-front"][1], rounds["lazy"][1]
     replay_ratio = lz.replayed / up.replayed if up.replayed else float("nan")
     wall_ratio = lz.seconds / up.seconds
     body = table(["round", "engine", "steps", "steps replaying a graph", "wall", "worst catch-up in a step",
-                  "compiled at step"], rows)
+                  "catch-up in all", "compiled at step"], rows)
     budget = engines["lazy"].step_capture_budget_s
     body += (
         f"\n\nHFEngine, tiny llama ({layers} layers), simulated graphs, eager pieces; {steps} steps of seeded traffic "
@@ -157,12 +159,14 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
         f"engine: default step_capture_budget_s={budget}, never capture_idle; up-front: {report.graphs} graphs "
         f"captured before round 1 in {report.seconds:.2f} s (not counted). Round 2, lazy vs up-front: steps "
         f"replaying a graph {replay_ratio:.2f}x (goal >= 0.90: {'met' if replay_ratio >= 0.9 else 'not met'}), wall "
-        f"{wall_ratio:.2f}x (goal <= 1.1x: {'met' if wall_ratio <= 1.1 else 'not met'}). One run (no repetitions): "
+        f"{wall_ratio:.2f}x (goal <= 1.1x: {'met' if wall_ratio <= 1.1 else 'not met'}; without its catch-up "
+        f"{(lz.seconds - lz.catch_up_s) / up.seconds:.2f}x). One run (no repetitions): "
         "the wall ratio is noisy on a shared machine.\n"
     )
     if failed:
         body += f"\n**FAILED: {'; '.join(failed)}**\n"
     data = {"replay_ratio": replay_ratio, "wall_ratio": wall_ratio, "failed": failed,
+            "wall_ratio_without_catch_up": (lz.seconds - lz.catch_up_s) / up.seconds,
             "worst_catch_up_s": max(x.worst_catch_up_s for x in rounds["lazy"])}
     return [Section("Cold start: a lazy engine under traffic that never drains (soak)", body, data)]
 

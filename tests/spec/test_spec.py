@@ -434,7 +434,8 @@ def test_spec_decode_example_checks_multi_query_and_mla_models(arch, capsys):
 
 def test_spec_engine_online_with_chunked_prefill_cancel_and_lazy_capture():
     """The loop's features on SpecEngine: add/cancel while others run, an 11-token prompt prefilled in
-    chunks of an 8-token budget (drafts count), serving before any capture, capture_idle later."""
+    chunks of an 8-token budget (drafts count), serving before any capture and any compile, capture_idle
+    compiling both models, then capturing."""
     engine, reference = make_engine(2, "FULL_AND_PIECEWISE", draft_layers=1, lazy_capture=True, max_num_batched_tokens=8,
                                     step_capture_budget_s=0)
     ids = [engine.add_request(p, 6) for p in PROMPTS[:2]]
@@ -449,7 +450,10 @@ def test_spec_engine_online_with_chunked_prefill_cancel_and_lazy_capture():
     first = engine.generate(PROMPTS, 6, on_round=rounds.append)
     assert first == [greedy(reference, p, 6) for p in PROMPTS]
     assert {r.target_mode for r in rounds} == {M.NONE} and max(r.target_tokens for r in rounds) <= 8
-    assert engine.capture_idle(120.0)
+    assert engine.target.runner.needs_compile and engine.drafter.runner.needs_compile  # served uncompiled so far
+    with pb.expect(graphs=2):  # capture_idle compiles both models (one Dynamo graph each), then captures
+        assert engine.capture_idle(120.0)
+    assert not engine.target.runner.needs_compile and not engine.drafter.runner.needs_compile
     rounds.clear()
     assert engine.generate(PROMPTS, 6, on_round=rounds.append) == first
     assert any(r.verify_only and r.target_mode == M.FULL for r in rounds), rounds
