@@ -40,7 +40,7 @@ def engines(layers: int) -> tuple[dict, list[list]]:
 
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", cudagraph_mode="FULL_AND_PIECEWISE",
                                   max_capture_size=32)
-    kwargs = dict(max_num_reqs=4, max_model_len=64, block_size=16)
+    kwargs = {"max_num_reqs": 4, "max_model_len": 64, "block_size": 16}
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)

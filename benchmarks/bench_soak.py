@@ -120,7 +120,7 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
     layers, steps = (2, 120) if quick else (4, 400)
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", cudagraph_mode="FULL_AND_PIECEWISE",
                                   max_capture_size=16)
-    kwargs = dict(max_num_reqs=4, max_model_len=64, block_size=8, num_blocks=18, max_num_batched_tokens=16)
+    kwargs = {"max_num_reqs": 4, "max_model_len": 64, "block_size": 8, "num_blocks": 18, "max_num_batched_tokens": 16}
     traffic = make_traffic(7, steps, 256, min_queue=3)
     engines = {}
     with quiet_logs():

@@ -46,8 +46,10 @@ class Engine:
     ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool;
     ``eos_token_id`` (an int or a list of ints) is the stop token ``generate`` and ``add_request``
     use when they are given none. ``step_capture_budget_s``: seconds a step of a lazy engine may
-    spend, before it runs, capturing graphs traffic asked for (None: 0.05 with ``lazy_capture``,
-    else 0; 0: only ``capture_idle`` captures); no capture predicted to overrun it starts.
+    spend on average, before it runs, compiling and capturing graphs traffic asked for (None: 0.05
+    with ``lazy_capture``, else 0; 0: only ``capture_idle`` compiles and captures); a start costlier
+    than one step's budget waits for the credit of the steps before it (:meth:`_catch_up`). A lazy
+    engine serves uncompiled until the first compile.
     """
 
     def __init__(
