@@ -397,7 +397,8 @@ class SpeculativeEngine(Engine):
             self.drafter_report = d = self.drafter.runner.capture(progress=progress)
         self.capture_report = CaptureReport(
             t.graphs + d.graphs, t.seconds + d.seconds, f"target: {t.stats}; drafter: {d.stats}",
-            t.memory_bytes + d.memory_bytes, t.graph_segments + d.graph_segments,
+            t.memory_bytes + d.memory_bytes, t.graph_segments + d.graph_segments, t.per_descriptor + d.per_descriptor,
+            {k: t.phases.get(k, 0.0) + d.phases.get(k, 0.0) for k in {**t.phases, **d.phases}},
         )
         return self.capture_report
 
