@@ -244,6 +244,11 @@ def refusal(model: torch.nn.Module) -> str | None:
             continue
         conv = any(isinstance(c, torch.nn.Conv1d) for c in m.children())
         stateful = (hasattr(m, "layer_idx") or conv) and (_STATEFUL.search(kind) or conv and hasattr(m, "layer_idx"))
+        # an attention module named like a state layer (KimiLinearAttention, RecurrentGemmaAttention): the paged attention's
+        if stateful and not conv and "ALL_ATTENTION_FUNCTIONS" in _names_read(m):
+            continue
+        if stateful and any(mixers.swapped(d) is not None for d in m.modules()):  # a forward of ours (hf/swaps.py)
+            continue
         if stateful:
             called = set().union(*(mixers.kernels_called(d) for d in m.modules()))  # a block's mixer calls them
             unserved = sorted(called & mixers.KNOWN_UNSERVED.keys())
@@ -260,6 +265,12 @@ def refusal(model: torch.nn.Module) -> str | None:
                     "state cache can hold it"
                 )
     return None
+
+
+def _names_read(module: torch.nn.Module) -> tuple[str, ...]:
+    """The global names ``module``'s forward reads (none for a forward without code)."""
+    code = getattr(mixers.raw_forward(module), "__code__", None)
+    return code.co_names if code is not None else ()
 
 
 def length_refusal(model: torch.nn.Module, max_row: int) -> str | None:
