@@ -13,7 +13,7 @@ import piecewise_backend as pb
 from piecewise_backend import state as st
 
 transformers = pytest.importorskip("transformers")
-from piecewise_backend import hf  # noqa: E402
+from piecewise_backend import hf
 
 CONFIG = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8, 16])
 #: type -> (its attention layers in the tiny model: what the KV cache holds, its state kinds per state layer)
@@ -66,7 +66,7 @@ def test_lazy_capture_chunked_prefill_and_preemption_keep_the_states_right(arch)
     a step from their slot's state, and too few KV blocks: preempted requests recompute from a zeroed slot."""
     model = hf.tiny_random_model(arch)
     reference = copy.deepcopy(model)
-    prompts, outputs, steps, engine = serve(model, capture=False, num_blocks=6, max_num_batched_tokens=4)
+    prompts, outputs, steps, _ = serve(model, capture=False, num_blocks=6, max_num_batched_tokens=4)
     assert any(s.preempted for s in steps), steps
     assert max(s.num_tokens for s in steps) <= 4
     assert {pb.CUDAGraphMode.FULL, pb.CUDAGraphMode.PIECEWISE} <= {s.mode for s in steps}

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pbtest.helpers import compile_model
 from torch.testing import assert_close
 
 import piecewise_backend as pb
 from piecewise_backend import state as st
-from pbtest.helpers import compile_model
 
 transformers = pytest.importorskip("transformers")
-from piecewise_backend import hf  # noqa: E402
-from piecewise_backend.hf import swaps  # noqa: E402
+from piecewise_backend import hf
+from piecewise_backend.hf import swaps
 
 CONFIG = pb.CompilationConfig(
     platform="simulated", compile_pieces="eager", cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16]
@@ -72,7 +72,7 @@ def _reference_kernels(swap: swaps.Swap, args_cut: int | None = None) -> swaps.K
             if args_cut is None:
                 return spec.sequence(*args, state)[0]
             tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n]
-            at = lambda p: [a[p] if i in tensors else a for i, a in enumerate(args)]  # noqa: E731
+            at = lambda p: [a[p] if i in tensors else a for i, a in enumerate(args)]
             return _split(lambda *a: spec.sequence(*a), lambda *a: spec.step(*a), at, n, args_cut, state)[0]
 
         return run
@@ -193,7 +193,7 @@ def test_new_state_ops_prefill_per_request_and_decode_inside_full_graphs(capture
     if capture_first:
         runner.capture()
     g = torch.Generator().manual_seed(4)
-    x = lambda n: torch.randn(n, D, generator=g)  # noqa: E731
+    x = lambda n: torch.randn(n, D, generator=g)
     assert _step(runner, cache, model, [("a", 6), ("b", 3), ("c", 1)], x(10)) == pb.CUDAGraphMode.PIECEWISE
     assert _step(runner, cache, model, [("a", 2), ("b", 5)], x(7)) == pb.CUDAGraphMode.PIECEWISE  # chunked prefill
     for _ in range(2):  # a capture (mid-serving) then a replay: each advances the states once

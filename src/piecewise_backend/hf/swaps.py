@@ -123,7 +123,7 @@ def recurrent_block_forward(self: Any, kernels: Kernels, input_states: torch.Ten
     x = kernels["conv"](self.linear_x(input_states)[0], self.conv_1d.weight[:, 0, :], self.conv_1d.bias)
     lru_ = self.rg_lru
     blocks = x.reshape(n, lru_.num_attention_heads, lru_.block_width).transpose(0, 1)  # (heads, tokens, block)
-    per_head = lambda w, b: torch.baddbmm(b[:, None, :], blocks, w).transpose(0, 1).reshape(n, -1)  # noqa: E731
+    per_head = lambda w, b: torch.baddbmm(b[:, None, :], blocks, w).transpose(0, 1).reshape(n, -1)
     input_gate = torch.sigmoid(per_head(lru_.input_gate_weight, lru_.input_gate_bias))
     decay_gate = torch.sigmoid(per_head(lru_.recurrent_gate_weight, lru_.recurrent_gate_bias))
     log_a = -8.0 * decay_gate * F.softplus(lru_.recurrent_param)

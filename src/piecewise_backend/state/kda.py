@@ -53,7 +53,7 @@ def kda_sequence(
     q, k = _prepare(q, k, l2norm)
     pad = -n % chunk_size
     # (heads, chunks, L, dim); padded tokens have zero q/k/v/beta and no decay
-    as_chunks = lambda t: F.pad(t.float().transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk_size, t.shape[-1])  # noqa: E731
+    as_chunks = lambda t: F.pad(t.float().transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk_size, t.shape[-1])
     q, k, vf, log_decay = as_chunks(q), as_chunks(k), as_chunks(v), as_chunks(g).cumsum(-2)
     beta_c = F.pad(beta.float().transpose(0, 1), (0, pad)).reshape(heads, -1, chunk_size)
     k_beta, v_beta = k * beta_c[..., None], vf * beta_c[..., None]
