@@ -60,7 +60,7 @@ def test_engine_serves_the_family_like_generate_with_decode_states_inside_full_g
     assert engine.states.slots == {}
 
 
-@pytest.mark.parametrize("arch", ["minimax"])
+@pytest.mark.parametrize("arch", ["minimax", "recurrent_gemma"])  # RG-LRU restarts at position 0 only
 def test_lazy_capture_chunked_prefill_and_preemption_keep_the_states_right(arch):
     """No capture at startup (each graph captured on first sight, its breaks run twice), prompts prefilled 4 tokens
     a step from their slot's state, and too few KV blocks: preempted requests recompute from a zeroed slot."""
