@@ -58,21 +58,19 @@ def kda_sequence(
     beta_c = F.pad(beta.float().transpose(0, 1), (0, pad)).reshape(heads, -1, chunk_size)
     k_beta, v_beta = k * beta_c[..., None], vf * beta_c[..., None]
     later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).triu(1)
-    # decay from token j to token i per key channel: (heads, chunks, L_i, L_j, key_dim)
-    pair = (log_decay[..., :, None, :] - log_decay[..., None, :, :]).masked_fill(later[..., None], float("-inf")).exp()
-    system = (k_beta[..., :, None, :] * k[..., None, :, :] * pair).sum(-1)  # unit lower triangular (diagonal taken as 1)
-    within = (q[..., :, None, :] * k[..., None, :, :] * pair).sum(-1)
-    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    reads = torch.linalg.solve_triangular(system, k_beta * log_decay.exp(), upper=False, unitriangular=True)
-    q_from_start = q * log_decay.exp()
-    k_to_end = k * (log_decay[..., -1:, :] - log_decay).exp()
-    whole = log_decay[..., -1, :].exp()[..., None]  # (heads, chunks, key_dim, 1)
     s = state.float()
-    out = torch.empty_like(values)
-    for c in range(values.shape[1]):
-        fresh = values[:, c] - reads[:, c] @ s
-        out[:, c] = q_from_start[:, c] @ s + within[:, c] @ fresh
-        s = s * whole[:, c] + k_to_end[:, c].transpose(-1, -2) @ fresh
+    out = torch.empty_like(vf)
+    # chunk by chunk: the pairwise decays (heads, L, L, key_dim) of one chunk at a time bound the memory
+    for c in range(vf.shape[1]):
+        decay, kc, kb = log_decay[:, c], k[:, c], k_beta[:, c]
+        pair = (decay[:, :, None, :] - decay[:, None, :, :]).masked_fill(later[..., None], float("-inf")).exp()
+        system = (kb[:, :, None, :] * kc[:, None, :, :] * pair).sum(-1)  # unit lower triangular (diagonal taken as 1)
+        within = (q[:, c, :, None, :] * kc[:, None, :, :] * pair).sum(-1)
+        values = torch.linalg.solve_triangular(system, v_beta[:, c], upper=False, unitriangular=True)
+        reads = torch.linalg.solve_triangular(system, kb * decay.exp(), upper=False, unitriangular=True)
+        fresh = values - reads @ s
+        out[:, c] = (q[:, c] * decay.exp()) @ s + within @ fresh
+        s = s * decay[:, -1, :].exp()[..., None] + (kc * (decay[:, -1:, :] - decay).exp()).transpose(-1, -2) @ fresh
     out = out.reshape(heads, -1, v_dim)[:, :n].transpose(0, 1)
     return out.to(v.dtype), s
 
