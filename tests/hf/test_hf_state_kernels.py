@@ -81,3 +81,21 @@ def test_tokens_depend_on_the_state_so_the_check_can_fail(arch, monkeypatch):
     reference = copy.deepcopy(model)
     prompts, outputs, _, _ = serve(model, capture=False)
     assert check(reference, prompts, outputs) != []
+
+
+def test_recurrent_gemma_without_attention_is_checked_against_a_full_recompute():
+    """transformers 5.24's generate raises on a RecurrentGemma of recurrent layers only (its cache's get_seq_length
+    needs an attention layer): the example's check then compares with greedy decoding by the model's own forward
+    without a cache, and still fails a wrong engine (the control: states never committed)."""
+    model = hf.tiny_random_model("recurrent_gemma", num_hidden_layers=2)
+    assert model.config.layers_block_type == ["linear_attention"] * 2
+    reference = copy.deepcopy(model)
+    example = load_file("examples/hf_generate.py")
+    with pytest.raises(ValueError, match="get_seq_length"):
+        reference.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    prompts, outputs, steps, engine = serve(model)
+    assert len(engine.cache.key_caches) == 0
+    assert example.check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+    assert example.RECOMPUTED
+    wrong = [out[:1] + [(t + 1) % 256 for t in out[1:]] for out in outputs]
+    assert example.check(reference, prompts, wrong, [5, 7, 9], eos=None) == [0, 1, 2]
