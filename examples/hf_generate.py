@@ -107,7 +107,7 @@ def reference_tokens(reference: torch.nn.Module, prompt: list[int], new_tokens: 
             full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=new_tokens, pad_token_id=pad, **stop, **PLAIN_GREEDY)
         return full[0, len(prompt):].tolist()
-    except Exception as e:  # the reference's own generate, not the engine: judged by the model's forward instead
+    except Exception as e:  # noqa: BLE001  (the reference's own generate, whatever it raises: its forward judges instead)
         if not RECOMPUTED:
             print(f"REFERENCE: {type(reference).__name__}.generate raised {type(e).__name__}: {e}; "
                   "every request is compared with a full recompute (the model's forward without a cache, per token)")
