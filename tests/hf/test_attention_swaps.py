@@ -1,5 +1,6 @@
-"""Attention modules outside transformers' AttentionInterface (hf/attention_swaps.py): falcon, bloom, mpt served
-on the paged op like ``generate``, ALiBi included, and the swap undone where adapt refuses."""
+"""Attention modules outside transformers' AttentionInterface (hf/attention_swaps.py): falcon, bloom, mpt,
+gpt_neox_japanese, xglm and openai-gpt served on the paged op like ``generate``, ALiBi included; the swap
+undone where adapt refuses; the others refused naming why."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ VARIANTS = {
     "falcon-rotary-multi-query": ("falcon", {}, 1, False),  # the default config: falcon-7b's layout
     "falcon-alibi": ("falcon", {"alibi": True, "multi_query": False}, 4, True),  # falcon-rw
     "falcon-new-decoder": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}, 2, False),  # falcon-40b/180b
+    "gpt_neox_japanese": ("gpt_neox_japanese", {}, 4, False),
+    "xglm": ("xglm", {}, 4, False),
+    "openai-gpt": ("openai-gpt", {}, 4, False),
 }
+#: Its Conv1D projections ignore initializer_range (std 0.02): scaled up, so attention moves the tokens.
+GAIN = {"openai-gpt": 8.0}
 
 
 def serve(model: torch.nn.Module) -> tuple[hf.HFEngine, list[list[int]], list[int], list[list[int]], list[hf.StepInfo]]:
@@ -43,6 +49,10 @@ def serve(model: torch.nn.Module) -> tuple[hf.HFEngine, list[list[int]], list[in
 def test_swapped_attention_serves_like_generate(variant):
     arch, fields, kv_heads, alibi = VARIANTS[variant]
     model = hf.tiny_random_model(arch, **fields)
+    with torch.no_grad():
+        for m in attention_swaps.swappable(model):
+            for p in m.parameters():
+                p.mul_(GAIN.get(variant, 1.0))
     reference = copy.deepcopy(model)
     engine, prompts, budgets, outputs, steps = serve(model)
     assert engine.cache.key_caches[0].shape[2] == kv_heads  # grouped K/V as the projections give them
@@ -80,3 +90,13 @@ def test_a_refused_swapped_model_gets_its_own_attention_back(monkeypatch):
                for m in attention_swaps.swappable(model))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("arch, why", [
+    ("trocr", r"ignores position_ids \(its positions come from the sequence length\)"),
+    ("xlm", r"its attention is also non-causal"),  # its default config is a masked LM (causal=False)
+    ("rwkv", r"keeps recurrent state between tokens in its own code \(RwkvSelfAttention\)"),
+])
+def test_attention_outside_the_interface_without_a_swap_is_refused_naming_why(arch, why):
+    with pytest.raises(ValueError, match="does not route attention through transformers' AttentionInterface.*" + why):
+        hf.adapt(hf.tiny_random_model(arch))

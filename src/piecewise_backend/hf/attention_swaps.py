@@ -1,8 +1,8 @@
 """Attention modules outside transformers' AttentionInterface, swapped at module level onto the paged op.
 
-falcon, bloom and mpt compute attention inside their own ``*Attention.forward`` (with ALiBi for
-bloom, mpt and falcon's ``alibi=True`` checkpoints), so setting an attention implementation reaches
-none of them. :func:`swap` gives each such module a forward of its own that computes q/k/v with the
+falcon, bloom, mpt, gpt_neox_japanese, xglm and openai-gpt compute attention inside their own
+``*Attention.forward`` (with ALiBi for bloom, mpt and falcon's ``alibi=True`` checkpoints), so
+setting an attention implementation reaches none of them. :func:`swap` gives each such module a forward of its own that computes q/k/v with the
 module's projections (and RoPE for rotary falcon), calls the attention implementation named by the
 module's ``pb_attention`` attribute (the probe's, then ``pb_paged``: the same entry points as every
 AttentionInterface model), and applies the module's output projection. K/V stay grouped as the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -132,6 +133,57 @@ def mpt_slopes(module: torch.nn.Module) -> torch.Tensor:
     return _slopes_of(_family(module).build_mpt_alibi_tensor(module.n_heads, 2))
 
 
+def neox_japanese_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: Any, position_ids: Any = None,
+    layer_past: Any = None, use_cache: bool | None = False, output_attentions: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    """GPTNeoXJapaneseAttention's forward on the attention implementation: partial RoPE, bias returned apart."""
+    batch, tokens, _ = hidden_states.shape
+    qkv = self.query_key_value(hidden_states).view(batch, tokens, self.num_attention_heads, 3 * self.head_size)
+    query, key, value = _heads_first(*qkv.split(self.head_size, dim=-1))
+    rot = self.rotary_ndims
+    cos, sin = position_embeddings
+    q_rot, k_rot = _family(self).apply_rotary_pos_emb(query[..., :rot], key[..., :rot], cos, sin)
+    query, key = torch.cat((q_rot, query[..., rot:]), dim=-1), torch.cat((k_rot, key[..., rot:]), dim=-1)
+    out, _ = _attention(self)(self, query, key, value, None, scaling=1.0 / self.norm_factor)
+    return self.dense(out.reshape(batch, tokens, -1)), None, self.dense_bias
+
+
+def xglm_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None, cache: Any = None,
+    attention_mask: Any = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """XGLMAttention's self-attention on the attention implementation (queries scaled first, as XGLM does)."""
+    if key_value_states is not None:
+        raise ValueError("XGLMAttention swapped onto the paged attention serves self-attention only, not cross-attention")
+    batch, tokens, _ = hidden_states.shape
+    shape = (batch, tokens, self.num_heads, self.head_dim)
+    query, key, value = _heads_first(
+        (self.q_proj(hidden_states) * self.scaling).view(shape), self.k_proj(hidden_states).view(shape),
+        self.v_proj(hidden_states).view(shape),
+    )
+    out, _ = _attention(self)(self, query, key, value, None, scaling=1.0)
+    return self.out_proj(out.reshape(batch, tokens, -1)), None
+
+
+def openai_gpt_forward(
+    self: torch.nn.Module, x: torch.Tensor, attention_mask: Any = None, output_attentions: bool = False,
+) -> list[torch.Tensor]:
+    """openai-gpt's ``Attention.forward`` on the attention implementation (scaled where the block says so)."""
+    batch, tokens, _ = x.shape
+    query, key, value = self.c_attn(x).split(self.split_size, dim=2)
+    shape = (batch, tokens, self.n_head, self.split_size // self.n_head)
+    query, key, value = _heads_first(query.view(shape), key.view(shape), value.view(shape))
+    scale = shape[-1] ** -0.5 if self.scale else 1.0
+    out, _ = _attention(self)(self, query, key, value, None, scaling=scale)
+    return [self.resid_dropout(self.c_proj(out.reshape(batch, tokens, -1)))]
+
+
+def _no_slopes(module: torch.nn.Module) -> None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Swap:
     """One attention module class and what replaces its forward."""
@@ -139,6 +191,8 @@ class Swap:
     forward: Callable[..., tuple[torch.Tensor, None]]
     #: the module's ALiBi slopes (None: the module uses none)
     slopes: Callable[[torch.nn.Module], torch.Tensor | None]
+    #: the class has no ``layer_idx``: the swap numbers its modules in model order (openai-gpt)
+    numbered: bool = False
 
 
 _FALCON = Swap(falcon_forward, falcon_slopes)
@@ -148,6 +202,11 @@ SWAPS: dict[str, Swap] = {
     "transformers.models.falcon.modeling_falcon.FalconFlashAttention2": _FALCON,
     "transformers.models.bloom.modeling_bloom.BloomAttention": Swap(bloom_forward, bloom_slopes),
     "transformers.models.mpt.modeling_mpt.MptAttention": Swap(mpt_forward, mpt_slopes),
+    "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention": Swap(
+        neox_japanese_forward, _no_slopes
+    ),
+    "transformers.models.xglm.modeling_xglm.XGLMAttention": Swap(xglm_forward, _no_slopes),
+    "transformers.models.openai.modeling_openai.Attention": Swap(openai_gpt_forward, _no_slopes, numbered=True),
 }
 
 
@@ -164,8 +223,11 @@ def swap(model: torch.nn.Module, implementation: str) -> list[torch.nn.Module]:
     """Give every swappable attention module of ``model`` its paged forward, calling ``implementation``
     (an AttentionInterface name); ALiBi modules get their slopes buffer. Returns the modules."""
     found = swappable(model)
-    for module in found:
+    for index, module in enumerate(found):
         spec = SWAPS[_key(module)]
+        if spec.numbered and getattr(module, "layer_idx", None) is None:
+            module.layer_idx = index
+            module.pb_numbered = True
         slopes = spec.slopes(module)
         if slopes is not None:
             device = next(module.parameters()).device
@@ -180,6 +242,8 @@ def restore(model: torch.nn.Module) -> None:
     for module in swappable(model):
         module.__dict__.pop("forward", None)
         module.__dict__.pop(IMPLEMENTATION_ATTR, None)
+        if module.__dict__.pop("pb_numbered", False):
+            del module.layer_idx
         if hasattr(module, SLOPES_BUFFER):
             delattr(module, SLOPES_BUFFER)
 
@@ -198,7 +262,54 @@ def using(model: torch.nn.Module, implementation: str) -> Iterator[None]:
             setattr(m, IMPLEMENTATION_ATTR, name)
 
 
+#: Module classes that carry a recurrent state from token to token in their own code (rwkv's).
+_RECURRENT = re.compile(r"^Rwkv\w*(Attention|FeedForward)$")
+
+
 def unswappable_reason(model: torch.nn.Module, implementation: str) -> str:
-    """Why ``model``'s attention can be neither set (AttentionInterface) nor swapped here."""
-    return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
-            f"{implementation} cannot replace it")
+    """Why ``model``'s attention can be neither set (AttentionInterface) nor swapped here.
+
+    Two plain forwards say more where they can (nothing of the model is intercepted): one token
+    repeated at one position gives every row the same logits unless the model takes positions from
+    the row index (whatever its attention weights, identical keys give identical outputs); a prefix
+    whose logits change with a later token means non-causal attention.
+    """
+    name = type(model).__name__
+    what = (f"{name} does not route attention through transformers' AttentionInterface, so {implementation} "
+            "cannot replace it")
+    recurrent = next((type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__)), None)
+    if recurrent is not None:  # its rows differ by the state they carry, not by position: say that
+        return (f"{what}; it keeps recurrent state between tokens in its own code ({recurrent}), which neither "
+                "the paged cache nor the state cache can hold")
+    try:
+        behaviour = _behaviour(model)
+    except Exception:  # a forward that needs more than token ids: nothing more to say
+        behaviour = None
+    if behaviour == "positions":
+        return (f"{what}; it also ignores position_ids (its positions come from the sequence length), so the "
+                "second request of a step and every decode token would get wrong positions")
+    if behaviour == "non-causal":
+        return f"{what}; its attention is also non-causal (a prefix's logits change with later tokens)"
+    return what + " (and no module-level swap exists for its attention modules)"
+
+
+def _behaviour(model: torch.nn.Module, tokens: int = 4) -> str | None:
+    """``"positions"``, ``"non-causal"`` or None, from plain forwards of ``model`` (see :func:`unswappable_reason`)."""
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.arange(3, 3 + tokens, device=device).clamp(max=vocab - 1)[None]
+    zeros = torch.zeros_like(ids)
+
+    def logits(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0].float()
+
+    same = logits(ids[:, :1].expand(1, tokens), zeros)
+    if not torch.allclose(same, same[:1].expand_as(same), rtol=1e-4, atol=1e-5):
+        return "positions"
+    positions = torch.arange(tokens, device=device)[None]
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab
+    if not torch.allclose(logits(ids, positions)[:-1], logits(changed, positions)[:-1], rtol=1e-4, atol=1e-5):
+        return "non-causal"
+    return None

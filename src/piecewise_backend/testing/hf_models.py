@@ -51,6 +51,8 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "bloom": {"initializer_range": 0.2},
     "mpt": {"initializer_range": 0.2},
     "falcon": {"initializer_range": 0.2},
+    "gpt_neox_japanese": {"initializer_range": 0.2},
+    "xglm": {"init_std": 0.2},
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
