@@ -11,11 +11,10 @@ import torch
 from pbtest.helpers import load_file
 
 import piecewise_backend as pb
+from piecewise_backend import hf
+from piecewise_backend.hf import attention_swaps
 
 pytest.importorskip("transformers")
-
-from piecewise_backend import hf  # noqa: E402
-from piecewise_backend.hf import attention_swaps  # noqa: E402
 
 CONFIG = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8])
 #: (type, config fields, KV heads the cache must hold, ALiBi)
