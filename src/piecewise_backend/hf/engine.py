@@ -3,8 +3,10 @@
 Needs ``transformers`` (``pip install piecewise_backend[hf]``); importing ``piecewise_backend``
 alone never imports it. Works for decoder-only models whose attention goes through
 transformers' ``AttentionInterface`` (Llama, Qwen, Mistral, Mixtral, DeepSeek V2/V3, gpt-oss,
-Gemma 2/3, ...); :func:`adapt` refuses, naming the reason, every model it would serve wrongly
-(:mod:`piecewise_backend.hf.adapter`; docs/models.md lists every type's outcome):
+Gemma 2/3, ...), and those whose attention modules :mod:`.attention_swaps` swaps onto the paged
+op (falcon, bloom, mpt, gpt_neox_japanese, xglm, openai-gpt); :func:`adapt` refuses, naming the
+reason, every model it would serve wrongly (:mod:`piecewise_backend.hf.adapter`; docs/models.md
+lists every type's outcome):
 
 * :func:`register_attention` adds ``pb_paged`` to the interface: HF's q/k/v (after RoPE) go to
   ``pb_kv::paged_attention``, which reads the step's metadata from the forward context. HF builds
