@@ -283,7 +283,8 @@ def unswappable_reason(model: torch.nn.Module, implementation: str) -> str:
                 "the paged cache nor the state cache can hold")
     try:
         behaviour = _behaviour(model)
-    except Exception:  # a forward that needs more than token ids: nothing more to say
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError, NotImplementedError):
+        # a forward that needs more than token ids: nothing more to say
         behaviour = None
     if behaviour == "positions":
         return (f"{what}; it also ignores position_ids (its positions come from the sequence length), so the "
