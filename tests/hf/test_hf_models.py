@@ -244,7 +244,7 @@ def test_engine_serves_the_architecture_like_generate(arch):
 
 
 def test_engine_refuses_a_model_with_state_it_cannot_hold_up_front(monkeypatch):
-    """A state layer computing its state inline, without a forward of ours (hf/swaps.py): MiniMax's lightning
+    """A state layer computing its state inline, without a forward of ours (hf/state_swaps.py): MiniMax's lightning
     attention with its swap taken away."""
     from piecewise_backend import hf
     from piecewise_backend.hf import mixers

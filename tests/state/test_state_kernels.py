@@ -13,7 +13,7 @@ from piecewise_backend import state as st
 
 transformers = pytest.importorskip("transformers")
 from piecewise_backend import hf
-from piecewise_backend.hf import swaps
+from piecewise_backend.hf import state_swaps as swaps
 
 CONFIG = pb.CompilationConfig(
     platform="simulated", compile_pieces="eager", cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16]

@@ -1,5 +1,5 @@
 """Route the state layers of HF models (short convolutions, gated and Kimi delta nets, Mamba2, Mamba1, and the
-layers :mod:`.swaps` gives forwards of ours: lightning attention, RG-LRU, ZAYA's CCA) onto the ``pb_state`` ops.
+layers :mod:`.state_swaps` gives forwards of ours: lightning attention, RG-LRU, ZAYA's CCA) onto the ``pb_state`` ops.
 
 transformers' state-layer modules call module-level kernels for everything that keeps state
 (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ...: the functions its hub kernels would
@@ -15,7 +15,7 @@ recurrence would run across request boundaries and forget every state between st
 
 What a module calls decides (:func:`kernels_called`): the names its forward's code reads from its
 module globals. :data:`SERVED_KERNELS` are routed; :data:`KNOWN_UNSERVED` are named in refusals. A
-module whose class :data:`~.swaps.SWAPS` names (:func:`swapped`) gets that forward instead, its state
+module whose class :data:`~.state_swaps.SWAPS` names (:func:`swapped`) gets that forward instead, its state
 calls recorded and routed the same way.
 """
 
@@ -38,7 +38,7 @@ from ..state import selective as _selective  # noqa: F401  (registers pb_state::
 from ..state import ssd as _ssd  # noqa: F401  (registers pb_state::ssd_scan)
 from ..state.cache import StateSpec
 from ..state.conv import ACTIVATIONS
-from .swaps import KINDS, SWAPS, Kernels, Swap
+from .state_swaps import KINDS, SWAPS, Kernels, Swap
 
 #: Kernel name -> the state it keeps ("conv", "recurrent", "ssm"). The ``*_update`` / recurrent forms
 #: run only with a cache, which a served forward never has, and the fused Mamba2 kernel only in
@@ -67,7 +67,7 @@ def raw_forward(module: torch.nn.Module) -> Callable[..., Any]:
 
 
 def swapped(module: torch.nn.Module) -> Swap | None:
-    """The forward of ours :data:`~.swaps.SWAPS` gives ``module``'s class, or None."""
+    """The forward of ours :data:`~.state_swaps.SWAPS` gives ``module``'s class, or None."""
     return SWAPS.get(type(module).__name__)
 
 
@@ -265,7 +265,7 @@ def _layer_of(path: str, module: torch.nn.Module) -> int | None:
 
 
 def candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """``(layer, module)`` of every module whose forward calls a served kernel or that :data:`~.swaps.SWAPS` swaps."""
+    """``(layer, module)`` of every module whose forward calls a served kernel or that :data:`~.state_swaps.SWAPS` swaps."""
     out = []
     for path, m in model.named_modules():
         if swapped(m) is not None:

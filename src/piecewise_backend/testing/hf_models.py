@@ -46,6 +46,13 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": _MAMBA2,
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16},
     "longcat_flash": {"num_layers": 1},  # its layer count (2 sublayers each); 5.17 does not derive it from num_hidden_layers
+    # attention swapped at module level (hf/attention_swaps.py): at the default 0.02 their tokens barely
+    # depend on the context, so dropping ALiBi or RoPE would still pass a check; 0.2 makes both matter
+    "bloom": {"initializer_range": 0.2},
+    "mpt": {"initializer_range": 0.2},
+    "falcon": {"initializer_range": 0.2},
+    "gpt_neox_japanese": {"initializer_range": 0.2},
+    "xglm": {"init_std": 0.2},
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
