@@ -1,4 +1,4 @@
-"""HF state layers with kernels of their own (kimi_linear's KDA, MiniMax's lightning attention, RecurrentGemma's
+"""HF state layers with kernels of their own (kimi_linear's and bailing_hybrid's KDA, MiniMax's lightning attention, RecurrentGemma's
 RG-LRU, ZAYA's CCA) served through HFEngine: tokens equal generate's, in every mode."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ CONFIG = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capt
 #: type -> (its attention layers in the tiny model: what the KV cache holds, its state kinds per state layer)
 FAMILIES = {
     "kimi_linear": (1, {0: ["conv", "recurrent"]}),
+    # Ling's hybrid: Kimi delta attention too; unrouted, its rows mixed and the probe took it for ignoring positions
+    "bailing_hybrid": (1, {0: ["conv", "recurrent"]}),
     "minimax": (1, {1: ["linear"]}),
     "recurrent_gemma": (1, {0: ["conv", "lru"], 1: ["conv", "lru"]}),
     "zaya": (2, {0: ["qk", "value"], 1: ["qk", "value"]}),
