@@ -90,7 +90,7 @@ def test_recurrent_gemma_without_attention_is_checked_against_a_full_recompute()
     example = load_file("examples/hf_generate.py")
     with pytest.raises(ValueError, match="get_seq_length"):
         reference.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
-    prompts, outputs, steps, engine = serve(model)
+    prompts, outputs, _, engine = serve(model)
     assert len(engine.cache.key_caches) == 0
     assert example.check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
     assert example.RECOMPUTED
