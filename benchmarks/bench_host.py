@@ -39,8 +39,8 @@ M = pb.CUDAGraphMode
 
 
 def _own_model():
-    from pathlib import Path
     import importlib.util
+    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "examples" / "own_model.py"
     spec = importlib.util.spec_from_file_location("own_model_bench", path)
@@ -152,7 +152,7 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
 
     x = torch.zeros(1)
     full = pb.CUDAGraphWrapper(ident, M.FULL, config=pb.CompilationConfig(platform="simulated", compile_pieces="eager"))
-    ctx = lambda: pb.set_forward_context(M.PIECEWISE, pb.BatchDescriptor(1))  # noqa: E731
+    ctx = lambda: pb.set_forward_context(M.PIECEWISE, pb.BatchDescriptor(1))
     pair = [Variant("bare forwarding class", Forward(ident), (x,), ctx),
             Variant("CUDAGraphWrapper(FULL) under PIECEWISE", full, (x,), ctx)]
     s = measure(pair, reps=15 if quick else 41, target_s=0.01 if quick else 0.03, deadline=deadline)

@@ -85,7 +85,7 @@ def test_context_print_passes_the_captured_tensors_and_refuses_any_change_the_ex
 
     table, k0, k1 = torch.zeros(4, 4), torch.zeros(2, 3), torch.zeros(2, 3)
     caches = [k0, k1]
-    attrs = lambda **kw: {"meta": _StepMeta(kw.get("table", table), kw.get("caches", caches)), "n": 3}  # noqa: E731
+    attrs = lambda **kw: {"meta": _StepMeta(kw.get("table", table), kw.get("caches", caches)), "n": 3}
     p = ContextPrint(attrs())
     p.check(attrs(), "d")  # new containers, the same tensors: passes
     p.check(attrs(caches=list(caches)), "d")
