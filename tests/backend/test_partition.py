@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-import piecewise_backend.kv  # noqa: F401  (registers pb_kv::paged_attention)
+import piecewise_backend.kv
 from piecewise_backend.backend.partition import Partition, PartitionWrappers, compile_partitioned, partition_op_names
 
 M = pb.CUDAGraphMode
@@ -105,7 +105,7 @@ def test_a_cpu_graph_gets_no_partition_and_paged_attention_is_the_fallback_kerne
     """Inductor's scheduler on a CPU graph: pb_kv::paged_attention (which mutates ``out``) reaches it as a
     FallbackKernel and gets the custom-partition reason; every other node gets "cpu ops", so Inductor makes no
     partition and never calls the wrapper: why the config refuses the option without a GPU."""
-    import torch._inductor.scheduler as scheduler
+    from torch._inductor import scheduler
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from piecewise_backend.backend.compiler import _compile_inductor
