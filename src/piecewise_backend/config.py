@@ -171,7 +171,7 @@ def _partition_refusal(config: CompilationConfig) -> str:
                 "still applies across processes): pass cache_dir=None")
     missing = missing_partition_hooks()
     if missing:
-        return f"torch {torch.__version__} lacks {', '.join(missing)} (torch 2.9 and later have them)"
+        return f"torch {torch.__version__} lacks {', '.join(missing)} (custom_should_partition_ops came with pytorch PR 166458; torch 2.13 has all of them)"
     return ""
 
 
