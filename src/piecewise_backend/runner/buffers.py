@@ -44,7 +44,7 @@ class StepBuffers:
         }
         mark_persistent(*self.tensors.values())  # graphs read them in place: no staging copy per replay
         self._step_views: dict[int, dict[str, torch.Tensor]] = {}
-        self._trailing = {name: buf.shape[1:] for name, buf in self.tensors.items()}
+        self._trailing = {name: buf.shape[1:] for name, buf in self.tensors.items() if buf.dim() > 1}  # 1-d: no columns
         self._heads: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         #: Storage addresses of the buffers: a tensor whose storage is one of them is a view of a buffer.
         self.storages = frozenset(b.untyped_storage().data_ptr() for b in self.tensors.values())
@@ -82,7 +82,7 @@ class StepBuffers:
         for name, t in batch.items():
             buf = self.tensors[name]
             padded = rows.get(name, tokens)
-            if t.shape[1:] != trailing[name]:  # narrower than its spec: pad the columns too
+            if name in trailing and t.shape[1:] != trailing[name]:  # narrower than its spec: pad the columns too
                 fill(buf, t, padded, specs[name].pad)  # type: ignore[arg-type]
                 continue
             n = t.shape[0]

@@ -272,7 +272,7 @@ class GraphRunner:
             if type(t) is not torch.Tensor or t.dim() != spec.ndim or t.is_floating_point() != spec.floating:
                 check_tensor(spec, t)
             shape = t.shape
-            if fit and shape[1:] != spec.shape:
+            if spec.ndim > 1 and fit and shape[1:] != spec.shape:  # 1-d: dim() checked it all
                 fit = fits(spec, t)
             if spec.per_token:
                 if n is None:
@@ -429,7 +429,7 @@ class GraphRunner:
 
 def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:
     """A step output without its padding rows (one of ``padded`` rows per token)."""
-    return out[:n] if out.dim() and out.shape[0] == padded else out
+    return out[:n] if n != padded and out.dim() and out.shape[0] == padded else out
 
 
 def without_piecewise(mode: CUDAGraphMode) -> CUDAGraphMode:
