@@ -188,3 +188,17 @@ def test_cold_start_and_soak_benchmarks_print_their_tables():
     assert "Cold start: seconds per captured graph, up-front vs capture_idle" in out and "| 4      | capture_idle" in out
     assert "Cold start: a lazy engine under traffic that never drains (soak)" in out
     assert re.search(r"\| round 2 +\| lazy +\| \d+ +\| \d+ \(\d+%\)", out), out
+
+
+def test_host_benchmark_times_runner_and_engine_steps_side_by_side():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "host"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "Host time per FULL decode step, outside the replay" in out
+    for what in ("GraphRunner.run, batch 1", "GraphRunner.run, batch 8", "Engine.step, batch 1", "Engine.step, batch 8"):
+        row = re.search(rf"^\| {re.escape(what)} +\| ([\d.]+) ", out, re.M)
+        assert row and 0 < float(row.group(1)) < 100_000, out  # a time was measured, whatever it is
+    assert re.search(r"Mode-mismatched passthrough / bare forwarder: [\d.]+x", out), out
