@@ -37,6 +37,7 @@ from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
 from .host_breaks import install_host_breaks, no_full_graphs
+from .tensor_parallel import check_engine_agreement, check_heads, is_tensor_parallel, localize
 
 ATTN_IMPLEMENTATION = "pb_paged"
 
@@ -211,6 +212,15 @@ class HFEngine(Engine):
             graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
         )
         check_config(config)
+        # tensor parallel: every rank must build the same engine (the same graphs, the same collectives)
+        check_engine_agreement(dict(
+            model=type(model).__name__, config=config, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+            block_size=block_size, num_blocks=num_blocks, attention_backend=attention_backend,
+            lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
+            graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
+        ))
+        if is_tensor_parallel(model):  # loaded with tp_plan: plain local shards and explicit collectives
+            localize(model)
         vocab_size = check_hf_model(model, config, max_model_len)
         param = first_parameter(model)
         check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
@@ -244,8 +254,27 @@ class HFEngine(Engine):
             )
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
         kwargs["local_files_only"] = True
+        if kwargs.get("tp_plan") is not None:
+            _join_tensor_parallel(folder)
         model = transformers_module().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         return cls(model.eval(), config, **engine_kwargs)
+
+
+def _join_tensor_parallel(folder: str) -> None:
+    """Before a ``tp_plan`` load: join torchrun's process group (or refuse without one) and check the heads divide."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            raise ValueError(
+                "HFEngine.from_pretrained(tp_plan=...): no process group is initialized and this process was not "
+                "started by torchrun (no RANK/WORLD_SIZE): run it under `python -m torch.distributed.run "
+                "--nproc-per-node N ...` or call piecewise_backend.parallel.init_tensor_parallel() first"
+            )
+        from ..runner.agreement import init_tensor_parallel
+
+        init_tensor_parallel()
+    check_heads(transformers_module().AutoConfig.from_pretrained(folder, local_files_only=True), dist.get_world_size())
 
 
 def generation_eos(model: Any) -> Any:
