@@ -65,9 +65,22 @@ def serve(folder: str) -> dict:
     return result
 
 
+def disagree(folder: str) -> str:
+    """The error HFEngine raises on every rank when the ranks pass different max_num_reqs."""
+    transformers = hf.adapter.transformers_module()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    try:
+        hf.HFEngine(model, config, max_num_reqs=3 + dist.get_rank(), max_model_len=32, block_size=4)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def main(folders: list[str]) -> int:
     for folder in folders:
         print("RESULT " + json.dumps(serve(folder)), flush=True)
+    print("DISAGREE " + json.dumps(disagree(folders[0])), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
