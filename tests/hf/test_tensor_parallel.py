@@ -38,6 +38,8 @@ def ranks(tmp_path_factory) -> tuple[dict[str, list[dict]], list[str]]:
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     results = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     errors = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("DISAGREE ")]
+    lazy = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("LAZY ")]
+    errors += lazy
     by_arch = {arch: results[i * 2:(i + 1) * 2] for i, arch in enumerate(folders)}
     assert all(len(r) == 2 for r in by_arch.values()), proc.stdout
     return by_arch, errors
@@ -55,9 +57,14 @@ def test_two_ranks_serve_the_unsharded_models_tokens(ranks, arch):
 
 
 def test_ranks_given_different_arguments_are_refused(ranks):
-    errors = ranks[1]
-    assert len(errors) == 2, errors
+    errors = ranks[1][:2]
+    assert len(errors) == 2, ranks[1]
     assert all("max_num_reqs (rank 0: 3, rank 1: 4)" in e for e in errors), errors
+
+
+def test_lazy_capture_is_refused_with_the_reason(ranks):
+    lazy = ranks[1][2:]
+    assert len(lazy) == 2 and all("lazy_capture=True is refused" in e for e in lazy), lazy
 
 
 def test_tp_plan_without_a_process_group_is_refused(tmp_path, monkeypatch):

@@ -77,10 +77,21 @@ def disagree(folder: str) -> str:
     return "no error"
 
 
+def refused_lazy(folder: str) -> str:
+    """The error a tensor-parallel HFEngine with lazy_capture=True raises (before it changes the model)."""
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    try:
+        hf.HFEngine.from_pretrained(folder, config, tp_plan="auto", lazy_capture=True, max_model_len=32)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def main(folders: list[str]) -> int:
     for folder in folders:
         print("RESULT " + json.dumps(serve(folder)), flush=True)
     print("DISAGREE " + json.dumps(disagree(folders[0])), flush=True)
+    print("LAZY " + json.dumps(refused_lazy(folders[0])), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

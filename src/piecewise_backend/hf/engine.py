@@ -37,7 +37,7 @@ from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
 from .host_breaks import install_host_breaks, no_full_graphs
-from .tensor_parallel import check_engine_agreement, check_heads, is_tensor_parallel, localize
+from .tensor_parallel import check_engine_agreement, check_heads, composition_refusal, is_tensor_parallel, localize
 
 ATTN_IMPLEMENTATION = "pb_paged"
 
@@ -220,6 +220,9 @@ class HFEngine(Engine):
             graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
         ))
         if is_tensor_parallel(model):  # loaded with tp_plan: plain local shards and explicit collectives
+            why = composition_refusal(model, lazy_capture=lazy_capture)
+            if why is not None:
+                raise ValueError(why)
             localize(model)
         vocab_size = check_hf_model(model, config, max_model_len)
         param = first_parameter(model)

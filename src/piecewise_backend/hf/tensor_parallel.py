@@ -83,6 +83,24 @@ def check_heads(config: Any, world: int) -> None:
         )
 
 
+#: layer kinds of state layers (the state cache's): their mixers are not sharded by this module yet
+_STATE_KINDS = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
+
+
+def composition_refusal(model: torch.nn.Module, *, lazy_capture: bool) -> str | None:
+    """Why a tensor-parallel ``model`` cannot be served with these engine features, or None."""
+    text = model.config.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ()) | set(getattr(text, "layers_block_type", None) or ())
+    state = sorted(kinds & _STATE_KINDS)
+    if state:
+        return (f"tensor parallel: {type(model).__name__} has state layers ({state}); the state cache is not split "
+                "across ranks yet: serve it on one rank")
+    if lazy_capture:
+        return ("tensor parallel: lazy_capture=True is refused: capture_idle captures within a time budget, so ranks "
+                "could capture different graphs (their collectives would pair wrongly); capture() every graph up front")
+    return None
+
+
 def localize(model: torch.nn.Module) -> torch.nn.Module:
     """Turn a model loaded with ``tp_plan`` into plain local shards with explicit collectives (in place).
 
