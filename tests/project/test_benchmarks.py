@@ -173,3 +173,17 @@ def test_serving_benchmark_splits_the_time_to_first_token():
     assert result["graphs"] == 0 and result["capture_s"] < 0.05
     assert abs(result["build_s"] + result["capture_s"] + result["first_step_s"] - result["ttft_s"]) < 1e-6
     assert result["dynamo_s"] > 0 and len(result["tokens"]) == 4
+
+
+def test_tp_benchmark_reports_both_engines_side_by_side():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "tp"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Tensor parallel (HF llama, tp_plan='auto'): decode tokens/s on gloo" in proc.stdout
+    rates = dict(re.findall(r"^\| (TP=[12]) +\| ([\d.]+) ", proc.stdout, re.M))
+    assert set(rates) == {"TP=1", "TP=2"} and all(float(r) > 0 for r in rates.values()), proc.stdout
+    kv = [int(k) for k in re.findall(r"^\| TP=[12] +\| .*\| (\d+) +\|$", proc.stdout, re.M)]
+    assert len(kv) == 2 and kv[0] == 2 * kv[1], proc.stdout  # each TP=2 rank holds half the KV heads
+    assert "tokens are equal" in proc.stdout, proc.stdout
