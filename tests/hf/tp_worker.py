@@ -51,9 +51,11 @@ def serve(folder: str) -> dict:
     greedy = engine.generate(PROMPTS, NEW, eos_token_id=None, on_step=on_step)
     sampled = engine.generate(PROMPTS, NEW, eos_token_id=None,
                               sampling=hf.SamplingParams(temperature=0.9, top_k=20, seed=7))
+    torch.manual_seed(dist.get_rank())  # the ranks' generators differ: a seedless request takes rank 0's draw
+    unseeded = engine.generate(PROMPTS, NEW, eos_token_id=None, sampling=hf.SamplingParams(temperature=0.9))
     cache = engine.cache
     result = dict(
-        rank=dist.get_rank(), greedy=greedy, expected=expected, sampled=sampled,
+        rank=dist.get_rank(), greedy=greedy, expected=expected, sampled=sampled, unseeded=unseeded,
         full_decode=sum(1 for m, d, _ in modes if m == "FULL" and d), steps=len(modes),
         full_collectives=sorted({c for m, d, c in modes if m == "FULL"}), layers=reference.config.num_hidden_layers,
         kv_heads=cache.key_caches[0].shape[2],
@@ -61,7 +63,8 @@ def serve(folder: str) -> dict:
     )
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
-    result["peers_same"] = all(r["greedy"] == greedy and r["sampled"] == sampled for r in everyone)
+    result["peers_same"] = all(r["greedy"] == greedy and r["sampled"] == sampled and r["unseeded"] == unseeded
+                               for r in everyone)
     return result
 
 
