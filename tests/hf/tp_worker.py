@@ -54,13 +54,13 @@ def serve(folder: str) -> dict:
     torch.manual_seed(dist.get_rank())  # the ranks' generators differ: a seedless request takes rank 0's draw
     unseeded = engine.generate(PROMPTS, NEW, eos_token_id=None, sampling=hf.SamplingParams(temperature=0.9))
     cache = engine.cache
-    result = dict(
-        rank=dist.get_rank(), greedy=greedy, expected=expected, sampled=sampled, unseeded=unseeded,
-        full_decode=sum(1 for m, d, _ in modes if m == "FULL" and d), steps=len(modes),
-        full_collectives=sorted({c for m, d, c in modes if m == "FULL"}), layers=reference.config.num_hidden_layers,
-        kv_heads=cache.key_caches[0].shape[2],
-        model_kv_heads=reference.config.num_key_value_heads, memory_bytes=cache.memory_bytes,
-    )
+    result = {
+        "rank": dist.get_rank(), "greedy": greedy, "expected": expected, "sampled": sampled, "unseeded": unseeded,
+        "full_decode": sum(1 for m, d, _ in modes if m == "FULL" and d), "steps": len(modes),
+        "full_collectives": sorted({c for m, d, c in modes if m == "FULL"}),
+        "layers": reference.config.num_hidden_layers, "kv_heads": cache.key_caches[0].shape[2],
+        "model_kv_heads": reference.config.num_key_value_heads, "memory_bytes": cache.memory_bytes,
+    }
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
     result["peers_same"] = all(r["greedy"] == greedy and r["sampled"] == sampled and r["unseeded"] == unseeded

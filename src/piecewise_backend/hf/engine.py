@@ -213,12 +213,13 @@ class HFEngine(Engine):
         )
         check_config(config)
         # tensor parallel: every rank must build the same engine (the same graphs, the same collectives)
-        check_engine_agreement(dict(
-            model=type(model).__name__, config=config, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
-            block_size=block_size, num_blocks=num_blocks, attention_backend=attention_backend,
-            lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
-            graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
-        ))
+        check_engine_agreement({
+            "model": type(model).__name__, "config": config, "max_num_reqs": max_num_reqs,
+            "max_model_len": max_model_len, "block_size": block_size, "num_blocks": num_blocks,
+            "attention_backend": attention_backend, "lazy_capture": lazy_capture,
+            "max_num_batched_tokens": max_num_batched_tokens, "graph_memory_budget": graph_memory_budget,
+            "step_capture_budget_s": step_capture_budget_s,
+        })
         if is_tensor_parallel(model):  # loaded with tp_plan: plain local shards and explicit collectives
             why = composition_refusal(model, lazy_capture=lazy_capture)
             if why is not None:

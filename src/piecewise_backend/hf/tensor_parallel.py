@@ -204,18 +204,19 @@ _FORWARDS: dict[str, Callable[..., Callable[..., torch.Tensor]]] = {
 def check_engine_agreement(args: Mapping[str, Any]) -> None:
     """In a process group, raise on every rank when the ranks were given different engine arguments.
 
-    Each rank all-gathers a digest of every argument's ``repr``; on a mismatch the values are gathered
-    and the first differing argument is named with each rank's value.
+    Each rank all-gathers a digest of every argument's ``repr`` (one small collective); on a mismatch the
+    values are gathered and the first differing argument is named with each rank's value.
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    digest = hashlib.sha256(repr(sorted((k, repr(v)) for k, v in args.items())).encode()).hexdigest()
+    shown = {k: re.sub(r" at 0x[0-9a-f]+", "", repr(v)) for k, v in args.items()}  # a function's repr: no address
+    digest = hashlib.sha256(repr(sorted(shown.items())).encode()).hexdigest()
     digests: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     if len(set(digests)) == 1:
         return
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, {k: repr(v) for k, v in args.items()})
+    dist.all_gather_object(values, shown)
     for key in args:
         seen = [v.get(key) for v in values]
         if len(set(seen)) > 1:
