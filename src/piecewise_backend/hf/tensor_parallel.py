@@ -123,6 +123,9 @@ def localize(model: torch.nn.Module) -> torch.nn.Module:
             continue
         if style not in MODULE_STYLES:
             raise ValueError(f"tensor parallel: plan entry {name!r}: {style!r} is not served (served: {sorted(MODULE_STYLES)})")
+        if style in ("rowwise", "colwise_gather_output", "colwise_rep") and not isinstance(module, torch.nn.Linear):
+            raise ValueError(f"tensor parallel: plan entry {name!r}: {style!r} on a {type(module).__name__} is not "
+                             "served (a torch.nn.Linear only)")
         if style in ("colwise_gather_output", "colwise_rep", "embedding_rowwise"):
             rows = module.weight.shape[0]
             if rows % world:
@@ -139,12 +142,12 @@ def localize(model: torch.nn.Module) -> torch.nn.Module:
         for bname, b in list(module._buffers.items()):
             if isinstance(b, DTensor):
                 module._buffers[bname] = b.to_local()
-    name = group.group_name
+    name, rank = group.group_name, dist.get_rank(group)
     for module, style in forwards:
         module.__dict__.pop("forward", None)  # transformers' DTensor wrapper: back to the class forward
         make = _FORWARDS.get(style)
         if make is not None:
-            module.forward = make(module, name, world)
+            module.forward = make(module, name, rank)
     model.pb_tp_size = world
     return model
 
@@ -155,14 +158,14 @@ def _all_reduce(t: torch.Tensor, group: str) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
 
 
-def _rowwise(module: torch.nn.Module, group: str, world: int) -> Callable[..., torch.Tensor]:
+def _rowwise(module: torch.nn.Module, group: str, rank: int) -> Callable[..., torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = _all_reduce(F.linear(x, module.weight), group)
         return out if module.bias is None else out + module.bias
     return forward
 
 
-def _gather_output(module: torch.nn.Module, group: str, world: int) -> Callable[..., torch.Tensor]:
+def _gather_output(module: torch.nn.Module, group: str, rank: int) -> Callable[..., torch.Tensor]:
     from torch.distributed import _functional_collectives as funcol
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -172,19 +175,20 @@ def _gather_output(module: torch.nn.Module, group: str, world: int) -> Callable[
     return forward
 
 
-def _vocab_embedding(module: torch.nn.Module, group: str, world: int) -> Callable[..., torch.Tensor]:
+def _vocab_embedding(module: torch.nn.Module, group: str, rank: int) -> Callable[..., torch.Tensor]:
     rows = module.weight.shape[0]
-    start = dist.get_rank() % world * rows  # the tp group is every rank here (a 1-D tp mesh)
+    start = rank * rows
+    cls_forward = type(module).forward  # the class's own lookup (a scaled embedding keeps its scale)
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         local = ids - start
         mine = (local >= 0) & (local < rows)
-        out = F.embedding(torch.where(mine, local, 0), module.weight) * mine.unsqueeze(-1).to(module.weight.dtype)
-        return _all_reduce(out, group)
+        out = cls_forward(module, torch.where(mine, local, 0))
+        return _all_reduce(out * mine.unsqueeze(-1).to(out.dtype), group)
     return forward
 
 
-def _experts(module: torch.nn.Module, group: str, world: int) -> Callable[..., torch.Tensor]:
+def _experts(module: torch.nn.Module, group: str, rank: int) -> Callable[..., torch.Tensor]:
     cls_forward = type(module).forward
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
