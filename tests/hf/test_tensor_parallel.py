@@ -4,6 +4,7 @@ cache holds its share of the KV heads; the refusals (heads, no process group, ra
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -22,14 +23,16 @@ from piecewise_backend.hf import tensor_parallel
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CONFIG = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+#: 4 attention heads each; 2 KV heads (split) or 1 (multi-query: replicated, fewer KV heads than ranks)
+MODELS = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", {}), "llama_mqa": ("llama", {"num_key_value_heads": 1})}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[dict[str, list[dict]], list[str]]:
     folders = {}
-    for arch in ("llama", "qwen3_moe"):
-        folders[arch] = tmp_path_factory.mktemp(arch)
-        hf.tiny_random_model(arch).save_pretrained(folders[arch])
+    for name, (arch, sizes) in MODELS.items():
+        folders[name] = tmp_path_factory.mktemp(name)
+        hf.tiny_random_model(arch, **sizes).save_pretrained(folders[name])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -45,7 +48,7 @@ def ranks(tmp_path_factory) -> tuple[dict[str, list[dict]], list[str]]:
     return by_arch, errors
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", list(MODELS))
 def test_two_ranks_serve_the_unsharded_models_tokens(ranks, arch):
     for r in ranks[0][arch]:
         assert r["greedy"] == r["expected"], r
@@ -53,7 +56,8 @@ def test_two_ranks_serve_the_unsharded_models_tokens(ranks, arch):
         assert r["full_decode"] >= 4, r  # pure decode steps replayed FULL graphs
         # every FULL replay ran the collectives inside the graph: embedding + 2 per layer + lm_head gather
         assert r["full_collectives"] == [2 * r["layers"] + 2], r
-        assert r["kv_heads"] == r["model_kv_heads"] // 2, r  # this rank's share of the KV heads
+        assert r["kv_heads"] == max(1, r["model_kv_heads"] // 2), r  # this rank's share of the KV heads (or its one)
+        assert r["memory_bytes"] == 25600, r  # per rank: 1 KV head x 2 layers x K and V (the unsharded llama: twice)
 
 
 def test_ranks_given_different_arguments_are_refused(ranks):
@@ -79,9 +83,16 @@ def test_a_world_size_that_does_not_divide_the_heads_is_refused():
     config = hf.tiny_random_model("llama").config  # 4 attention heads, 2 KV heads
     with pytest.raises(ValueError, match="4 attention heads do not divide by 3"):
         tensor_parallel.check_heads(config, 3)
-    with pytest.raises(ValueError, match="2 KV heads do not divide by 4"):
-        tensor_parallel.check_heads(config, 4)
     tensor_parallel.check_heads(config, 2)
+    tensor_parallel.check_heads(config, 4)  # 2 KV heads, 4 ranks: replicated, each rank keeps the head its queries use
+    mqa, three = copy.deepcopy(config), copy.deepcopy(config)
+    mqa.num_key_value_heads = 1
+    assert tensor_parallel.replicated_kv_plan(mqa, 2) == {
+        "model.layers.*.self_attn.k_proj": "replicate", "model.layers.*.self_attn.v_proj": "replicate"}
+    assert tensor_parallel.replicated_kv_plan(config, 2) == {}
+    three.num_attention_heads, three.num_key_value_heads = 6, 3
+    with pytest.raises(ValueError, match="3 KV heads neither divide by 2 nor divide it"):
+        tensor_parallel.check_heads(three, 2)
 
 
 def test_agreement_is_a_no_op_in_one_process():

@@ -37,7 +37,9 @@ from . import mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
 from .host_breaks import install_host_breaks, no_full_graphs
-from .tensor_parallel import check_engine_agreement, check_heads, composition_refusal, is_tensor_parallel, localize
+from .tensor_parallel import (
+    check_engine_agreement, check_heads, composition_refusal, is_tensor_parallel, localize, replicated_kv_plan,
+)
 
 ATTN_IMPLEMENTATION = "pb_paged"
 
@@ -259,13 +261,16 @@ class HFEngine(Engine):
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
         kwargs["local_files_only"] = True
         if kwargs.get("tp_plan") is not None:
-            _join_tensor_parallel(folder)
+            overrides = _join_tensor_parallel(folder)
+            if overrides and kwargs["tp_plan"] == "auto":  # fewer KV heads than ranks: K/V loaded whole
+                kwargs["tp_plan"] = overrides
         model = transformers_module().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         return cls(model.eval(), config, **engine_kwargs)
 
 
-def _join_tensor_parallel(folder: str) -> None:
-    """Before a ``tp_plan`` load: join torchrun's process group (or refuse without one) and check the heads divide."""
+def _join_tensor_parallel(folder: str) -> dict[str, str]:
+    """Before a ``tp_plan`` load: join torchrun's process group (or refuse without one), check the heads divide;
+    returns the plan overrides that replicate K/V projections when the ranks outnumber the KV heads."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -278,7 +283,9 @@ def _join_tensor_parallel(folder: str) -> None:
         from ..runner.agreement import init_tensor_parallel
 
         init_tensor_parallel()
-    check_heads(transformers_module().AutoConfig.from_pretrained(folder, local_files_only=True), dist.get_world_size())
+    config = transformers_module().AutoConfig.from_pretrained(folder, local_files_only=True)
+    check_heads(config, dist.get_world_size())
+    return replicated_kv_plan(config, dist.get_world_size())
 
 
 def generation_eos(model: Any) -> Any:

@@ -76,11 +76,27 @@ def check_heads(config: Any, world: int) -> None:
             f"tensor parallel over {world} ranks: the model's {heads} attention heads do not divide by {world}; "
             f"use a world size that divides {heads}"
         )
-    if isinstance(kv_heads, int) and kv_heads % world:
+    if isinstance(kv_heads, int) and kv_heads % world and world % kv_heads:
         raise ValueError(
-            f"tensor parallel over {world} ranks: the model's {kv_heads} KV heads do not divide by {world} "
-            f"(replicating KV heads when the ranks outnumber them is not done yet); use a world size that divides {kv_heads}"
+            f"tensor parallel over {world} ranks: the model's {kv_heads} KV heads neither divide by {world} nor "
+            f"divide it (fewer KV heads than ranks are replicated, each rank keeping the one its query heads use); "
+            f"use a world size that divides {kv_heads} or a multiple of it that divides {heads}"
         )
+
+
+def replicated_kv_plan(config: Any, world: int) -> dict[str, str]:
+    """The ``tp_plan`` overrides that keep K/V projections whole when the ranks outnumber the KV heads
+    (:func:`localize` then keeps each rank's one KV head); empty when the KV heads divide by ``world``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if kv_heads >= world:
+        return {}
+    plan = getattr(type(text), "base_model_tp_plan", None) or {}
+    return {f"model.{k}": "replicate" for k, style in plan.items()
+            if style == "colwise" and k.rsplit(".", 1)[-1] in _KV_PROJECTIONS}
+
+
+_KV_PROJECTIONS = ("k_proj", "v_proj")
 
 
 #: layer kinds of state layers (the state cache's): their mixers are not sharded by this module yet
@@ -143,6 +159,7 @@ def localize(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(b, DTensor):
                 module._buffers[bname] = b.to_local()
     name, rank = group.group_name, dist.get_rank(group)
+    _keep_own_kv_head(model, plan, rank, world)
     for module, style in forwards:
         module.__dict__.pop("forward", None)  # transformers' DTensor wrapper: back to the class forward
         make = _FORWARDS.get(style)
@@ -150,6 +167,23 @@ def localize(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = make(module, name, rank)
     model.pb_tp_size = world
     return model
+
+
+def _keep_own_kv_head(model: torch.nn.Module, plan: Mapping[str, str], rank: int, world: int) -> None:
+    """With fewer KV heads than ranks (K/V projections loaded whole): keep the KV head this rank's query heads use."""
+    text = model.config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if kv_heads >= world:
+        return
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    mine = rank * kv_heads // world  # query heads [rank * q, (rank + 1) * q) all meet this KV head
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _KV_PROJECTIONS and _style(plan, name) == "replicate":
+            rows = slice(mine * head_dim, (mine + 1) * head_dim)
+            module.weight = torch.nn.Parameter(module.weight.detach()[rows].clone(), requires_grad=False)
+            if getattr(module, "bias", None) is not None:
+                module.bias = torch.nn.Parameter(module.bias.detach()[rows].clone(), requires_grad=False)
+            module.out_features = head_dim
 
 
 def _all_reduce(t: torch.Tensor, group: str) -> torch.Tensor:
