@@ -38,7 +38,12 @@ from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, 
 from .buffers import drop_self_assignments
 from .host_breaks import install_host_breaks, no_full_graphs
 from .tensor_parallel import (
-    check_engine_agreement, check_heads, composition_refusal, is_tensor_parallel, localize, replicated_kv_plan,
+    check_engine_agreement,
+    check_heads,
+    composition_refusal,
+    is_tensor_parallel,
+    localize,
+    replicated_kv_plan,
 )
 
 ATTN_IMPLEMENTATION = "pb_paged"
