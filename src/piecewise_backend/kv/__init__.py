@@ -2,10 +2,12 @@
 
 from ..attention.kernels import attend  # the reference kernel, documented under kv too
 from .cache import BLOCK_TABLES, POSITIONS, REQUEST_INDEX, SLOT_MAPPING, BlockAllocator, PagedKVCache
+from .indexed import attend_selected, index_topk, indexed_attention, indexer_topk, write_index_keys
 from .op import PAD_SLOT, PagedAttentionMetadata, current_metadata, paged_attention, write_kv
 
 __all__ = [
     "attend",
     "BLOCK_TABLES", "POSITIONS", "REQUEST_INDEX", "SLOT_MAPPING", "BlockAllocator", "PagedKVCache",
+    "attend_selected", "index_topk", "indexed_attention", "indexer_topk", "write_index_keys",
     "PAD_SLOT", "PagedAttentionMetadata", "current_metadata", "paged_attention", "write_kv",
 ]

@@ -26,6 +26,8 @@ TINY_IF_SET = dict(
     # encoder-decoder style names (d_model, *_attention_heads) that the head count must divide
     d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
     encoder_layers=2, decoder_layers=2,
+    # indexed (sparse) attention: a top-k shorter than the prompts, so the selection drops tokens
+    index_topk=4, index_n_heads=8, index_head_dim=16,
     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
 )
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
