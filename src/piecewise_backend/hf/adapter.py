@@ -231,11 +231,9 @@ def refusal(model: torch.nn.Module) -> str | None:
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         other = sorted({str(k) for k in kinds or ()} - SERVED_LAYER_TYPES)
-        if "indexed_attention" in other:  # DeepSeek-V3.2's sparse attention, where its indexer is one pb_kv computes
-            why = indexed.refusal(model)
-            if why:
-                return why
-            other.remove("indexed_attention")
+        why = indexed.layer_types_refusal(model, other)  # indexed (sparse) attention is served, compressed not
+        if why:
+            return why
         if other:
             return (
                 f"{name} has layers of type {other} ({field}); the paged attention serves "

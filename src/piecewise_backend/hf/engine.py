@@ -74,9 +74,9 @@ def paged_attention_forward(
     layer = getattr(module, "pb_kv_layer", module.layer_idx)  # the cache holds attention layers only
     selected = kwargs.get("indices")  # an indexer's top-k positions (1, tokens, topk): indexed attention
     if selected is not None:
-        if sliding_window or softcap or sinks is not None:
-            raise ValueError(f"{ATTN_IMPLEMENTATION}: indexed attention takes no sliding window, soft-capping or sinks")
-        torch.ops.pb_kv.indexed_attention(q, k, v, out, selected[0], layer, scale)
+        if sliding_window or softcap:
+            raise ValueError(f"{ATTN_IMPLEMENTATION}: indexed attention takes no sliding window or soft-capping")
+        torch.ops.pb_kv.indexed_attention(q, k, v, out, selected[0], layer, scale, sinks)
         return out[..., :v_dim].unsqueeze(0), None
     torch.ops.pb_kv.paged_attention(
         q, k, v, out, layer, scale, sliding_window or -1, float(softcap or 0.0), sinks, getattr(module, "pb_chunk_size", 0)

@@ -64,11 +64,34 @@ def refusal(model: torch.nn.Module) -> str | None:
         kind = type(module).__name__
         if kind not in INDEXERS:
             return (
-                f"{type(model).__name__} selects attended tokens with {kind} at {path}, an indexer kind the indexed "
-                f"attention does not compute (served: {sorted(INDEXERS)}, DeepSeek-V3.2's per-token lightning indexer)"
+                f"{type(model).__name__} selects attended tokens with {kind} at {path}, an indexer the indexed attention "
+                f"does not compute: it computes DeepSeek-V3.2's per-token lightning indexer ({sorted(INDEXERS)}), "
+                "one indexer key per token in the paged cache; a selection over pooled or compressed key blocks is not built"
             )
     if not found:
         return f"{type(model).__name__} has indexed_attention layers but no indexer module the indexed attention knows"
+    return None
+
+
+#: Layer types whose attention reads keys compressed over groups of tokens (deepseek_v4).
+COMPRESSED_LAYER_TYPES = frozenset({"compressed_sparse_attention", "heavily_compressed_attention"})
+
+
+def layer_types_refusal(model: torch.nn.Module, kinds: list[str]) -> str | None:
+    """Why ``model``'s layers of the (otherwise unserved) types ``kinds`` cannot be served, where this module
+    knows them (indexed and compressed attention), or None; ``kinds`` loses the types it serves."""
+    compressed = sorted(COMPRESSED_LAYER_TYPES & set(kinds))
+    if compressed:
+        return (
+            f"{type(model).__name__} has {compressed} layers: their attention reads keys compressed over groups of "
+            "tokens (a second, pooled KV cache with its own compressor state, filled every few tokens), which the "
+            "paged cache (one K/V and one indexer key per token) does not hold"
+        )
+    if "indexed_attention" in kinds:
+        why = refusal(model)
+        if why:
+            return why
+        kinds.remove("indexed_attention")
     return None
 
 

@@ -73,8 +73,10 @@ def attend_selected(
     request_index: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each token over the positions ``selected`` gives it (``-1`` or past its position: skipped)."""
+    """Attention of each token over the positions ``selected`` gives it (``-1`` or past its position: skipped);
+    ``sinks`` (one logit per query head) joins each head's softmax denominator without a value."""
     tokens, q_heads, dim = q.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     chosen = selected[:tokens].long()
@@ -88,7 +90,12 @@ def attend_selected(
     values = value_cache.view(-1, kv_heads, value_cache.shape[-1])[slots].float().masked_fill(hidden[:, :, None, None], 0.0)
     grouped = q.reshape(tokens, kv_heads, q_heads // kv_heads, dim).float()
     scores = (torch.einsum("tkgd,tlkd->tkgl", grouped, keys) * scale).masked_fill(hidden[:, None, None, :], float("-inf"))
-    return torch.einsum("tkgl,tlkd->tkgd", scores.softmax(-1), values).reshape(tokens, q_heads, dim)
+    if sinks is not None:  # one more logit per head whose value is zero: it only dilutes the others
+        sink = sinks.float().reshape(1, kv_heads, q_heads // kv_heads, 1).expand(tokens, -1, -1, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("tkgl,tlkd->tkgd", probs, values).reshape(tokens, q_heads, dim)
 
 
 def _reached_tables(block_tables: torch.Tensor, positions: torch.Tensor, tokens: int, block_size: int) -> torch.Tensor:
@@ -126,10 +133,11 @@ def indexer_topk(
 
 @torch.library.custom_op("pb_kv::indexed_attention", mutates_args=("out",))
 def indexed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, selected: torch.Tensor, layer: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, selected: torch.Tensor, layer: int, scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` of ``layer`` into the cache, then ``out`` = attention of each query over its ``selected``
-    positions (``(tokens, topk)`` from ``pb_kv::indexer_topk``) only."""
+    positions (``(tokens, topk)`` from ``pb_kv::indexer_topk``) only; ``sinks``: as ``pb_kv::paged_attention``'s."""
     meta = current_metadata()
     if not 0 <= layer < len(meta.key_caches):
         raise ValueError(f"pb_kv::indexed_attention: layer {layer} out of range; the cache has {len(meta.key_caches)} layers")
@@ -139,8 +147,12 @@ def indexed_attention(
             f"pb_kv::indexed_attention: k has (kv_heads, head_dim) {tuple(k.shape[1:])}, the cache holds "
             f"{tuple(key_cache.shape[2:])}; q has {q.shape[1]} heads; selected has {selected.shape[0]} rows for {q.shape[0]} tokens"
         )
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"pb_kv::indexed_attention: sinks must be ({q.shape[1]},), one logit per query head; got {tuple(sinks.shape)}")
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-    result = attend_selected(q, key_cache, value_cache, selected, meta.positions, meta.request_index, meta.block_tables, scale)
+    result = attend_selected(
+        q, key_cache, value_cache, selected, meta.positions, meta.request_index, meta.block_tables, scale, sinks
+    )
     out.copy_(result)
 
 

@@ -38,6 +38,8 @@ MAX_PARAMS = 50_000_000
 #: expand * hidden, and transformers 5.17's chunked scan materializes chunk^2 * heads * state floats
 #: (8-24 GiB at the defaults of bamba, granitemoehybrid, falcon_h1).
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16}
+#: Qwen4-Exp's QSA indexer (one key head; a budget of whole compressed blocks), sized like TINY.
+_QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8, "indexer_compress_ratio": 4}
 #: lfm2_moe's default config has no ``layer_types`` (its model indexes them) and makes its first two layers
 #: dense: a short convolution and an attention layer, the second with experts, as in its checkpoints.
 TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
@@ -47,7 +49,10 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "bamba": _MAMBA2,
     "granitemoehybrid": _MAMBA2,
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16},
-    "longcat_flash": {"num_layers": 1},  # its layer count (2 sublayers each); 5.17 does not derive it from num_hidden_layers
+    "longcat_flash": {"num_layers": 1},
+    # QSA's indexer fields default to None, which its indexed_attention layers cannot be built with
+    "qwen4_exp": _QSA,
+    "qwen4_exp_text": _QSA,  # its layer count (2 sublayers each); 5.17 does not derive it from num_hidden_layers
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
