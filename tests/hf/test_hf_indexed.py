@@ -12,7 +12,7 @@ import piecewise_backend as pb
 from piecewise_backend.kv import indexed as kv_indexed
 
 transformers = pytest.importorskip("transformers")
-from piecewise_backend import hf  # noqa: E402
+from piecewise_backend import hf
 
 
 @pytest.fixture(autouse=True)

@@ -45,8 +45,9 @@ def run_steps(cache, requests, chunks_per_step):
     for chunks in chunks_per_step:
         inputs = cache.step_inputs([(r, start, n) for r, start, n in chunks])
         rows = [(r, start, n) for r, start, n in chunks]
-        pick = lambda name: torch.cat([requests[r][name][s:s + n] for r, s, n in rows])  # noqa: E731
-        q, k, v, iq, ik, w = (pick(x) for x in ("q", "k", "v", "iq", "ik", "w"))
+        q, k, v, iq, ik, w = (
+            torch.cat([requests[r][x][s:s + n] for r, s, n in rows]) for x in ("q", "k", "v", "iq", "ik", "w")
+        )
         selected = torch.empty(q.shape[0], TOPK, dtype=torch.long)
         out = torch.empty_like(q)
         with pb.set_forward_context(attn_metadata=cache.metadata(inputs)):
@@ -61,10 +62,12 @@ def run_steps(cache, requests, chunks_per_step):
 
 def request(n: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
     # positive index queries and keys: no score is cut to 0 by the relu, so no two keys tie for a place
-    return dict(q=r(n, HEADS, DIM), k=r(n, KV_HEADS, DIM), v=r(n, KV_HEADS, DIM), iq=r(n, INDEX_HEADS, INDEX_DIM).abs(),
-                ik=r(n, INDEX_DIM).abs(), w=r(n, INDEX_HEADS))
+    return {"q": r(n, HEADS, DIM), "k": r(n, KV_HEADS, DIM), "v": r(n, KV_HEADS, DIM),
+            "iq": r(n, INDEX_HEADS, INDEX_DIM).abs(), "ik": r(n, INDEX_DIM).abs(), "w": r(n, INDEX_HEADS)}
 
 
 def test_chunked_prefill_and_decode_of_two_requests_match_the_dense_selection():

@@ -237,7 +237,7 @@ def refusal(model: torch.nn.Module) -> str | None:
         if other:
             return (
                 f"{name} has layers of type {other} ({field}); the paged attention serves "
-                f"{sorted(SERVED_LAYER_TYPES)} layers only (no recurrent, convolution, chunked or indexed attention state)"
+                f"{sorted(SERVED_LAYER_TYPES)} layers only, and indexed_attention where its indexer is a known one (no other recurrent, convolution or sparse attention state)"
             )
     for path, m in model.named_modules():
         kind = type(m).__name__
