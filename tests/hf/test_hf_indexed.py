@@ -67,10 +67,12 @@ def test_a_wrong_selection_changes_the_tokens(monkeypatch):
     assert check(reference, prompts, outputs) != []
 
 
-def test_chunked_prefill_and_preemption_keep_the_indexer_keys_right():
+def test_chunked_prefill_preemption_and_lazy_capture_keep_the_indexer_keys_right():
+    """Prompts prefilled 4 tokens a step score the keys of their earlier chunks; preempted requests are
+    recomputed into new blocks; with lazy capture on, steps without a graph run eagerly."""
     model = hf.tiny_random_model("deepseek_v32")
     reference = copy.deepcopy(model)
-    prompts, outputs, steps, _ = serve(model, num_blocks=6, max_num_batched_tokens=4)
+    prompts, outputs, steps, _ = serve(model, capture=False, num_blocks=6, max_num_batched_tokens=4, lazy_capture=True)
     assert any(s.preempted for s in steps), steps
     assert max(s.num_tokens for s in steps) <= 4
     assert check(reference, prompts, outputs) == []

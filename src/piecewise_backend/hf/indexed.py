@@ -150,13 +150,17 @@ def indexer_forward(
 
 
 def _causal_mask(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """Forward pre-hook: the causal mask of the call's tokens where the model built none (``pb_paged``)."""
-    if kwargs.get("attention_mask") is not None or len(args) > 2:
+    """Forward pre-hook: the causal mask of the call's tokens where the model built none (``pb_paged``);
+    ``attention_mask`` is the attention modules' third argument (after ``hidden_states``, ``position_embeddings``)."""
+    positional = len(args) > 2
+    if (args[2] if positional else kwargs.get("attention_mask")) is not None:
         return None
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     tokens = hidden.shape[1]
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=hidden.device).tril()
-    return args, {**kwargs, "attention_mask": causal[None, None]}
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=hidden.device).tril()[None, None]
+    if positional:
+        return (*args[:2], causal, *args[3:]), kwargs
+    return args, {**kwargs, "attention_mask": causal}
 
 
 def route(model: torch.nn.Module) -> int:
