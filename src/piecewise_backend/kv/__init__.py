@@ -1,4 +1,4 @@
-"""The paged KV cache: block allocation, per-step inputs, and the ``pb_kv::paged_attention`` splitting op."""
+"""The paged KV cache: block allocation, per-step inputs, the ``pb_kv::paged_attention`` splitting op and the indexed (sparse) attention ops."""
 
 from ..attention.kernels import attend  # the reference kernel, documented under kv too
 from .cache import BLOCK_TABLES, POSITIONS, REQUEST_INDEX, SLOT_MAPPING, BlockAllocator, PagedKVCache
