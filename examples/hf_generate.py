@@ -4,7 +4,8 @@ Builds a tiny random-weight model of transformers model type NAME (nothing downl
 prompts of different lengths that finish at different steps (steps with prompt tokens replay
 PIECEWISE graphs, pure decode steps one FULL graph), and with --check compares every request's
 tokens with ``model.generate(do_sample=False)`` (a differing token passes only if it ties the
-reference's best logit within LOGIT_TOL given the same prefix; see ``check``).
+reference's best logit within LOGIT_TOL given the same prefix; see ``check``); where the model's own
+generate raises, with greedy decoding by a full recompute of its forward (``reference_tokens``).
 It prints how many Dynamo graphs the engine compiled (``dynamo graphs: N``; more than one names the
 first graph break). Exit status: 0 served (and checked), 2 refused up front with the reason, 1 wrong tokens or a crash.
 Without CUDA it runs on the simulated graph platform and says so.
@@ -60,17 +61,12 @@ def check(
     bad = []
     device = next(reference.parameters()).device
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        ids = torch.tensor([prompt], device=device)
-        stop = {} if eos is None else {"eos_token_id": eos}  # generate without it: the model's generation_config
-        pad = eos if isinstance(eos, int) else reference.generation_config.pad_token_id
-        with torch.no_grad():
-            full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new_tokens[i], pad_token_id=pad, **stop, **PLAIN_GREEDY)
-        expected = full[0, len(prompt):].tolist()
+        expected = reference_tokens(reference, prompt, new_tokens[i], eos)
         if out == expected:
             continue
         with torch.no_grad():  # the reference's logits at every engine token, given the engine's prefix
-            logits = reference(torch.tensor([prompt + out], device=device)).logits[0, len(prompt) - 1 : -1].float()
+            cache = {"use_cache": False} if RECOMPUTED else {}  # a generate that raised: its forward would build the same cache
+            logits = reference(torch.tensor([prompt + out], device=device), **cache).logits[0, len(prompt) - 1 : -1].float()
         picked = logits.gather(1, torch.tensor(out, device=device)[:, None])[:, 0]
         short = logits.max(-1).values - picked
         if len(out) == len(expected) and short.max().item() <= LOGIT_TOL:
@@ -91,6 +87,44 @@ def check(
         print(f"MISMATCH request {i}: engine {out} != generate {expected} "
               f"(token {where}: {short[where].item() if where < len(out) else float('nan'):.3g} below the best logit)")
     return bad
+
+
+#: Why generate could not be the reference (None: it was): then every request is compared with a full recompute.
+RECOMPUTED: list[str] = []
+
+
+def reference_tokens(reference: torch.nn.Module, prompt: list[int], new_tokens: int, eos: int | list[int] | None) -> list[int]:
+    """``reference.generate(do_sample=False)``'s new tokens, or, where generate itself raises (transformers 5.24's
+    recurrent_gemma without an attention layer: its cache's ``get_seq_length`` refuses a cache of recurrent layers
+    only), greedy decoding by a full recompute: the model's own forward over the whole sequence, without a cache,
+    for every token. Says so once and notes it in :data:`RECOMPUTED`."""
+    device = next(reference.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    stop = {} if eos is None else {"eos_token_id": eos}  # generate without it: the model's generation_config
+    pad = eos if isinstance(eos, int) else reference.generation_config.pad_token_id
+    try:
+        with torch.no_grad():
+            full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=new_tokens, pad_token_id=pad, **stop, **PLAIN_GREEDY)
+        return full[0, len(prompt):].tolist()
+    except Exception as e:  # noqa: BLE001  (the reference's own generate, whatever it raises: its forward judges instead)
+        if not RECOMPUTED:
+            print(f"REFERENCE: {type(reference).__name__}.generate raised {type(e).__name__}: {e}; "
+                  "every request is compared with a full recompute (the model's forward without a cache, per token)")
+        RECOMPUTED.append(f"{type(e).__name__}")
+    stops = set(eos if isinstance(eos, list) else [eos] if eos is not None else _eos_ids(reference))
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            seq.append(int(reference(torch.tensor([seq], device=device), use_cache=False).logits[0, -1].argmax()))
+            if seq[-1] in stops:
+                break
+    return seq[len(prompt):]
+
+
+def _eos_ids(model: torch.nn.Module) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ties: list[int] = []
     bad = len(check(reference, prompts, outputs, NEW_TOKENS, eos, ties))
     tied = f" ({len(ties)} of them only within {LOGIT_TOL} of the forward's best logit: see TIE/FORWARD)" if ties else ""
-    print(f"check: {len(prompts) - bad}/{len(prompts)} requests match model.generate{tied}")
+    against = "a full recompute (generate raised)" if RECOMPUTED else "model.generate"
+    print(f"check: {len(prompts) - bad}/{len(prompts)} requests match {against}{tied}")
     return 1 if bad or failed else 0
 
 

@@ -69,8 +69,12 @@ STEPS: list[Step] = [
          command=("{py}", "-m", "benchmarks.bench_cuda", "--headline", "--quick", "--out", "{out}/headline.md")),
     Step("rules", 25, "the double's rule steps on the GPU: ~16 steps of < 0.5 s, interpreter and CUDA init ~10 s",
          tests=("tests/platforms/test_cuda_double.py",)),
-    Step("cuda", 75, "44 tests: 6 with Inductor pieces (~10 s each cold) = 60 s serial, the rest < 0.5 s; 4 workers",
+    Step("cuda", 50, "44 tests: 6 with Inductor pieces (~10 s each cold) = 60 s serial, the rest < 0.5 s; 4 workers: "
+         "~15 s of compiles each plus interpreter and CUDA init (~10 s); was 75 s, 25 s went to 'partition'",
          tests=("tests/gpu/test_cuda.py",), workers=4),
+    Step("partition", 25, "use_inductor_graph_partition vs per-piece (eager pieces) on a 2-layer toy llama, FULL and "
+         "PIECEWISE steps: one cold Inductor compile of the whole graph (~15 s, Triton included), 2 x 2 captures",
+         tests=("tests/gpu/test_partition_cuda.py",)),
     Step("memory", 20, "2 tests on eager pieces: one ladder capture of ~10 sizes",
          tests=("tests/capture/test_memory.py",)),
     Step("twins", 40, "simulator rules, micro-batching and the state ops on real graphs, ~32 tests on eager pieces; "

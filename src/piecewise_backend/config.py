@@ -124,15 +124,12 @@ class CompilationConfig:
                 f"CompilationConfig.use_inductor_graph_partition must be a bool, got {self.use_inductor_graph_partition!r}"
             )
         if self.use_inductor_graph_partition:
-            import torch
-
-            why = ("no GPU here, and Inductor partitions only GPU nodes (torch's Scheduler.should_partition keeps "
-                   "every CPU node in one graph)" if not torch.cuda.is_available() else
-                   "this release compiles the pieces one by one and has no partitioned compile yet")
-            raise ValueError(
-                f"CompilationConfig.use_inductor_graph_partition=True is refused: {why}; use the default "
-                "(False): each piece between splitting ops is compiled on its own (compile_pieces)"
-            )
+            why = _partition_refusal(self)
+            if why:
+                raise ValueError(
+                    f"CompilationConfig.use_inductor_graph_partition=True is refused: {why}; or use the default "
+                    "(False): each piece between splitting ops is compiled on its own (compile_pieces)"
+                )
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             value = getattr(self, name)
             if not _is_int(value) or value < 2:  # a micro-batched step has two non-empty halves
@@ -156,3 +153,47 @@ class CompilationConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _partition_refusal(config: CompilationConfig) -> str:
+    """Why ``config`` cannot compile with Inductor's graph partition here ("" when it can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ("no GPU here, and Inductor partitions only GPU nodes (torch's Scheduler.should_partition gives every "
+                "CPU node the reason 'cpu ops', so a CPU graph gets no partition at all)")
+    if config.platform == "simulated" or config.compile_pieces != "inductor":
+        return (f"it is an Inductor compile on the GPU: needs platform 'auto' or 'cuda' and compile_pieces='inductor', "
+                f"got platform={config.platform!r}, compile_pieces={config.compile_pieces!r}")
+    if config.use_breakable:
+        return ("partitions are captured one PIECEWISE graph each (the per-piece scheme), not by the breakable "
+                "wrapper: pass use_breakable=False")
+    if config.cache_dir is not None:
+        return ("this release does not save partitioned compiles in cache_dir (Inductor's own FX graph cache "
+                "still applies across processes): pass cache_dir=None")
+    missing = missing_partition_hooks()
+    if missing:
+        return f"torch {torch.__version__} lacks {', '.join(missing)} (custom_should_partition_ops came with pytorch PR 166458; torch 2.13 has all of them)"
+    return ""
+
+
+#: The torch hooks ``use_inductor_graph_partition`` uses, as (module, attribute).
+PARTITION_HOOKS = (
+    ("torch._inductor.config", "graph_partition"),
+    ("torch._inductor.config", "custom_should_partition_ops"),
+    ("torch._inductor.utils", "set_customized_partition_wrappers"),
+)
+
+
+def missing_partition_hooks() -> list[str]:
+    """The hooks of :data:`PARTITION_HOOKS` this torch lacks (empty: it can partition at the splitting ops).
+    Imports Inductor: called only for a config that asks for the partition."""
+    import importlib
+
+    missing = []
+    for module, name in PARTITION_HOOKS:
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"{module}.{name}")
+    return missing

@@ -363,3 +363,69 @@ def test_hf_engine_reports_and_forces_its_backend():
     assert outputs["auto"] == outputs["reference"]
     with pytest.raises(ValueError, match="attention backend 'varlen' cannot serve a torch.float32 cache on cpu"):
         hf.HFEngine(hf.tiny_random_model("llama"), config, max_model_len=64, attention_backend="varlen")
+
+
+def alibi_reference(step: Step, cache: kv.PagedKVCache, slopes: torch.Tensor, window: int) -> torch.Tensor:
+    """Each token over its request's keys, by hand, dense: score ``q.k * 0.4 + slope * (key_pos - pos)``."""
+    meta, q = step.meta, step.q
+    keys, values = cache.key_caches[0].flatten(0, 1), cache.value_caches[0].flatten(0, 1)
+    out = torch.zeros_like(q)
+    for t in range(q.shape[0]):
+        if meta.slot_mapping[t] < 0:
+            continue
+        pos = int(meta.positions[t])
+        table = meta.block_tables[meta.request_index[t]]
+        visible = [p for p in range(pos + 1) if window <= 0 or p > pos - window]
+        rows = torch.tensor([int(table[p // cache.block_size]) * cache.block_size + p % cache.block_size for p in visible])
+        k = keys[rows].repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        v = values[rows].repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        bias = slopes[:, None] * (torch.tensor(visible, dtype=torch.float32) - pos)[None, :]
+        weights = (torch.einsum("hd,lhd->hl", q[t], k) * 0.4 + bias).softmax(-1)
+        out[t] = torch.einsum("hl,lhd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("name", ["reference", "bounded", "many"])
+@pytest.mark.parametrize("kv_heads, group, window", [(2, 2, -1), (1, 4, -1), (2, 1, 5)])
+def test_alibi_slopes_bias_each_head_by_distance(kv_heads, group, window, name, captured, monkeypatch):
+    """ALiBi (bloom, mpt, falcon): ``slope * (key_pos - query_pos)`` joins each head's scores, against a dense
+    reference; steep slopes, so a bias dropped, mis-signed or given to the wrong head changes the result."""
+    monkeypatch.setitem(attention.backends._BACKENDS, "many", attention.AttentionBackend(
+        "many", attention.BoundedAttention(eager_chunk_keys=2, graph_chunk_keys=2),
+        pb.AttentionGraphSupport.ALWAYS, alibi=True))
+    cache, steps = ragged_steps(6, kv_heads, group, 2, max_model_len=64)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(kv_heads * group)]).flip(0) * 4
+    for step in steps:
+        with pb.set_forward_context(pb.CUDAGraphMode.FULL if captured else pb.CUDAGraphMode.NONE):
+            got = attention.run_attention((name,), step.q, cache.key_caches[0], cache.value_caches[0], step.meta, 0.4,
+                                          window, 0.0, None, alibi_slopes=slopes)
+        real = step.meta.slot_mapping >= 0
+        assert torch.isfinite(got[real]).all()
+        expected = alibi_reference(step, cache, slopes, window)
+        assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(expected[real], alibi_reference(step, cache, slopes * 0, window)[real], atol=1e-2)
+
+
+def test_a_backend_without_alibi_hands_alibi_layers_on(monkeypatch):
+    """A backend that does not declare ``alibi`` (varlen: torch's kernel takes no slopes) never sees them;
+    alone, it refuses the call naming ALiBi."""
+    calls = []
+
+    def plain(*args):
+        calls.append(len(args))
+        return attention.get_attention_backend("reference").fn(*args)
+
+    monkeypatch.setitem(attention.backends._BACKENDS, "plain", attention.AttentionBackend(
+        "plain", plain, pb.AttentionGraphSupport.ALWAYS))
+    cache, steps = ragged_steps(0, 2, 2, 4, max_model_len=32)
+    args = (steps[0].q, cache.key_caches[0], cache.value_caches[0], steps[0].meta, 0.4, -1, 0.0, None)
+    slopes = torch.full((4,), 0.5)
+    with pb.set_forward_context(pb.CUDAGraphMode.NONE):
+        got = attention.run_attention(("plain", "bounded"), *args, alibi_slopes=slopes)
+        assert calls == []
+        real = steps[0].meta.slot_mapping >= 0
+        assert_close(got[real], attention.run_attention(("reference",), *args, alibi_slopes=slopes)[real])
+    with pytest.raises(ValueError, match="'plain' does not support ALiBi slopes"):
+        attention.run_attention(("plain",), *args, alibi_slopes=slopes)
+    assert "ALiBi" in attention.get_attention_backend("varlen").unsupported(-1, 0.0, None, 0, slopes)

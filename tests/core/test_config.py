@@ -235,7 +235,7 @@ def test_ubatching_defaults_and_thresholds_kept():
 
 def test_inductor_graph_partition_is_a_field_refused_with_its_reason():
     assert pb.CompilationConfig().use_inductor_graph_partition is False
-    reason = "Inductor partitions only GPU nodes" if not torch.cuda.is_available() else "no partitioned compile yet"
+    reason = "Inductor partitions only GPU nodes" if not torch.cuda.is_available() else "pass use_breakable=False"
     with pytest.raises(ValueError, match=rf"use_inductor_graph_partition=True is refused: .*{reason}"):
         pb.CompilationConfig(use_inductor_graph_partition=True)
     with pytest.raises(ValueError, match="use_inductor_graph_partition must be a bool, got 'yes'"):

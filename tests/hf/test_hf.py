@@ -77,11 +77,8 @@ def test_adapt_refuses_what_it_cannot_serve():
 @pytest.mark.parametrize(
     "arch, sizes, reason",
     [
-        # state kept by a family the state cache does not serve yet, or by a layer's own code (lightning attention)
+        # layers of types the paged attention and the state cache do not serve
         ("deepseek_v4", {}, r"layers of type \['compressed_sparse_attention', 'heavily_compressed_attention'\]"),
-        # (transformers 5.17 declares its layers as layers_block_type ['recurrent', ...], which is refused first)
-        ("recurrent_gemma", {}, r"state between tokens in its own code \(RecurrentGemmaRecurrentBlock|layers of type \['recurrent'\]"),
-        ("minimax", {}, r"state between tokens in its own code \(MiniMaxLightningAttention"),
         # differential attention calls the interface twice per layer with the same layer index
         ("diffllama", {}, "runs attention layer 0 more than once per forward"),
         # positions from the sequence length, not position_ids: wrong for a step's second request and decode

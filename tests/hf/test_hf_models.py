@@ -243,9 +243,13 @@ def test_engine_serves_the_architecture_like_generate(arch):
     assert _example().check(reference, prompts, outputs, budgets, eos=None) == []
 
 
-def test_engine_refuses_a_model_with_state_it_cannot_hold_up_front():
+def test_engine_refuses_a_model_with_state_it_cannot_hold_up_front(monkeypatch):
+    """A state layer computing its state inline, without a forward of ours (hf/state_swaps.py): MiniMax's lightning
+    attention with its swap taken away."""
     from piecewise_backend import hf
+    from piecewise_backend.hf import mixers
 
+    monkeypatch.delitem(mixers.SWAPS, "MiniMaxLightningAttention")
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
-    with pytest.raises(ValueError, match=r"KimiLinearForCausalLM keeps recurrent or convolution state .* in its own code"):
-        hf.HFEngine(hf.tiny_random_model("kimi_linear"), config, max_model_len=24)
+    with pytest.raises(ValueError, match=r"MiniMaxForCausalLM keeps recurrent or convolution state .* in its own code \(MiniMaxLightningAttention"):
+        hf.HFEngine(hf.tiny_random_model("minimax"), config, max_model_len=24)

@@ -308,6 +308,48 @@ def test_paged_attention_refuses_bad_softcap_and_sinks():
         run_op(cache, meta, q, k, k, sinks=torch.zeros(KV_HEADS))
 
 
+def alibi_sdpa(q, k, v, slopes: torch.Tensor) -> torch.Tensor:
+    """SDPA over one whole request with ALiBi as a float mask: ``slope * (key_pos - query_pos)``, causal."""
+    n = q.shape[0]
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+    i = torch.arange(n, dtype=torch.float32)
+    bias = slopes[:, None, None] * (i[None, :] - i[:, None])[None]
+    bias = bias.masked_fill(i[None, None, :] > i[None, :, None], float("-inf"))
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=bias)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "bounded"])
+def test_paged_attention_alibi_matches_sdpa_with_a_bias(backend):
+    """ALiBi slopes through the op, a chunked prefill then a decode step, vs SDPA with the bias as a float mask."""
+    g = torch.Generator().manual_seed(4)
+    lens = [7, 10, 1]
+    seqs = [tuple(torch.randn(n, h, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)) for n in lens]
+    slopes = torch.tensor([1.0, 0.5, 0.25, 0.125])
+    cache = make_cache(attention_backend=backend)
+    fragment(cache)
+    got: list[list[torch.Tensor]] = [[] for _ in lens]
+    for rows in ([(r, 0, n - 1) for r, n in enumerate(lens) if n > 1], [(r, n - 1, 1) for r, n in enumerate(lens)]):
+        q, k, v = (torch.cat([seqs[r][i][s : s + n] for r, s, n in rows]) for i in range(3))
+        out = run_op(cache, cache.step_inputs(rows), q, k, v, alibi_slopes=slopes)
+        offset = 0
+        for r, _, n in rows:
+            got[r].append(out[offset : offset + n])
+            offset += n
+    for r, (q, k, v) in enumerate(seqs):
+        assert_close(torch.cat(got[r]), alibi_sdpa(q, k, v, slopes), atol=1e-5, rtol=1e-5)
+    q, k, v = seqs[1]
+    assert not torch.allclose(alibi_sdpa(q, k, v, slopes), reference(q, k, v), atol=1e-3)
+
+
+def test_paged_attention_refuses_alibi_slopes_of_another_shape():
+    cache = make_cache()
+    meta = cache.step_inputs([("a", 0, 2)])
+    q, k = torch.zeros(2, HEADS, DIM), torch.zeros(2, KV_HEADS, DIM)
+    with pytest.raises(ValueError, match=r"alibi_slopes must hold one slope per query head, shape \(4,\); got \(2,\)"):
+        run_op(cache, meta, q, k, k, alibi_slopes=torch.zeros(KV_HEADS))
+
+
 class OpLog(TorchDispatchMode):
     """Records every ATen op run under it."""
 

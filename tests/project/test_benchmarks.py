@@ -173,3 +173,17 @@ def test_serving_benchmark_splits_the_time_to_first_token():
     assert result["graphs"] == 0 and result["capture_s"] < 0.05
     assert abs(result["build_s"] + result["capture_s"] + result["first_step_s"] - result["ttft_s"]) < 1e-6
     assert result["dynamo_s"] > 0 and len(result["tokens"]) == 4
+
+
+def test_host_benchmark_times_runner_and_engine_steps_side_by_side():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "host"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    assert "Host time per FULL decode step, outside the replay" in out
+    for what in ("GraphRunner.run, batch 1", "GraphRunner.run, batch 8", "Engine.step, batch 1", "Engine.step, batch 8"):
+        row = re.search(rf"^\| {re.escape(what)} +\| ([\d.]+) ", out, re.M)
+        assert row and 0 < float(row.group(1)) < 100_000, out  # a time was measured, whatever it is
+    assert re.search(r"Mode-mismatched passthrough / bare forwarder: [\d.]+x", out), out

@@ -57,6 +57,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 SPAN = re.compile(r"`([^`]+)`")
 SECTION_MODULES = {
     "piecewise_backend.kv.op": "kv.op", "piecewise_backend.kv": "kv", "piecewise_backend.hf.mixers": "hf.mixers",
+    "piecewise_backend.hf.state_swaps": "hf.state_swaps",
     "piecewise_backend.serve": "serve",
     "piecewise_backend.hf": "hf",
     "piecewise_backend.spec": "spec",

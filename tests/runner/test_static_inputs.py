@@ -69,3 +69,34 @@ def test_check_plain_walks_containers_and_dataclasses():
     check_plain({"a": (1, "x", None, torch.ones(1)), "m": _Meta(torch.ones(1), [pb.CUDAGraphMode.FULL])}, "context")
     with pytest.raises(TypeError, match=r"context 'm.extra\[0\]' is a object"):
         check_plain({"m": _Meta(torch.ones(1), [object()])}, "context")
+
+
+@dataclasses.dataclass
+class _StepMeta:
+    table: torch.Tensor
+    caches: list
+    names: tuple = ("a",)
+
+
+def test_context_print_passes_the_captured_tensors_and_refuses_any_change_the_exact_check_refuses():
+    """ContextPrint's fast check (identity, address, shape, strides, dtype over the same structure) agrees with
+    context_tensors' path-by-path comparison: every change that one refuses is refused, the same tensors pass."""
+    from piecewise_backend.runner.static_inputs import ContextPrint
+
+    table, k0, k1 = torch.zeros(4, 4), torch.zeros(2, 3), torch.zeros(2, 3)
+    caches = [k0, k1]
+    attrs = lambda **kw: {"meta": _StepMeta(kw.get("table", table), kw.get("caches", caches)), "n": 3}
+    p = ContextPrint(attrs())
+    p.check(attrs(), "d")  # new containers, the same tensors: passes
+    p.check(attrs(caches=list(caches)), "d")
+    p.check(attrs(table=table[:]), "d")  # another view object of the same memory and layout: the exact check passes
+    p.check(attrs(table=table[:]), "d")  # ... and is remembered
+    for bad in (dict(table=table.t()), dict(table=table[:2]), dict(table=torch.zeros(4, 4)),
+                dict(caches=[k1, torch.zeros(2, 3)]), dict(caches=[k0]), dict(table=table.view(torch.int32))):
+        with pytest.raises(ValueError, match="is not the tensor the FULL graph of d captured"):
+            p.check(attrs(**bad), "d")
+    with pytest.raises(ValueError, match=r"'meta.caches\[0\]'.*now: absent"):
+        p.check({"meta2": _StepMeta(table, caches), "n": 3}, "d")  # the same tensors under another name
+    k0.resize_(1, 3)  # the captured object itself, resized in place: its shape changed
+    with pytest.raises(ValueError, match=r"caches\[0\].*\[2, 3\].*now: .*\[1, 3\]"):
+        p.check(attrs(), "d")

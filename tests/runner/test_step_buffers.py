@@ -63,3 +63,17 @@ def test_eager_views_pass_the_step_s_own_tensors_when_they_fit_as_they_are():
     assert views["ids"] is ids and views["blocks"] is blocks
     assert views["feats"].tolist() == [[1, 1, 0.5]] * 3  # padded to the spec's width, like a graph step's
     assert all(v.untyped_storage().data_ptr() not in b.storages for v in views.values())  # never the buffers
+
+
+def test_fill_pads_every_row_a_step_does_not_write_whatever_was_there_before():
+    """The fast fill (one _foreach_copy_ into row views kept per row count) writes pad below the data on every
+    step, a narrower tensor's columns too, with dtype conversion; step_views are the same objects each step."""
+    b = buffers()
+    for n, reqs in ((3, 2), (1, 1), (3, 2), (2, 1)):
+        b.fill({"ids": torch.arange(n) + 10, "rows": torch.zeros(n, dtype=torch.long),
+                "feats": torch.ones(n, 3, dtype=torch.float64), "blocks": torch.full((reqs, 1), 2)}, 4)
+        assert b.tensors["ids"][:4].tolist() == [10 + i for i in range(n)] + [-1] * (4 - n)
+        assert b.tensors["feats"][:4].tolist() == [[1.0] * 3] * n + [[0.5] * 3] * (4 - n)
+        assert b.tensors["blocks"].tolist() == [[2, 7]] * reqs + [[7, 7]] * (4 - reqs)  # narrower: columns padded
+    assert b.step_views(4) is b.step_views(4) and b.step_views(4)["ids"] is b.step_views(4)["ids"]
+    assert {k: tuple(v.shape) for k, v in b.step_views(2).items()} == {k: tuple(v.shape) for k, v in b.views(2).items()}

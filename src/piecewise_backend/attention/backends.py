@@ -2,7 +2,7 @@
 
 The op (:mod:`.kv`) writes the step's K/V, then asks a backend for ``softmax(q k^T * scale) v`` of
 each query token over its request's cached keys. A backend is an :class:`AttentionBackend`:
-its function, what it supports (sliding window, soft-capping, sinks), how much of a batch a
+its function, what it supports (sliding window, soft-capping, sinks, chunked attention, ALiBi), how much of a batch a
 FULL graph may hold (:class:`~piecewise_backend.AttentionGraphSupport`) and where it is available.
 
 * ``reference`` gathers every token's whole block table (``max_model_len`` keys) in float32 and
@@ -64,12 +64,14 @@ class AttentionBackend:
     softcap: bool = True
     sinks: bool = True
     chunked: bool = False  # takes ``chunk_size=`` (llama4's chunked attention) as a keyword
+    alibi: bool = False  # takes ``alibi_slopes=`` (bloom/mpt/falcon's ALiBi bias) as a keyword
     available: Callable[[torch.device, int, torch.dtype], str | None] = lambda device, block_size, dtype: None
     accepts: Callable[[torch.Tensor, torch.Tensor], str | None] = lambda q, key_cache: None
     description: str = ""
 
     def unsupported(
-        self, sliding_window: int, softcap: float, sinks: torch.Tensor | None, chunk_size: int = 0
+        self, sliding_window: int, softcap: float, sinks: torch.Tensor | None, chunk_size: int = 0,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> str | None:
         """Why this backend cannot run a call with these features, or None."""
         missing = [
@@ -79,6 +81,7 @@ class AttentionBackend:
                 ("logit soft-capping", softcap > 0, self.softcap),
                 ("attention sinks", sinks is not None, self.sinks),
                 ("chunked attention", chunk_size > 0, self.chunked),
+                ("ALiBi slopes", alibi_slopes is not None, self.alibi),
             )
             if used and not has
         ]
@@ -153,6 +156,7 @@ class BoundedAttention:
     def __call__(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionInputs, scale: float,
         sliding_window: int, softcap: float, sinks: torch.Tensor | None, *, chunk_size: int = 0,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         block_size, tables = key_cache.shape[1], meta.block_tables
         width = tables.shape[1]
@@ -174,16 +178,18 @@ class BoundedAttention:
         return attend_blocks(
             q, key_cache, value_cache, meta.positions, meta.request_index, tables, scale, sliding_window,
             softcap, sinks, num_blocks=span, chunk_blocks=max(1, chunk // block_size), chunk_size=chunk_size,
+            alibi_slopes=alibi_slopes,
         )
 
 
 def _reference(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionInputs, scale: float,
     sliding_window: int, softcap: float, sinks: torch.Tensor | None, *, chunk_size: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return attend(
         q, key_cache, value_cache, meta.positions, meta.request_index, meta.block_tables, scale, sliding_window,
-        softcap, sinks, chunk_size,
+        softcap, sinks, chunk_size, alibi_slopes,
     )
 
 
@@ -195,11 +201,11 @@ def describe(backends: tuple[str, ...]) -> str:
 def _builtins() -> list[AttentionBackend]:
     return [
         AttentionBackend(
-            "reference", _reference, AttentionGraphSupport.ALWAYS, chunked=True,
+            "reference", _reference, AttentionGraphSupport.ALWAYS, chunked=True, alibi=True,
             description="whole block table per token in float32, masked: the oracle; cost grows with max_model_len",
         ),
         AttentionBackend(
-            "bounded", BoundedAttention(), AttentionGraphSupport.ALWAYS, chunked=True,
+            "bounded", BoundedAttention(), AttentionGraphSupport.ALWAYS, chunked=True, alibi=True,
             description="the blocks in use (eager) or the static bound a chunk at a time (captured), online softmax",
         ),
     ]
@@ -209,16 +215,24 @@ for _backend in _builtins():
     register_attention_backend(_backend)
 
 
-def run_attention(backends: tuple[str, ...], *args: Any, chunk_size: int = 0) -> torch.Tensor:
+def run_attention(
+    backends: tuple[str, ...], *args: Any, chunk_size: int = 0, alibi_slopes: torch.Tensor | None = None
+) -> torch.Tensor:
     """Run the first of ``backends`` that supports the call's features (``args`` as :data:`AttentionFn`;
-    ``chunk_size`` > 0 goes, as a keyword, only to backends that declare ``chunked``)."""
+    ``chunk_size`` > 0 goes, as a keyword, only to backends that declare ``chunked``, ``alibi_slopes``
+    only to those that declare ``alibi``)."""
     q, key_cache, sliding_window, softcap, sinks = args[0], args[1], args[5], args[6], args[7]
+    keywords: dict[str, Any] = {}
+    if chunk_size > 0:
+        keywords["chunk_size"] = chunk_size
+    if alibi_slopes is not None:
+        keywords["alibi_slopes"] = alibi_slopes
     reasons = []
     for name in backends:
         backend = get_attention_backend(name)
-        reason = backend.unsupported(sliding_window, softcap, sinks, chunk_size) or backend.accepts(q, key_cache)
+        reason = backend.unsupported(sliding_window, softcap, sinks, chunk_size, alibi_slopes) or backend.accepts(q, key_cache)
         if reason is None:
-            return backend.fn(*args, chunk_size=chunk_size) if chunk_size > 0 else backend.fn(*args)
+            return backend.fn(*args, **keywords)
         reasons.append(reason)
     raise ValueError(
         f"pb_kv::paged_attention: no attention backend of {list(backends)} can run this call: {'; '.join(reasons)}"

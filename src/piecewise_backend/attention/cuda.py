@@ -12,7 +12,8 @@ and ``max_k`` is the static ``max_model_len`` bound: no host read, graph-safe.
 Where it runs (:func:`varlen_unavailable`): CUDA, a torch whose ``varlen_attn_out`` takes
 ``block_table`` (2.13; 2.11 has none), fp16/bf16 caches, head_dim a multiple of 8 up to 256,
 and ``block_size`` a multiple of 256 (FlashAttention 2's paged-KV rule in ATen). It carries
-sliding windows, not soft-capping or sinks: layers that use those run the next backend.
+sliding windows, not soft-capping, sinks or ALiBi slopes (torch's varlen API takes none): layers that
+use those run the next backend (``bounded``, which takes every one of them).
 """
 
 from __future__ import annotations

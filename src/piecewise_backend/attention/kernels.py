@@ -5,7 +5,7 @@
   softmax: the kernel of the ``bounded`` backend (:class:`~piecewise_backend.attention.BoundedAttention`
   chooses how many blocks, eagerly or under capture).
 
-Both share the score and softmax helpers here (soft-capping, sinks, masking of stale blocks).
+Both share the score and softmax helpers here (soft-capping, ALiBi, sinks, masking of stale blocks).
 Which backend runs a call is :mod:`.attention`'s business.
 """
 
@@ -14,9 +14,19 @@ from __future__ import annotations
 import torch
 
 
-def _scores(grouped: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+def _scores(
+    grouped: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float,
+    alibi_slopes: torch.Tensor | None = None, distance: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(tokens, kv_heads, group, keys)`` scores: scaled, soft-capped, plus each head's ALiBi bias
+    ``slope * (key_pos - query_pos)`` (``distance``: ``(tokens, keys)``) where slopes are given."""
     scores = torch.einsum("tkgd,tlkd->tkgl", grouped, keys) * scale
-    return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None and distance is not None:
+        slopes = alibi_slopes.float().reshape(1, *grouped.shape[1:3], 1)
+        scores = scores + slopes * distance.float()[:, None, None, :]
+    return scores
 
 
 def visible_start(pos: torch.Tensor, sliding_window: int = -1, chunk_size: int = 0) -> torch.Tensor:
@@ -42,6 +52,7 @@ def attend(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference: causal attention of each query token over its request's cached keys, in float32.
 
@@ -49,7 +60,8 @@ def attend(
     keys) and masks keys after the token's position (and outside ``sliding_window`` if > 0, and
     before the start of the token's chunk of ``chunk_size`` positions if > 0: llama4's chunked attention).
     ``softcap`` > 0 caps each score to ``tanh(s / softcap) * softcap`` before masking; ``sinks``
-    (one logit per query head) joins each head's softmax denominator without a value.
+    (one logit per query head) joins each head's softmax denominator without a value;
+    ``alibi_slopes`` (one per query head) adds ``slope * (key_pos - query_pos)`` to each score (bloom, mpt).
     """
     tokens, q_heads, dim = q.shape
     kv_heads = key_cache.shape[2]
@@ -67,7 +79,10 @@ def attend(
     # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
     values = values.masked_fill(hidden[:, :, None, None], 0.0)
     grouped = q.reshape(tokens, kv_heads, q_heads // kv_heads, dim).float()
-    scores = _scores(grouped, keys, scale, softcap).masked_fill(hidden[:, None, None, :], float("-inf"))
+    distance = key_pos[None, :] - pos if alibi_slopes is not None else None
+    scores = _scores(grouped, keys, scale, softcap, alibi_slopes, distance).masked_fill(
+        hidden[:, None, None, :], float("-inf")
+    )
     return torch.einsum("tkgl,tlkd->tkgd", _probs(scores, sinks), values).reshape(tokens, q_heads, dim)
 
 
@@ -95,13 +110,14 @@ def attend_blocks(
     num_blocks: int,
     chunk_blocks: int,
     chunk_size: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over ``num_blocks`` blocks per token, ``chunk_blocks`` at a time, with an online softmax.
 
     Token ``t`` reads blocks ``first[t] .. first[t] + num_blocks - 1`` of its request, where
     ``first[t]`` is the first block its sliding window (or its attention chunk, ``chunk_size`` > 0)
     reaches (0 without either); keys past its position are masked, so any ``num_blocks`` covering
-    the step's longest span is exact.
+    the step's longest span is exact. ``alibi_slopes`` as in :func:`attend`.
     Static shapes and no host read: graph-safe. Memory: one chunk per token at a time.
     """
     tokens, q_heads, dim = q.shape
@@ -123,7 +139,9 @@ def attend_blocks(
         keys = key_cache[blocks].flatten(1, 2).float()
         # Never multiply a masked-out value: a reused or scratch block may hold anything, NaN included.
         values = value_cache[blocks].flatten(1, 2).float().masked_fill(hidden[:, :, None, None], 0.0)
-        return _scores(grouped, keys, scale, softcap).masked_fill(hidden[:, None, None, :], float("-inf")), values
+        distance = key_pos - pos[:, None] if alibi_slopes is not None else None
+        scores = _scores(grouped, keys, scale, softcap, alibi_slopes, distance)
+        return scores.masked_fill(hidden[:, None, None, :], float("-inf")), values
 
     if num_blocks <= chunk_blocks:  # one chunk: a plain softmax, fewer ops for a graph to replay
         scores, values = chunk(0, num_blocks)

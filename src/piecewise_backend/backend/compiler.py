@@ -23,6 +23,7 @@ from ..platforms.registry import effective_mode
 from .cache import PieceCache, compile_cached
 from .dump import dump_split
 from .keys import CompileState, piece_key
+from .partition import PartitionWrappers, compile_partitioned
 from .split import Piece, SplitGraph, split_graph
 
 _graph_ids = iter(range(1 << 62))
@@ -95,6 +96,7 @@ class PiecewiseBackend:
         self._compiled: dict[str, tuple[Callable[..., Any], list[Any]]] = {}
         self.splits: list[SplitGraph] = []  # every split made, for inspection and tests
         self.piece_wrappers: list[CUDAGraphWrapper] = []  # use_breakable=False: one per compiled piece
+        self.partitioned: list[PartitionWrappers] = []  # use_inductor_graph_partition: one per compile
         self._cache = PieceCache(self.config.cache_dir) if self.config.cache_dir is not None else None
         self._serializable = False  # True: every piece compiles to a savable artifact (the AOT path)
         self._artifacts: dict[str, Any] = {}  # in-process key -> savable artifact, when there is one
@@ -112,6 +114,8 @@ class PiecewiseBackend:
         counters["graphs"] += 1
         configured = self.config.splitting_ops is not None
         ops = self.config.splitting_ops if configured else registered_splitting_ops()
+        if self.config.use_inductor_graph_partition:
+            return self._partitioned(gm, ops)
         split = split_graph(gm, ops)
         split.graph_break = graph_break(gm)
         self._log_missing(ops, split, configured, graph_index)
@@ -124,6 +128,19 @@ class PiecewiseBackend:
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
         return direct_forward(split_gm)
+
+    def _partitioned(self, gm: fx.GraphModule, ops: Sequence[Any]) -> Callable[..., Any]:
+        """``use_inductor_graph_partition``: one Inductor compile of ``gm`` partitioned at ``ops``, each
+        partition a piece (:mod:`.partition`); its PIECEWISE wrappers join :attr:`piece_wrappers`."""
+        wrappers = PartitionWrappers(self.config)
+        fn = compile_partitioned(lambda: _compile_inductor(gm), ops, wrappers)
+        counters["compiles"] += 1
+        counters["compiled_pieces"] += len(wrappers.partitions)
+        counters["pieces"] += len(wrappers.partitions)
+        self.piece_wrappers.extend(wrappers.wrappers)
+        self.partitioned.append(wrappers)
+        logger.debug("compiled a graph with Inductor in %d partitions", len(wrappers.partitions))
+        return fn
 
     def _runner(self, piece: Piece, matcher: OpMatcher | None = None) -> Callable[..., Any]:
         if piece.is_splitting:
@@ -214,6 +231,7 @@ class PiecewiseBackend:
         self.piece_artifacts.clear()
         self.splits.clear()
         self.piece_wrappers.clear()
+        self.partitioned.clear()
 
 
 def make_backend(config: CompilationConfig | None = None) -> PiecewiseBackend:

@@ -20,7 +20,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
-from . import indexed, mixers
+from . import attention_swaps, indexed, mixers
 from .buffers import recording_self_assignments, self_assigned
 
 PROBE_IMPLEMENTATION = "pb_probe"
@@ -180,7 +180,9 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     param = next(model.parameters())
     vocab = model.config.get_text_config().vocab_size
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
-    model.set_attn_implementation(PROBE_IMPLEMENTATION)
+    settable = model._can_set_attn_implementation()  # else its attention modules are swapped (attention_swaps)
+    if settable:
+        model.set_attn_implementation(PROBE_IMPLEMENTATION)
     _RECORD.append(result)
     is_compiling = torch.compiler.is_compiling
     try:
@@ -189,7 +191,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         torch.compiler.is_compiling = lambda: True
         with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result) as reads, \
                 sim_rules.watching_host_reads(reads), mixers.recording(model) as states, \
-                recording_self_assignments() as assigned:
+                recording_self_assignments() as assigned, attention_swaps.using(model, PROBE_IMPLEMENTATION):
             positions = torch.arange(tokens, device=param.device)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False)
             # One token repeated at one position: every row's q/k must be equal (attention gives zeros here),
@@ -201,7 +203,8 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     finally:
         torch.compiler.is_compiling = is_compiling
         _RECORD.pop()
-        model.set_attn_implementation(previous)
+        if settable:
+            model.set_attn_implementation(previous)
     result.compare_masks()
     result.state_layers = {i: l for i, l in states.layers.items() if l.calls}
     result.self_assigned = self_assigned(assigned)
@@ -248,6 +251,11 @@ def refusal(model: torch.nn.Module) -> str | None:
             continue
         conv = any(isinstance(c, torch.nn.Conv1d) for c in m.children())
         stateful = (hasattr(m, "layer_idx") or conv) and (_STATEFUL.search(kind) or conv and hasattr(m, "layer_idx"))
+        # an attention module named like a state layer (KimiLinearAttention, RecurrentGemmaAttention): the paged attention's
+        if stateful and not conv and "ALL_ATTENTION_FUNCTIONS" in _names_read(m):
+            continue
+        if stateful and any(mixers.swapped(d) is not None for d in m.modules()):  # a forward of ours (hf/state_swaps.py)
+            continue
         if stateful:
             called = set().union(*(mixers.kernels_called(d) for d in m.modules()))  # a block's mixer calls them
             unserved = sorted(called & mixers.KNOWN_UNSERVED.keys())
@@ -264,6 +272,12 @@ def refusal(model: torch.nn.Module) -> str | None:
                     "state cache can hold it"
                 )
     return None
+
+
+def _names_read(module: torch.nn.Module) -> tuple[str, ...]:
+    """The global names ``module``'s forward reads (none for a forward without code)."""
+    code = getattr(mixers.raw_forward(module), "__code__", None)
+    return code.co_names if code is not None else ()
 
 
 def length_refusal(model: torch.nn.Module, max_row: int) -> str | None:

@@ -3,8 +3,10 @@
 Needs ``transformers`` (``pip install piecewise_backend[hf]``); importing ``piecewise_backend``
 alone never imports it. Works for decoder-only models whose attention goes through
 transformers' ``AttentionInterface`` (Llama, Qwen, Mistral, Mixtral, DeepSeek V2/V3, gpt-oss,
-Gemma 2/3, ...); :func:`adapt` refuses, naming the reason, every model it would serve wrongly
-(:mod:`piecewise_backend.hf.adapter`; docs/models.md lists every type's outcome):
+Gemma 2/3, ...), and those whose attention modules :mod:`.attention_swaps` swaps onto the paged
+op (falcon, bloom, mpt, gpt_neox_japanese, xglm, openai-gpt); :func:`adapt` refuses, naming the
+reason, every model it would serve wrongly (:mod:`piecewise_backend.hf.adapter`; docs/models.md
+lists every type's outcome):
 
 * :func:`register_attention` adds ``pb_paged`` to the interface: HF's q/k/v (after RoPE) go to
   ``pb_kv::paged_attention``, which reads the step's metadata from the forward context. HF builds
@@ -33,7 +35,7 @@ from ..serve.arguments import check_attention_backend, check_engine_args
 from ..serve.engine import Engine, check_config
 from ..serve.model_runner import KVLayout, first_parameter, own_code
 from ..state.cache import StateSpec
-from . import indexed, mixers
+from . import attention_swaps, indexed, mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
 from .host_breaks import install_host_breaks, no_full_graphs
@@ -79,7 +81,8 @@ def paged_attention_forward(
         torch.ops.pb_kv.indexed_attention(q, k, v, out, selected[0], layer, scale, sinks)
         return out[..., :v_dim].unsqueeze(0), None
     torch.ops.pb_kv.paged_attention(
-        q, k, v, out, layer, scale, sliding_window or -1, float(softcap or 0.0), sinks, getattr(module, "pb_chunk_size", 0)
+        q, k, v, out, layer, scale, sliding_window or -1, float(softcap or 0.0), sinks, getattr(module, "pb_chunk_size", 0),
+        getattr(module, "pb_alibi_slopes", None),  # ALiBi modules swapped by attention_swaps
     )
     return out[..., :v_dim].unsqueeze(0), None
 
@@ -129,19 +132,23 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
         raise ValueError(f"{name} is not a decoder-only causal LM; adapt() serves those only")
-    if not model._can_set_attn_implementation():
-        raise ValueError(f"{name} does not route attention through transformers' AttentionInterface, so {ATTN_IMPLEMENTATION} cannot replace it")
+    settable = model._can_set_attn_implementation()
+    if not settable and not attention_swaps.swappable(model):
+        raise ValueError(attention_swaps.unswappable_reason(model, ATTN_IMPLEMENTATION))
     reason = refusal(model)
     if reason is None:
         graph_safe_experts(model)
+        attention_swaps.swap(model, ATTN_IMPLEMENTATION)  # modules outside the AttentionInterface, if any
         index_dim = indexed.route(model)  # before the probe, which runs the indexers
         try:
             result = probe(model.eval())
         except Exception as e:  # e.g. a forward that needs more than token ids (embeddings, shared K/V states)
+            attention_swaps.restore(model)
             raise ValueError(f"{name} fails on a plain token-id forward ({type(e).__name__}: {e}); adapt() gives it nothing else") from e
         breaks = install_host_breaks(model, result) if result.layers else []  # a host read: a break, not a refusal
         reason = layout_refusal(name, result)
     if reason is not None:
+        attention_swaps.restore(model)
         raise ValueError(reason)
     drop_self_assignments(result.self_assigned)  # Dynamo would end a graph at each (ctrl's pos_encoding)
     kv_layers = result.kv_layers()
@@ -156,7 +163,9 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     specs = mixers.specs(result.state_layers)
     keys = [(s.layer, s.kind) for s in specs]
     mixers.route(result.state_layers, lambda layer, kind: keys.index((layer, kind)))
-    model.set_attn_implementation(register_attention())
+    register_attention()
+    if settable:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs, index_dim)
 
 

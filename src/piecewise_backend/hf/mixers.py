@@ -1,4 +1,5 @@
-"""Route the state layers of HF models (short convolutions, gated delta nets, Mamba2, Mamba1) onto the ``pb_state`` ops.
+"""Route the state layers of HF models (short convolutions, gated and Kimi delta nets, Mamba2, Mamba1, and the
+layers :mod:`.state_swaps` gives forwards of ours: lightning attention, RG-LRU, ZAYA's CCA) onto the ``pb_state`` ops.
 
 transformers' state-layer modules call module-level kernels for everything that keeps state
 (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ...: the functions its hub kernels would
@@ -13,13 +14,16 @@ recurrence would run across request boundaries and forget every state between st
   that layer's states: the module's own forward code, its globals bound to those ops.
 
 What a module calls decides (:func:`kernels_called`): the names its forward's code reads from its
-module globals. :data:`SERVED_KERNELS` are routed; :data:`KNOWN_UNSERVED` are named in refusals.
+module globals. :data:`SERVED_KERNELS` are routed; :data:`KNOWN_UNSERVED` are named in refusals. A
+module whose class :data:`~.state_swaps.SWAPS` names (:func:`swapped`) gets that forward instead, its state
+calls recorded and routed the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,10 +33,12 @@ import torch
 
 from ..state import conv as _conv  # noqa: F401  (registers pb_state::causal_conv1d)
 from ..state import delta as _delta  # noqa: F401  (registers pb_state::gated_delta_rule)
+from ..state import kda as _kda  # noqa: F401  (registers pb_state::kda_rule)
 from ..state import selective as _selective  # noqa: F401  (registers pb_state::selective_scan)
 from ..state import ssd as _ssd  # noqa: F401  (registers pb_state::ssd_scan)
 from ..state.cache import StateSpec
 from ..state.conv import ACTIVATIONS
+from .state_swaps import KINDS, SWAPS, Kernels, Swap
 
 #: Kernel name -> the state it keeps ("conv", "recurrent", "ssm"). The ``*_update`` / recurrent forms
 #: run only with a cache, which a served forward never has, and the fused Mamba2 kernel only in
@@ -42,6 +48,8 @@ SERVED_KERNELS = {
     "causal_conv1d_update": "conv",
     "torch_chunk_gated_delta_rule": "recurrent",
     "torch_recurrent_gated_delta_rule": "recurrent",
+    "chunk_kimi_delta_attention": "recurrent",
+    "recurrent_kimi_delta_attention": "recurrent",
     "mamba2_chunk_scan": "ssm",
     "mamba2_selective_state_update": "ssm",
     "mamba2_split_conv1d_scan_combined": "ssm",
@@ -56,6 +64,11 @@ KNOWN_UNSERVED: dict[str, str] = {}
 def raw_forward(module: torch.nn.Module) -> Callable[..., Any]:
     """The class's ``forward`` below its decorators (``functools.wraps`` chains)."""
     return inspect.unwrap(type(module).forward)
+
+
+def swapped(module: torch.nn.Module) -> Swap | None:
+    """The forward of ours :data:`~.state_swaps.SWAPS` gives ``module``'s class, or None."""
+    return SWAPS.get(type(module).__name__)
 
 
 def kernels_called(module: torch.nn.Module) -> set[str]:
@@ -104,9 +117,11 @@ def _conv_record(x: torch.Tensor, weight: torch.Tensor, activation: Any) -> dict
     return {"shape": shape, "dtype": x.dtype, "why": why}
 
 
-def _delta_record(key: torch.Tensor, value: torch.Tensor, initial_state: Any) -> dict[str, Any]:
+def _delta_record(key: torch.Tensor, value: torch.Tensor, initial_state: Any, g: torch.Tensor | None = None) -> dict[str, Any]:
     why = None
-    if key.dim() != 4 or value.dim() != 4 or value.shape[2] % key.shape[2]:
+    if g is not None and g.shape != key.shape:
+        why = f"calls the Kimi delta rule with key {tuple(key.shape)} and g {tuple(g.shape)}, not one decay per key channel"
+    elif key.dim() != 4 or value.dim() != 4 or value.shape[2] % key.shape[2]:
         why = f"calls the gated delta rule with key {tuple(key.shape)} and value {tuple(value.shape)}, not grouped (batch, tokens, heads, dim)"
     elif initial_state is not None:
         why = "passes its own initial state to the gated delta rule"
@@ -163,6 +178,16 @@ class _Recorder:
                 return out.transpose(0, 1), state
             return fn(query, key, value, g, beta, *args, initial_state=initial_state, **kw)
 
+        def kda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                *args: Any, initial_state: Any = None, **kw: Any) -> Any:
+            layer.calls.setdefault("recurrent", []).append(_delta_record(key, value, initial_state, g))
+            fn = original["chunk_kimi_delta_attention"]
+            if rec.rows_independent and query.dim() == 4:
+                out, state = fn(*(t.transpose(0, 1) for t in (query, key, value, g, beta)), *args,
+                                initial_state=initial_state, **kw)
+                return out.transpose(0, 1), state
+            return fn(query, key, value, g, beta, *args, initial_state=initial_state, **kw)
+
         def ssm(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *args: Any,
                 initial_states: Any = None, **kw: Any) -> Any:
             layer.calls.setdefault("ssm", []).append(_ssm_record(x, B, initial_states, kw))
@@ -183,8 +208,28 @@ class _Recorder:
                 return fn(row(u), row(dt), A, row(B), row(C), *args, **kw).permute(2, 1, 0)
             return fn(u, dt, A, B, C, *args, **kw)
 
-        return {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta, "mamba2_chunk_scan": ssm,
-                "mamba_selective_scan": selective, **_UNUSED_FORMS}
+        return {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta, "chunk_kimi_delta_attention": kda,
+                "mamba2_chunk_scan": ssm, "mamba_selective_scan": selective, **_UNUSED_FORMS}
+
+    def swap_kernels(self, layer: StateLayer, swap: Swap) -> Kernels:
+        """The probe's state calls of a swapped layer: each recorded, run from a zero state by its reference
+        form (every token its own request in the row-independence forward)."""
+        rec = self
+
+        def recorder(name: str, kind: str) -> Callable[..., torch.Tensor]:
+            spec = KINDS[kind]
+
+            def call(*args: Any) -> torch.Tensor:
+                shape, dtype = spec.shape(*args), spec.dtype(*args)
+                layer.calls.setdefault(name, []).append({"shape": shape, "dtype": dtype, "why": None})
+                tokens = args[0].shape[0]
+                if rec.rows_independent:
+                    return spec.step(*args, torch.zeros((tokens, *shape), dtype=dtype, device=args[0].device))[0]
+                return spec.sequence(*args, torch.zeros(shape, dtype=dtype, device=args[0].device))[0]
+
+            return call
+
+        return {name: recorder(name, kind) for name, kind in swap.states.items()}
 
 
 def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> None:
@@ -200,10 +245,35 @@ def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> No
     module.forward = types.MethodType(bound, module)
 
 
+def _bind_swap(module: torch.nn.Module, swap: Swap, kernels: Kernels) -> None:
+    """Give ``module`` the forward of ours ``swap`` names, its state calls ``kernels``."""
+    forward = swap.forward
+
+    def bound(self: torch.nn.Module, *args: Any, **kw: Any) -> Any:
+        return forward(self, kernels, *args, **kw)
+
+    module.forward = types.MethodType(bound, module)
+
+
+def _layer_of(path: str, module: torch.nn.Module) -> int | None:
+    """A module's layer: its ``layer_idx``, else the index of the ``layers.N`` it sits in (RecurrentGemma's block)."""
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, int):
+        return layer
+    found = re.findall(r"(?:^|\.)layers\.(\d+)(?:\.|$)", path)
+    return int(found[-1]) if found else None
+
+
 def candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """``(layer_idx, module)`` of every module whose forward calls a served kernel."""
+    """``(layer, module)`` of every module whose forward calls a served kernel or that :data:`~.state_swaps.SWAPS` swaps."""
     out = []
-    for m in model.modules():
+    for path, m in model.named_modules():
+        if swapped(m) is not None:
+            layer = _layer_of(path, m)
+            if layer is None:
+                raise ValueError(f"{type(m).__name__} at {path} has no layer_idx and sits in no layers.N: its states cannot be keyed")
+            out.append((layer, m))
+            continue
         layer = getattr(m, "layer_idx", None)
         if isinstance(layer, int) and kernels_called(m) & SERVED_KERNELS.keys():
             out.append((layer, m))
@@ -217,8 +287,12 @@ def recording(model: torch.nn.Module) -> Iterator[_Recorder]:
     found = candidates(model)
     try:
         for layer, m in found:
-            fn = raw_forward(m)
             state_layer = rec.layers.setdefault(layer, StateLayer(m, layer))
+            swap = swapped(m)
+            if swap is not None:
+                _bind_swap(m, swap, rec.swap_kernels(state_layer, swap))
+                continue
+            fn = raw_forward(m)
             original = {n: fn.__globals__[n] for n in SERVED_KERNELS if n in fn.__globals__}
             _bind(m, rec.kernels(state_layer, original))
         yield rec
@@ -248,6 +322,19 @@ def _delta_kernel(state: int) -> Callable[..., Any]:
         return out[None], None
 
     return delta
+
+
+def _kda_kernel(state: int) -> Callable[..., Any]:
+    def kda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            chunk_size: int = 64, initial_state: Any = None, output_final_state: bool = False,
+            use_qk_l2norm_in_kernel: bool = False, **kw: Any) -> tuple[torch.Tensor, None]:
+        out = torch.empty_like(value[0])
+        torch.ops.pb_state.kda_rule(
+            query[0], key[0], value[0], g[0], beta[0], out, state, bool(use_qk_l2norm_in_kernel), int(chunk_size)
+        )
+        return out[None], None
+
+    return kda
 
 
 def _ssm_kernel(state: int) -> Callable[..., Any]:
@@ -292,20 +379,33 @@ def _no_cache(*args: Any, **kw: Any) -> Any:
 #: The kernel forms a served forward never takes, bound in the probe and when served alike: the
 #: single-token cached ones (no HF cache) raise, the fused ones say "none" (the mixer goes unfused).
 _UNUSED_FORMS: dict[str, Callable[..., Any]] = {
-    "causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache,
+    "causal_conv1d_update": _no_cache, "torch_recurrent_gated_delta_rule": _no_cache, "recurrent_kimi_delta_attention": _no_cache,
     "mamba2_selective_state_update": _no_cache, "mamba_selective_state_update": _no_cache,
     "mamba2_split_conv1d_scan_combined": _no_fused, "mamba_inner_fn": _no_fused,
 }
 
 
+def _state_call(run: Callable[..., torch.Tensor], state: int) -> Callable[..., torch.Tensor]:
+    def call(*args: Any) -> torch.Tensor:
+        return run(state, *args)
+
+    return call
+
+
 def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> None:
     """Bind every layer's kernels to the ``pb_state`` ops on its states (``index(layer, kind)``: the op's state)."""
     for layer, sl in layers.items():
+        swap = swapped(sl.module)
+        if swap is not None:
+            runs = {name: KINDS[kind].run for name, kind in swap.states.items()}
+            _bind_swap(sl.module, swap, {name: _state_call(runs[name], index(layer, name)) for name in swap.states})
+            continue
         kernels: dict[str, Callable[..., Any]] = dict(_UNUSED_FORMS)
         if "conv" in sl.calls:
             kernels["causal_conv1d_fn"] = _conv_kernel(index(layer, "conv"))
         if "recurrent" in sl.calls:
             kernels["torch_chunk_gated_delta_rule"] = _delta_kernel(index(layer, "recurrent"))
+            kernels["chunk_kimi_delta_attention"] = _kda_kernel(index(layer, "recurrent"))
         if "ssm" in sl.calls:
             kernels["mamba2_chunk_scan"] = _ssm_kernel(index(layer, "ssm"))
             kernels["mamba_selective_scan"] = _selective_kernel(index(layer, "ssm"))

@@ -260,8 +260,14 @@ class PagedKVCache:
             request_index += [row] * count
             table = self.tables[request]
             rows.append(table + [0] * (self.max_blocks_per_req - len(table)))
-        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return {POSITIONS: t(positions), SLOT_MAPPING: t(slots), REQUEST_INDEX: t(request_index), BLOCK_TABLES: t(rows)}
+        # One host-to-device tensor for the three per-token inputs and one for the tables: each torch.tensor
+        # call costs microseconds, and a step's host time is a decode step's time at small batches.
+        n = len(positions)
+        flat = torch.tensor(positions + slots + request_index, dtype=torch.long, device=self.device)
+        return {
+            POSITIONS: flat[:n], SLOT_MAPPING: flat[n:2 * n], REQUEST_INDEX: flat[2 * n:],
+            BLOCK_TABLES: torch.tensor(rows, dtype=torch.long, device=self.device),
+        }
 
     def metadata(self, views: Mapping[str, torch.Tensor]) -> PagedAttentionMetadata:
         """The attention metadata over ``views`` (a runner's views, or :meth:`step_inputs` for eager use)."""

@@ -75,13 +75,16 @@ def paged_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     chunk_size: int = 0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``/``v`` of layer ``layer`` into the cache, then ``out = attention(q, cached prefix)``.
 
     ``q``/``out``: (tokens, heads, head_dim); ``k``/``v``: (tokens, kv_heads, head_dim).
     ``softcap`` > 0 soft-caps the scores (``tanh(s / softcap) * softcap``, gemma2-style); ``sinks``
     (``(heads,)``, gpt-oss-style) is a per-head logit added to the softmax denominator only;
-    ``chunk_size`` > 0 lets a token see only keys of its own chunk of positions (llama4-style).
+    ``chunk_size`` > 0 lets a token see only keys of its own chunk of positions (llama4-style);
+    ``alibi_slopes`` (``(heads,)``, bloom/mpt/falcon-style ALiBi) adds ``slope * (key_pos - query_pos)``
+    to each head's scores (after ``scale``).
     """
     meta = current_metadata()
     if not 0 <= layer < len(meta.key_caches):
@@ -101,12 +104,18 @@ def paged_attention(
             f"pb_kv::paged_attention: sinks must hold one logit per query head, shape ({q.shape[1]},); "
             f"got {tuple(sinks.shape)}"
         )
+    if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
+        raise ValueError(
+            f"pb_kv::paged_attention: alibi_slopes must hold one slope per query head, shape ({q.shape[1]},); "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
     if chunk_size < 0:
         raise ValueError(f"pb_kv::paged_attention: chunk_size must be an int >= 0 (0 = off), got {chunk_size}")
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
     backends = meta.attention_backends
     result = run_attention(
-        backends, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks, chunk_size=chunk_size
+        backends, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks, chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )
     out.copy_(result)
 

@@ -43,6 +43,9 @@ class StepBuffers:
             for i in inputs
         }
         mark_persistent(*self.tensors.values())  # graphs read them in place: no staging copy per replay
+        self._step_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._trailing = {name: buf.shape[1:] for name, buf in self.tensors.items() if buf.dim() > 1}  # 1-d: no columns
+        self._heads: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         #: Storage addresses of the buffers: a tensor whose storage is one of them is a view of a buffer.
         self.storages = frozenset(b.untyped_storage().data_ptr() for b in self.tensors.values())
 
@@ -56,12 +59,43 @@ class StepBuffers:
         per_request = self.per_request
         return {name: buf if name in per_request else buf[:tokens] for name, buf in self.tensors.items()}
 
+    def step_views(self, tokens: int) -> Mapping[str, torch.Tensor]:
+        """:meth:`views` for a graph step, made once per ``tokens`` and then the same objects every step (do not
+        modify it): a FULL replay's context check then finds the tensors it captured by identity."""
+        views = self._step_views.get(tokens)
+        if views is None:
+            views = self._step_views[tokens] = self.views(tokens)
+        return views
+
     def fill(self, batch: Mapping[str, torch.Tensor], tokens: int) -> None:
         """Copy a step's tensors into the buffers' leading rows, ``pad`` in the other rows of a step of
-        ``tokens`` tokens (and in any columns a tensor narrower than its spec leaves)."""
-        specs, rows = self.specs, self._request_rows
+        ``tokens`` tokens (and in any columns a tensor narrower than its spec leaves).
+
+        The common case (every tensor as wide as its buffer) is one ``_foreach_copy_`` into row views made
+        once per row count, and one ``fill_`` per input with padding rows: slicing a buffer anew each step
+        cost more than the copies.
+        """
+        specs, rows, trailing, heads = self.specs, self._request_rows, self._trailing, self._heads
+        if len(heads) > 4096:  # row views by (input, rows, padded rows): bounded by the capture sizes, kept small
+            heads.clear()
+        dsts, srcs = [], []
         for name, t in batch.items():
-            fill(self.tensors[name], t, rows.get(name, tokens), specs[name].pad)  # type: ignore[arg-type]
+            buf = self.tensors[name]
+            padded = rows.get(name, tokens)
+            if name in trailing and t.shape[1:] != trailing[name]:  # narrower than its spec: pad the columns too
+                fill(buf, t, padded, specs[name].pad)  # type: ignore[arg-type]
+                continue
+            n = t.shape[0]
+            key = (name, n, padded)
+            views = heads.get(key)
+            if views is None:
+                views = heads[key] = (buf[:n], buf[n:padded] if padded > n else None)
+            dsts.append(views[0])
+            srcs.append(t)
+            if views[1] is not None:
+                views[1].fill_(specs[name].pad)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
     def eager_views(self, batch: Mapping[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
         """What an eager step of ``tokens`` tokens passes without the buffers: the step's own tensors where

@@ -266,12 +266,23 @@ class GraphRunner:
                 f"GraphRunner.run: missing inputs {missing}, unknown inputs {extra}; expected {sorted(specs)}"
             )
         fit = True  # every non-leading dim fits the buffers (else: an eager step)
-        for name, t in batch.items():
+        n = reqs = None
+        for name, t in batch.items():  # check_tensor, fits and step_counts in one pass: this is every step's cost
             spec = specs[name]
-            check_tensor(spec, t)
-            if fit and t.shape[1:] != spec.shape:
+            if type(t) is not torch.Tensor or t.dim() != spec.ndim or t.is_floating_point() != spec.floating:
+                check_tensor(spec, t)
+            shape = t.shape
+            if spec.ndim > 1 and fit and shape[1:] != spec.shape:  # 1-d: dim() checked it all
                 fit = fits(spec, t)
-        n, reqs = step_counts(batch, specs)
+            if spec.per_token:
+                if n is None:
+                    n = shape[0]
+                elif shape[0] != n:
+                    step_counts(batch, specs)  # raises, naming the counts
+            elif reqs is None:
+                reqs = shape[0]
+            elif shape[0] != reqs:
+                step_counts(batch, specs)
         if reqs is not None:
             if reqs > self.max_num_reqs:  # type: ignore[operator]
                 raise ValueError(
@@ -334,7 +345,7 @@ class GraphRunner:
         else:
             padded = desc.num_tokens
             buffers.fill(batch, padded)
-            out = self.step(buffers.views(padded), mode, desc, context=context, may_capture=may_capture)
+            out = self.step(buffers.step_views(padded), mode, desc, context=context, may_capture=may_capture)
         if isinstance(out, torch.Tensor):  # the common case, without tree_map's flatten and unflatten
             return _unpad(out, n, padded)
         return tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out)
@@ -418,7 +429,7 @@ class GraphRunner:
 
 def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:
     """A step output without its padding rows (one of ``padded`` rows per token)."""
-    return out[:n] if out.dim() and out.shape[0] == padded else out
+    return out[:n] if n != padded and out.dim() and out.shape[0] == padded else out
 
 
 def without_piecewise(mode: CUDAGraphMode) -> CUDAGraphMode:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +74,10 @@ class StaticInput:
                 f"per-request inputs, padded with row 0 (the first row of every micro-batch half); got "
                 f"per={self.per!r}, dtype={self.dtype}, pad={self.pad!r}"
             )
+        # What every step's checks read (GraphRunner.run), computed once: not fields (repr, ==, replace skip them).
+        object.__setattr__(self, "ndim", len(self.shape) + 1)
+        object.__setattr__(self, "floating", self.dtype.is_floating_point)
+        object.__setattr__(self, "per_token", self.per == "token")
 
 
 def check_request_rows(
@@ -255,6 +260,95 @@ def context_tensors(attrs: Mapping[str, Any], prefix: str = "") -> dict[str, tup
         for path, leaf in context_leaves(value, key)
         if isinstance(leaf, torch.Tensor)
     }
+
+
+class ContextPrint:
+    """What a FULL graph baked in of a step's forward-context attributes, and a fast check of a later step's.
+
+    ``tensors`` is :func:`context_tensors` of the capture-time attributes (what the error compares).
+    A step's check walks the attributes once without building paths: the same structure (container
+    types, keys, lengths, fields) and the same tensor objects at the same address, shape, strides and
+    dtype pass at once; anything else gets the exact path-by-path comparison, and when that passes the
+    new objects are remembered (a capture's views and a step's are different objects of the same memory).
+    """
+
+    __slots__ = ("tensors", "_structure", "_leaves")
+
+    def __init__(self, attrs: Mapping[str, Any]) -> None:
+        attrs = dict(attrs)
+        self.tensors = context_tensors(attrs)
+        self._remember(attrs)
+
+    def _remember(self, attrs: Mapping[str, Any]) -> None:
+        structure: list[Any] = []
+        leaves: list[torch.Tensor] = []
+        _walk(attrs, structure, leaves, 0)
+        self._structure = structure
+        self._leaves = [(t, t.data_ptr(), t.shape, t.stride(), t.dtype) for t in leaves]
+
+    def check(self, attrs: Mapping[str, Any], desc: Any) -> None:
+        """``attrs`` holds the tensors the graph of ``desc`` captured, or a clear error."""
+        if type(attrs) is not dict:
+            attrs = dict(attrs)
+        structure: list[Any] = []
+        leaves: list[torch.Tensor] = []
+        _walk(attrs, structure, leaves, 0)
+        known = self._leaves
+        if structure == self._structure and len(leaves) == len(known):
+            for t, (was, ptr, shape, stride, dtype) in zip(leaves, known):
+                if t is not was or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride or t.dtype != dtype:
+                    break
+            else:
+                return
+        check_captured_context(self.tensors, context_tensors(attrs), desc)
+        self._remember(attrs)
+
+
+_FIELDS: dict[type, Callable[[Any], tuple] | None] = {}  # a type -> its dataclass fields' getter (None: not one)
+_UNSEEN = object()
+
+
+def _fields_getter(value: Any) -> Callable[[Any], tuple]:
+    """A function returning ``value``'s dataclass fields as a tuple, in field order (one C call)."""
+    names = [f.name for f in dataclasses.fields(value)]
+    if not names:
+        return lambda _: ()
+    get = operator.attrgetter(*names)
+    return get if len(names) > 1 else lambda v: (get(v),)
+
+
+def _walk(value: Any, structure: list[Any], leaves: list[torch.Tensor], depth: int) -> None:
+    """What :func:`context_leaves` visits below ``value`` (a container), flat: the tensors in order, and every
+    container, key, field and leaf kind in ``structure`` (equal structures give equal paths)."""
+    kind = type(value)
+    if isinstance(value, (tuple, list)):
+        items: Any = value
+        structure += (kind, len(value))
+    elif kind is dict:
+        structure.append(dict)
+        structure.extend(value)
+        items = value.values()
+    else:
+        structure.append(kind)
+        items = _FIELDS[kind](value)  # type: ignore[misc]
+    if depth >= 8 + 1:  # context_leaves' depth limit, counted from the attributes' own dict
+        return
+    for v in items:  # leaves inline: a call per leaf would cost more than the check itself
+        if isinstance(v, torch.Tensor):
+            structure.append(True)
+            leaves.append(v)
+            continue
+        if isinstance(v, (tuple, list)) or type(v) is dict:
+            _walk(v, structure, leaves, depth + 1)
+            continue
+        names = _FIELDS.get(type(v), _UNSEEN)
+        if names is _UNSEEN:
+            is_instance = dataclasses.is_dataclass(v) and not isinstance(v, type)
+            names = _FIELDS[type(v)] = _fields_getter(v) if is_instance else None
+        if names is None:
+            structure.append(None)  # a leaf that is not a tensor
+        else:
+            _walk(v, structure, leaves, depth + 1)
 
 
 def check_captured_context(captured: Mapping[str, tuple], now: Mapping[str, tuple], desc: Any) -> None:

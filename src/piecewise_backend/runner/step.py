@@ -20,7 +20,7 @@ from ..modes import CUDAGraphMode
 from ..ubatch.wrapper import UBatchSlice, UBatchWrapper
 from .assembly import drop_graph
 from .buffers import StepBuffers
-from .static_inputs import check_captured_context, context_tensors
+from .static_inputs import ContextPrint, check_captured_context, context_tensors
 from .ubatch_step import HalfLayout, capture_layout, half_views
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -86,7 +86,9 @@ class ModelStep:
         self._buffers = buffers
         self._q = uniform_decode_query_len
         self._ubatch_threshold = ubatch_threshold  # None: not micro-batching
-        self._captured_context: dict[tuple, dict[str, tuple]] = {}  # context_fn's tensors at each FULL capture
+        # context_fn's tensors at each FULL capture: a ContextPrint for a plain step, context_tensors' dict for
+        # a micro-batched one
+        self._captured_context: dict[tuple, Any] = {}
 
     def __call__(
         self,
@@ -103,7 +105,7 @@ class ModelStep:
         if halves is None:
             attrs = dict(self.context_fn(dict(views))) if self.context_fn else {}
             if checks:
-                guard = self._guard(("step", desc), desc, context_tensors(attrs), self._full_entries())
+                guard = self._guard_step(desc, attrs, self._full_entries())
             if context:
                 attrs.update(context)
         else:
@@ -144,6 +146,20 @@ class ModelStep:
         if isinstance(m, UBatchWrapper) or isinstance(m, CUDAGraphWrapper) and m.runtime_mode == _FULL:
             return m.entries
         return None
+
+    def _guard_step(self, desc: BatchDescriptor, attrs: Mapping[str, Any], entries: dict | None) -> Callable[[], Any] | None:
+        """:meth:`_guard` of a plain step: its context is checked by a :class:`~.static_inputs.ContextPrint`
+        made when the graph was captured (the hot path: every FULL replay)."""
+        if entries is None:
+            return None
+        key = ("step", desc)
+        if desc in entries:
+            known = self._captured_context.get(key)
+            if known is not None:
+                known.check(attrs, desc)
+            return None
+        now = ContextPrint(attrs)
+        return lambda: desc in entries and self._captured_context.__setitem__(key, now)
 
     def _guard(
         self, key: tuple, desc: BatchDescriptor, now: dict[str, tuple], entries: dict | None

@@ -200,7 +200,11 @@ class Decode:
         for r, start, count in chunks:
             r.computed = start + count
         if emit:
-            rows = logits[torch.tensor([end for _, _, end in emit], device=logits.device)]
+            ends = [end for _, _, end in emit]
+            if len(ends) == logits.shape[0]:  # every token ends its sequence (a decode step): every row, in order
+                rows = logits
+            else:
+                rows = logits.index_select(0, torch.tensor(ends, device=logits.device))
             keys = [noise_key(r.seed, r.length) for _, r, _ in emit]  # the new token's position
             drawn = sample(rows, [r.sampling for _, r, _ in emit], keys).tolist()  # read before any other replay
             for (i, _, _), token in zip(emit, drawn):

@@ -49,17 +49,24 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "bamba": _MAMBA2,
     "granitemoehybrid": _MAMBA2,
     "nemotron_h": {"mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16},
-    "longcat_flash": {"num_layers": 1},
+    "longcat_flash": {"num_layers": 1},  # its layer count (2 sublayers each); 5.17 does not derive it from num_hidden_layers
+    # attention swapped at module level (hf/attention_swaps.py): at the default 0.02 their tokens barely
+    # depend on the context, so dropping ALiBi or RoPE would still pass a check; 0.2 makes both matter
+    "bloom": {"initializer_range": 0.2},
+    "mpt": {"initializer_range": 0.2},
+    "falcon": {"initializer_range": 0.2},
+    "gpt_neox_japanese": {"initializer_range": 0.2},
+    "xglm": {"init_std": 0.2},
     # QSA's indexer fields default to None, which its indexed_attention layers cannot be built with
     "qwen4_exp": _QSA,
-    "qwen4_exp_text": _QSA,  # its layer count (2 sublayers each); 5.17 does not derive it from num_hidden_layers
+    "qwen4_exp_text": _QSA,
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
 #: The config fields that give a tiny model the layer mix of released checkpoints, for types whose
 #: default config has another one: lfm2's default is all attention (LFM2 checkpoints are mostly short
 #: convolutions); granitemoehybrid's and bamba's are all Mamba2 and jamba's first attention layer is
-#: its fifth (their checkpoints interleave attention). zamba and zamba2 run one shared attention block in
+#: its fifth (their checkpoints interleave attention); recurrent_gemma's first attention layer is its third. zamba and zamba2 run one shared attention block in
 #: each hybrid layer: two hybrid layers keep the sharing their checkpoints have.
 TINY_LAYER_MIX: dict[str, dict[str, Any]] = {
     "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
@@ -68,6 +75,7 @@ TINY_LAYER_MIX: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "bamba": {"attn_layer_indices": [1]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "recurrent_gemma": {"num_hidden_layers": 3},  # block_types repeats (recurrent, recurrent, attention)
 }
 # MLA configs expand K/V to every query head (num_key_value_heads = num_attention_heads) and derive
 # head_dim from the rope part.
