@@ -79,7 +79,8 @@ class SpecEngine(SpeculativeEngine):
         drafter_config = no_full_graphs(drafter_config or config, adapted_drafter.host_breaks)
         super().__init__(
             adapted_target, adapted_drafter, target_config, num_speculative_tokens=num_speculative_tokens,
-            target_layout=KVLayout(*kv_shape(adapted_target)), drafter_layout=KVLayout(*kv_shape(adapted_drafter)),
+            target_layout=KVLayout(*kv_shape(adapted_target), adapted_target.indexer_dim),
+            drafter_layout=KVLayout(*kv_shape(adapted_drafter), adapted_drafter.indexer_dim),
             vocab_size=vocab[0], target_state_specs=adapted_target.state_specs,
             drafter_state_specs=adapted_drafter.state_specs, drafter_config=drafter_config,
             target_attention_support=target_attention_support,
