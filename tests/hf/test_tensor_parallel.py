@@ -29,21 +29,23 @@ MODELS = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", {}), "llama_mqa": (
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[dict[str, list[dict]], list[str]]:
-    folders = {}
+    folders, out = {}, tmp_path_factory.mktemp("ranks")
     for name, (arch, sizes) in MODELS.items():
         folders[name] = tmp_path_factory.mktemp(name)
         hf.tiny_random_model(arch, **sizes).save_pretrained(folders[name])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "tp_worker.py"), *(str(f) for f in folders.values())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)  # a hang fails
+           str(HERE / "tp_worker.py"), str(out), *(str(f) for f in folders.values())]
+    # a hang fails after the timeout
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
-    results = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    errors = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("DISAGREE ")]
-    lazy = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("LAZY ")]
-    errors += lazy
-    by_arch = {arch: results[i * 2:(i + 1) * 2] for i, arch in enumerate(folders)}
+    lines = [(rank, line) for rank in range(2) for line in (out / f"rank{rank}.txt").read_text().splitlines()]
+
+    def kind(what: str) -> list:  # rank 0's lines first, then rank 1's
+        return [json.loads(line.split(" ", 1)[1]) for _, line in lines if line.startswith(what + " ")]
+    results, errors = kind("RESULT"), kind("DISAGREE") + kind("LAZY")
+    by_arch = {arch: results[i::len(folders)] for i, arch in enumerate(folders)}
     assert all(len(r) == 2 for r in by_arch.values()), proc.stdout
     return by_arch, errors
 

@@ -1,5 +1,6 @@
 """One rank of tests/hf/test_tensor_parallel.py (run by torchrun): HFEngine over a tp_plan="auto" load of a
-save_pretrained folder, checked against the unsharded model's greedy generate; prints one JSON line per rank."""
+save_pretrained folder, checked against the unsharded model's greedy generate; each rank writes its JSON lines
+to a file."""
 
 from __future__ import annotations
 
@@ -90,15 +91,16 @@ def refused_lazy(folder: str) -> str:
     return "no error"
 
 
-def main(folders: list[str]) -> int:
-    for folder in folders:
-        print("RESULT " + json.dumps(serve(folder)), flush=True)
-    print("DISAGREE " + json.dumps(disagree(folders[0])), flush=True)
-    print("LAZY " + json.dumps(refused_lazy(folders[0])), flush=True)
+def main(out: str, folders: list[str]) -> int:
+    """Each rank writes its lines to ``out/rank<r>.txt`` (two ranks printing to one pipe can interleave)."""
+    lines = [f"RESULT {json.dumps(serve(folder))}" for folder in folders]
+    lines += [f"DISAGREE {json.dumps(disagree(folders[0]))}", f"LAZY {json.dumps(refused_lazy(folders[0]))}"]
+    with open(f"{out}/rank{dist.get_rank()}.txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
