@@ -13,11 +13,14 @@ Two tables, every variant timed side by side (interleaved repetitions):
   per backend; tokens are checked identical across every variant. Goal: <= 1.3x. With
   ``--device cuda``: FULL_AND_PIECEWISE on CUDA graphs, a bf16 model in blocks of 256 (what
   ``varlen`` takes); every variant must still produce the same tokens.
+* **dsa**: the same check for indexed (sparse) attention: ``HFEngine`` on a tiny random
+  ``deepseek_v32`` (indexer keys in the paged cache, top-k 4), NONE, PIECEWISE and
+  FULL_AND_PIECEWISE, ``max_model_len`` 8192 against 256. Goal: <= 1.2x.
 
 On CUDA the captured row is a real CUDA graph, timed by its replay. Every op output is checked
 against the reference; the exit status is 1 if one differs, or the engine variants' tokens do.
 
-    python -m benchmarks.bench_attention [--quick] [--device cuda] [--tables op,engine] [--out FILE]
+    python -m benchmarks.bench_attention [--quick] [--device cuda] [--tables op,engine,dsa] [--out FILE]
 """
 
 from __future__ import annotations
@@ -239,7 +242,50 @@ def engine_table(quick: bool, device: str, deadline: float | None) -> Section:
                    {"ratios": data, "failed": [] if same else ["engine tokens differ between variants"]})
 
 
-TABLES = ("op", "engine")
+def dsa_table(quick: bool, device: str, deadline: float | None) -> Section:
+    """The attention-scale check for indexed (sparse) attention: HFEngine on a tiny DeepSeek-V3.2 (its
+    indexer keys in the paged cache, top-k 4), decode step time at max_model_len 8192 against 256."""
+    from piecewise_backend import hf
+
+    cuda = device == "cuda"
+    raise_recompile_limits()
+    modes = ("FULL_AND_PIECEWISE",) if cuda else ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
+    lens = (256, 8192)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (12, 30, 7, 21)]
+    new_tokens = 8 if quick else 24
+    variants, tokens = [], {}
+    for mode in modes:
+        config = pb.CompilationConfig(
+            platform="cuda" if cuda else "simulated", cudagraph_mode=mode,
+            compile_pieces="inductor" if cuda else "eager", capture_sizes=[4, 8, 16, 32, 64, 128],
+        )
+        for n in lens:
+            model = hf.tiny_random_model("deepseek_v32", max_position_embeddings=8192, device=device)
+            engine = hf.HFEngine(model, config, max_num_reqs=4, max_model_len=n, block_size=16)
+            if mode != "NONE":
+                engine.capture()
+            tokens[mode, n] = engine.generate(prompts, new_tokens, eos_token_id=[])
+            variants.append(Variant(f"{mode} @{n}", engine.generate, (prompts, new_tokens), number=1,
+                                    clock="wall" if cuda else "thread"))
+    same = len({str(t) for t in tokens.values()}) == 1
+    samples = measure(variants, reps=3 if quick else 5, deadline=deadline)
+    rows, data = [], {}
+    for mode in modes:
+        small, big = (f"{mode} @{n}" for n in lens)
+        ratios = samples.ratios(big, small)
+        data[mode] = statistics.median(ratios)
+        rows.append([mode, fmt_time(samples.median(small)), fmt_time(samples.median(big)), fmt_ratio(ratios),
+                     verdict(statistics.median(ratios), 1.2)])
+    body = table(["mode", "max_model_len 256", "max_model_len 8192", "8192 / 256", "goal <= 1.2x"], rows)
+    body += (f"\n\nHFEngine, tiny random deepseek_v32 (indexed attention, index_topk 4), prompts of 12, 30, 7, 21 "
+             f"tokens, {new_tokens} new tokens, {device}; tokens identical across every row: {'yes' if same else 'NO'}. "
+             "A FULL graph's indexer scores the padded block table (static shape), masked.\n")
+    return Section(f"Indexed (DSA) attention generation vs max_model_len ({device})", body,
+                   {"ratios": data, "failed": [] if same else ["dsa tokens differ between variants"]})
+
+
+TABLES = ("op", "engine", "dsa")
 
 
 def run(quick: bool = False, deadline: float | None = None, device: str = "cpu", threads: int = 1,
@@ -260,6 +306,12 @@ def run(quick: bool = False, deadline: float | None = None, device: str = "cpu",
                     sections.append(engine_table(quick, device, deadline))
                 except ImportError as e:  # a bare GPU box without transformers still gets the op table
                     sections.append(Section(f"HFEngine generation vs max_model_len ({device})", f"skipped: {e}"))
+            if "dsa" in tables:
+                log("attention: dsa table")
+                try:
+                    sections.append(dsa_table(quick, device, deadline))
+                except ImportError as e:
+                    sections.append(Section(f"Indexed (DSA) attention generation vs max_model_len ({device})", f"skipped: {e}"))
     finally:
         torch.set_num_threads(before)
     return sections

@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/run.py --quick --only hf_throughput  # by name only: a CPU smoke of a GPU comparison
 
 Without ``--cuda``, runs the CPU benchmarks (wrappers, host, replay, forward, compile, memory, attention, spec,
-dbo, breaks, serving, state, cold_start, soak) and, when a GPU is present, the CUDA ones too (``breaks`` adds its GPU comparison itself:
+dbo, tp, breaks, serving, state, cold_start, soak) and, when a GPU is present, the CUDA ones too (``breaks`` adds its GPU comparison itself:
 ``--only breaks`` on a GPU machine measures it). Every table is printed; with ``--out`` the results
 replace the lines between the ``cpu-results`` (or ``gpu-results``) BEGIN/END marker
 comments of that markdown file, rewritten after each benchmark so an interrupted run
@@ -30,8 +30,8 @@ if __package__ in (None, ""):
 
 from benchmarks.common import Section, env_table, environment, log
 
-CPU_BENCHMARKS = ("wrappers", "host", "replay", "forward", "compile", "memory", "attention", "spec", "dbo", "breaks", "serving",
-                  "state", "cold_start", "soak")
+CPU_BENCHMARKS = ("wrappers", "host", "replay", "forward", "compile", "memory", "attention", "spec", "dbo", "tp", "breaks",
+                  "serving", "state", "cold_start", "soak")
 # By name only (--only): their CPU numbers mean little (simulated graphs); scripts/gpu_check.sh runs them on a GPU
 BY_NAME = ("hf_throughput",)
 QUICK_SKIPS = {"compile": "skipped in --quick (every row is a fresh process with a cold or warm Inductor cache)"}

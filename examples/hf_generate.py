@@ -16,20 +16,30 @@ what that traffic asked for (``capture_idle``) and serves the same prompts again
 0.95): both draws must agree. ``--stream`` prints each token as it is produced. ``--check`` always
 compares the greedy run with ``generate``.
 
+``--tp`` serves it tensor-parallel (started by torchrun; on by itself there): every rank saves the same seeded
+model with ``save_pretrained``, loads it with ``HFEngine.from_pretrained(path, config, tp_plan="auto")`` (its
+shard of the weights, collectives inside the graphs) and checks against the unsharded model; rank 0 prints.
+
 Run: python examples/hf_generate.py --arch llama --check [--lazy] [--sample] [--stream]
+     python -m torch.distributed.run --standalone --nproc-per-node 2 examples/hf_generate.py --arch llama --tp --check
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import torch
 
 import piecewise_backend as pb
 from piecewise_backend.hf import HFEngine, SamplingParams, StepInfo, tiny_random_model
+from piecewise_backend.parallel import init_tensor_parallel
 
 PROMPT_LENS = (5, 12, 3, 9, 7)
 NEW_TOKENS = (6, 3, 9, 4, 7)  # per request: they finish at different steps
@@ -136,7 +146,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="print each token as it is produced")
     parser.add_argument("--compile-pieces", choices=("inductor", "eager"),
                         help="how pieces are compiled (default: inductor on CUDA, eager on the simulator)")
+    parser.add_argument("--tp", action="store_true",
+                        help="tensor parallel over torchrun's ranks (tp_plan='auto'; on by itself under torchrun)")
     args = parser.parse_args(argv)
+    if args.tp or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return tensor_parallel(args, parser)
+    return serve(args, parser)
+
+
+def tensor_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``serve`` on every rank of torchrun's group over a ``tp_plan="auto"`` load; rank 0 prints."""
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:
+        parser.error("--tp runs under torchrun: python -m torch.distributed.run --standalone --nproc-per-node 2 "
+                     "examples/hf_generate.py --tp ...")
+    init_tensor_parallel()
+    rank = dist.get_rank()
+    quiet = open(os.devnull, "w") if rank else None
+    folder = [tempfile.mkdtemp(prefix="hf_generate_tp_") if rank == 0 else None]
+    dist.broadcast_object_list(folder)  # one folder on this machine: save_pretrained writes on rank 0 only
+    try:
+        with contextlib.redirect_stdout(quiet) if quiet else contextlib.nullcontext():
+            try:
+                if rank == 0:
+                    tiny_random_model(args.arch).save_pretrained(folder[0])
+                dist.barrier()
+            except ValueError as e:
+                parser.error(str(e))
+            status = serve(args, parser, folder[0])
+        failed: list = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, status)
+        dist.barrier()  # no rank tears gloo down (or removes the folder) while a peer still runs
+        return max(failed)
+    finally:
+        if quiet:
+            quiet.close()
+        if rank == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
+        dist.destroy_process_group()
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, folder: str | None = None) -> int:
+    """Serve the prompts (from a tp_plan load of ``folder`` when given) and check them; the exit status."""
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -154,10 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     reference = copy.deepcopy(model) if args.check else None  # keeps HF's own SDPA attention
+    # step_capture_budget_s=0: only capture_idle captures (a lazy engine otherwise catches up inside steps)
+    options = dict(max_num_reqs=4, max_model_len=64, block_size=8, lazy_capture=args.lazy, step_capture_budget_s=0)
     try:
-        # step_capture_budget_s=0: only capture_idle captures (a lazy engine otherwise catches up inside steps)
-        engine = HFEngine(model, config, max_num_reqs=4, max_model_len=64, block_size=8, lazy_capture=args.lazy,
-                          step_capture_budget_s=0)
+        if folder is None:
+            engine = HFEngine(model, config, **options)
+        else:  # this rank's shard of the saved weights
+            engine = HFEngine.from_pretrained(folder, config, tp_plan="auto", **options)
+            print(f"tensor parallel: {engine.model.pb_tp_size} ranks, this rank's cache holds "
+                  f"{engine.cache.key_caches[0].shape[2]} of {model.config.num_key_value_heads} KV heads")
     except ValueError as e:  # an architecture the paged attention cannot serve, and why
         parser.error(str(e))
     if not args.lazy:

@@ -426,10 +426,11 @@ def render(results: Sequence[Result]) -> str:
         "*Steps ran*: the runtime mode of each step (the target's, for `SpecEngine`), and how many were",
         "split into two micro-batches.",
         "",
-        f"Total: {len(results)} cells: {summary}. Tensor parallelism is not in the matrix yet: `HFEngine` and",
-        "`SpecEngine` take no process group, and `GraphRunner` on a sharded model (`parallel.shard_toy_llama`,",
-        "2 gloo ranks) is checked against the unsharded model by `examples/tensor_parallel.py --check`",
-        "([distributed.md](distributed.md)).",
+        f"Total: {len(results)} cells: {summary}. Tensor parallelism is not in the matrix yet: `GraphRunner` on a",
+        "sharded model (`parallel.shard_toy_llama`, 2 gloo ranks) is checked against the unsharded model by",
+        "`examples/tensor_parallel.py --check`, and `HFEngine` over a `tp_plan=\"auto\"` load (llama, qwen3_moe, 2 gloo ranks:",
+        "FULL_AND_PIECEWISE, chunked prefill, greedy and seeded sampling) by `tests/hf/test_tensor_parallel.py`; with TP,",
+        "`lazy_capture`, state layers and `SpecEngine` are refused ([distributed.md](distributed.md#hugging-face-models-hfenginefrom_pretrained-tp_planauto)).",
         "",
     ]
     for engine in ENGINES:

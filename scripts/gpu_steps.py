@@ -106,4 +106,9 @@ STEPS: list[Step] = [
          command=("bash", "-c", "{py} -m torch.distributed.run --standalone --nproc-per-node 2 examples/tensor_parallel.py "
                   "--check --steps 8 && {py} -m torch.distributed.run --standalone --nproc-per-node 2 "
                   "examples/moe_dbo.py --check --steps 8 && {py} benchmarks/bench_dbo.py --quick --backend nccl")),
+    Step("hf_tp", 60, "2+ GPUs only, never run yet (unverified): hf_generate.py --tp --check, a tiny llama loaded with "
+         "tp_plan='auto' on 2 NCCL ranks, NCCL inside the CUDA graphs; 2 rank start-ups ~10 s each, one Inductor "
+         "compile of the tiny model ~20 s, capture of 10 graphs and 5 requests a few seconds", gpus=2,
+         command=("{py}", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  "examples/hf_generate.py", "--arch", "llama", "--tp", "--check")),
 ]

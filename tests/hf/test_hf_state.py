@@ -205,10 +205,11 @@ def test_a_model_without_attention_is_served():
 
 
 def test_a_tiny_model_that_would_lose_a_refused_layer_type_is_not_built():
-    """qwen4_exp's default config cannot build its indexed-attention layers small: without them the model would be
-    served for a reason its checkpoints (refused: indexed attention) do not have."""
+    """qwen4_exp without its QSA indexer sizes (tiny_random_model sets them) cannot build its indexed-attention layers:
+    without them the model would be served for a reason its checkpoints (their QSA indexer: refused) do not have."""
+    qsa = dict.fromkeys(("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio"))
     with pytest.raises(ValueError, match=r"cannot build 'qwen4_exp' with a layer of every type .* loses \['(\w+)'\]") as e:
-        hf.tiny_random_model(model_type("qwen4_exp"))
+        hf.tiny_random_model(model_type("qwen4_exp"), **qsa)
     lost = re.search(r"loses \['(\w+)'\]", str(e.value)).group(1)  # 'indexed_attention' in 5.24, 'qwen_sparse_attention' in 5.17
     assert lost not in hf.adapter.SERVED_LAYER_TYPES
 

@@ -202,3 +202,17 @@ def test_host_benchmark_times_runner_and_engine_steps_side_by_side():
         row = re.search(rf"^\| {re.escape(what)} +\| ([\d.]+) ", out, re.M)
         assert row and 0 < float(row.group(1)) < 100_000, out  # a time was measured, whatever it is
     assert re.search(r"Mode-mismatched passthrough / bare forwarder: [\d.]+x", out), out
+
+
+def test_tp_benchmark_reports_both_engines_side_by_side():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "tp"], cwd=ROOT, capture_output=True, text=True,
+        timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Tensor parallel (HF llama, tp_plan='auto'): decode tokens/s on gloo" in proc.stdout
+    rates = dict(re.findall(r"^\| (TP=[12]) +\| ([\d.]+) ", proc.stdout, re.MULTILINE))
+    assert set(rates) == {"TP=1", "TP=2"} and all(float(r) > 0 for r in rates.values()), proc.stdout
+    kv = [int(k) for k in re.findall(r"^\| TP=[12] +\| .*\| (\d+) +\|$", proc.stdout, re.MULTILINE)]
+    assert len(kv) == 2 and kv[0] == 2 * kv[1], proc.stdout  # each TP=2 rank holds half the KV heads
+    assert "tokens are equal" in proc.stdout, proc.stdout

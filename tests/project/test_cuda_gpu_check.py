@@ -71,7 +71,8 @@ def test_the_step_table_fits_its_budget_and_runs_the_headline_first():
     assert names[:2] == ["smoke", "headline"] and names.index("rules") < names.index("cuda") < names.index("memory")
     assert all(s.why for s in steps), "every budget says what it is sized from"
     hf_subprocesses = [s for s in steps if s.kind == "command" and "hf_generate.py" in " ".join(s.command)]
-    assert len(hf_subprocesses) == 1 and "--arch" in hf_subprocesses[0].command  # one arch per --check step
+    assert all("--arch" in s.command for s in hf_subprocesses)  # one arch per --check step
+    assert len([s for s in hf_subprocesses if s.gpus == 1]) == 1  # the 2-GPU plan adds the --tp run
     for s in steps:  # every file a step names is in the tree
         for t in s.tests:
             assert (ROOT / t.split("::")[0]).exists(), (s.name, t)

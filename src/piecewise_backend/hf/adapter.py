@@ -20,7 +20,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
-from . import attention_swaps, mixers
+from . import attention_swaps, indexed, mixers
 from .buffers import recording_self_assignments, self_assigned
 
 PROBE_IMPLEMENTATION = "pb_probe"
@@ -103,6 +103,7 @@ UNDERSTOOD_KWARGS = frozenset({
     "attention_mask", "dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal", "position_ids",
     "cache_position", "output_attentions", "use_cache", "past_key_values", "cache", "layer_idx", "position_embeddings",
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "return_dict", "token_type_ids",
+    "indices",  # an indexer's top-k positions (indexed attention): pb_paged attends to those only
 })
 
 
@@ -233,10 +234,13 @@ def refusal(model: torch.nn.Module) -> str | None:
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         other = sorted({str(k) for k in kinds or ()} - SERVED_LAYER_TYPES)
+        why = indexed.layer_types_refusal(model, other)  # indexed (sparse) attention is served, compressed not
+        if why:
+            return why
         if other:
             return (
                 f"{name} has layers of type {other} ({field}); the paged attention serves "
-                f"{sorted(SERVED_LAYER_TYPES)} layers only (no recurrent, convolution, chunked or indexed attention state)"
+                f"{sorted(SERVED_LAYER_TYPES)} layers only, and indexed_attention where its indexer is a known one (no other recurrent, convolution or sparse attention state)"
             )
     for path, m in model.named_modules():
         kind = type(m).__name__

@@ -35,10 +35,18 @@ from ..serve.arguments import check_attention_backend, check_engine_args
 from ..serve.engine import Engine, check_config
 from ..serve.model_runner import KVLayout, first_parameter, own_code
 from ..state.cache import StateSpec
-from . import attention_swaps, mixers
+from . import attention_swaps, indexed, mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
 from .host_breaks import install_host_breaks, no_full_graphs
+from .tensor_parallel import (
+    check_engine_agreement,
+    check_heads,
+    composition_refusal,
+    is_tensor_parallel,
+    localize,
+    replicated_kv_plan,
+)
 
 ATTN_IMPLEMENTATION = "pb_paged"
 
@@ -74,6 +82,12 @@ def paged_attention_forward(
     q, k, v = (F.pad(t[0], (0, dim - t.shape[-1])).transpose(0, 1).contiguous() for t in (query, key, value))
     out = torch.empty_like(q)
     layer = getattr(module, "pb_kv_layer", module.layer_idx)  # the cache holds attention layers only
+    selected = kwargs.get("indices")  # an indexer's top-k positions (1, tokens, topk): indexed attention
+    if selected is not None:
+        if sliding_window or softcap:
+            raise ValueError(f"{ATTN_IMPLEMENTATION}: indexed attention takes no sliding window or soft-capping")
+        torch.ops.pb_kv.indexed_attention(q, k, v, out, selected[0], layer, scale, sinks)
+        return out[..., :v_dim].unsqueeze(0), None
     torch.ops.pb_kv.paged_attention(
         q, k, v, out, layer, scale, sliding_window or -1, float(softcap or 0.0), sinks, getattr(module, "pb_chunk_size", 0),
         getattr(module, "pb_alibi_slopes", None),  # ALiBi modules swapped by attention_swaps
@@ -93,9 +107,12 @@ class TokensFirst(torch.nn.Module):
     def __init__(
         self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None, host_breaks: list[str] | None = None,
         state_specs: Sequence[StateSpec] = (),
+        indexer_dim: int = 0,
     ):
         super().__init__()
         self.model = model
+        #: the indexer key size of its indexed attention layers (0: none; set by :func:`adapt`)
+        self.indexer_dim = indexer_dim
         #: (attention layers, kv_heads, head_dim) of the cache the model needs (set by :func:`adapt`)
         self.kv_shape = kv_shape
         #: modules that read the host, run as break points (:mod:`~piecewise_backend.hf.host_breaks`)
@@ -130,6 +147,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     if reason is None:
         graph_safe_experts(model)
         attention_swaps.swap(model, ATTN_IMPLEMENTATION)  # modules outside the AttentionInterface, if any
+        index_dim = indexed.route(model)  # before the probe, which runs the indexers
         try:
             result = probe(model.eval())
         except Exception as e:  # e.g. a forward that needs more than token ids (embeddings, shared K/V states)
@@ -148,13 +166,15 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
         layout.module.pb_kv_repeat = result.kv_shape()[1] // layout.kv_heads
         layout.module.pb_kv_layer = kv_layers[layer]
         layout.module.pb_chunk_size = chunked.get(layer, 0)
+    for _, indexer in indexed.indexers(model):
+        indexer.pb_kv_layer = kv_layers[indexer.layer_idx]
     specs = mixers.specs(result.state_layers)
     keys = [(s.layer, s.kind) for s in specs]
     mixers.route(result.state_layers, lambda layer, kind: keys.index((layer, kind)))
     register_attention()
     if settable:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs)
+    return own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs, index_dim)
 
 
 def chunked_layers(model: torch.nn.Module) -> dict[int, int]:
@@ -220,12 +240,25 @@ class HFEngine(Engine):
             graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
         )
         check_config(config)
+        # tensor parallel: every rank must build the same engine (the same graphs, the same collectives)
+        check_engine_agreement({
+            "model": type(model).__name__, "config": config, "max_num_reqs": max_num_reqs,
+            "max_model_len": max_model_len, "block_size": block_size, "num_blocks": num_blocks,
+            "attention_backend": attention_backend, "lazy_capture": lazy_capture,
+            "max_num_batched_tokens": max_num_batched_tokens, "graph_memory_budget": graph_memory_budget,
+            "step_capture_budget_s": step_capture_budget_s,
+        })
+        if is_tensor_parallel(model):  # loaded with tp_plan: plain local shards and explicit collectives
+            why = composition_refusal(model, lazy_capture=lazy_capture)
+            if why is not None:
+                raise ValueError(why)
+            localize(model)
         vocab_size = check_hf_model(model, config, max_model_len)
         param = first_parameter(model)
         check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
         adapted = adapt(model)
         super().__init__(
-            adapted, no_full_graphs(config, adapted.host_breaks), kv_layout=KVLayout(*kv_shape(adapted)),
+            adapted, no_full_graphs(config, adapted.host_breaks), kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim),
             vocab_size=vocab_size, state_specs=adapted.state_specs, max_num_reqs=max_num_reqs,
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             attention_backend=attention_backend, lazy_capture=lazy_capture,
@@ -253,8 +286,32 @@ class HFEngine(Engine):
             )
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
         kwargs["local_files_only"] = True
+        if kwargs.get("tp_plan") is not None:
+            overrides = _join_tensor_parallel(folder)
+            if overrides and kwargs["tp_plan"] == "auto":  # fewer KV heads than ranks: K/V loaded whole
+                kwargs["tp_plan"] = overrides
         model = transformers_module().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         return cls(model.eval(), config, **engine_kwargs)
+
+
+def _join_tensor_parallel(folder: str) -> dict[str, str]:
+    """Before a ``tp_plan`` load: join torchrun's process group (or refuse without one), check the heads divide;
+    returns the plan overrides that replicate K/V projections when the ranks outnumber the KV heads."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            raise ValueError(
+                "HFEngine.from_pretrained(tp_plan=...): no process group is initialized and this process was not "
+                "started by torchrun (no RANK/WORLD_SIZE): run it under `python -m torch.distributed.run "
+                "--nproc-per-node N ...` or call piecewise_backend.parallel.init_tensor_parallel() first"
+            )
+        from ..runner.agreement import init_tensor_parallel
+
+        init_tensor_parallel()
+    config = transformers_module().AutoConfig.from_pretrained(folder, local_files_only=True)
+    check_heads(config, dist.get_world_size())
+    return replicated_kv_plan(config, dist.get_world_size())
 
 
 def generation_eos(model: Any) -> Any:

@@ -21,6 +21,7 @@ from ..serve.model_runner import KVLayout, first_parameter
 from ..serve.speculative import SpeculativeEngine, check_speculative_args
 from .engine import adapt, check_hf_model, generation_eos, kv_shape
 from .host_breaks import no_full_graphs
+from .tensor_parallel import is_tensor_parallel
 
 
 class SpecEngine(SpeculativeEngine):
@@ -58,6 +59,9 @@ class SpecEngine(SpeculativeEngine):
                            max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
                            step_capture_budget_s=step_capture_budget_s)
         check_speculative_args(num_speculative_tokens, config, drafter_config, **engine_args)
+        if any(is_tensor_parallel(m) for m in (target, drafter)):
+            raise ValueError("SpecEngine does not serve tensor-parallel models (tp_plan) yet: the drafter and the "
+                             "verifier would need their collectives agreed per step; use HFEngine")
         vocab = [m.config.get_text_config().vocab_size for m in (target, drafter)]
         if vocab[0] != vocab[1]:
             raise ValueError(f"the drafter's vocabulary ({vocab[1]} tokens) must be the target's ({vocab[0]})")
@@ -75,7 +79,8 @@ class SpecEngine(SpeculativeEngine):
         drafter_config = no_full_graphs(drafter_config or config, adapted_drafter.host_breaks)
         super().__init__(
             adapted_target, adapted_drafter, target_config, num_speculative_tokens=num_speculative_tokens,
-            target_layout=KVLayout(*kv_shape(adapted_target)), drafter_layout=KVLayout(*kv_shape(adapted_drafter)),
+            target_layout=KVLayout(*kv_shape(adapted_target), adapted_target.indexer_dim),
+            drafter_layout=KVLayout(*kv_shape(adapted_drafter), adapted_drafter.indexer_dim),
             vocab_size=vocab[0], target_state_specs=adapted_target.state_specs,
             drafter_state_specs=adapted_drafter.state_specs, drafter_config=drafter_config,
             target_attention_support=target_attention_support,

@@ -1,11 +1,13 @@
-"""The paged KV cache: block allocation, per-step inputs, and the ``pb_kv::paged_attention`` splitting op."""
+"""The paged KV cache: block allocation, per-step inputs, the ``pb_kv::paged_attention`` splitting op and the indexed (sparse) attention ops."""
 
 from ..attention.kernels import attend  # the reference kernel, documented under kv too
 from .cache import BLOCK_TABLES, POSITIONS, REQUEST_INDEX, SLOT_MAPPING, BlockAllocator, PagedKVCache
+from .indexed import attend_selected, index_topk, indexed_attention, indexer_topk, write_index_keys
 from .op import PAD_SLOT, PagedAttentionMetadata, current_metadata, paged_attention, write_kv
 
 __all__ = [
     "attend",
     "BLOCK_TABLES", "POSITIONS", "REQUEST_INDEX", "SLOT_MAPPING", "BlockAllocator", "PagedKVCache",
+    "attend_selected", "index_topk", "indexed_attention", "indexer_topk", "write_index_keys",
     "PAD_SLOT", "PagedAttentionMetadata", "current_metadata", "paged_attention", "write_kv",
 ]

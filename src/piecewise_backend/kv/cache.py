@@ -102,6 +102,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
+        indexer_dim: int = 0,
     ):
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 0:
             raise ValueError(f"PagedKVCache.num_layers must be an int >= 0 (0: a model without attention), got {num_layers!r}")
@@ -116,6 +117,12 @@ class PagedKVCache:
         shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if not isinstance(indexer_dim, int) or isinstance(indexer_dim, bool) or indexer_dim < 0:
+            raise ValueError(f"PagedKVCache.indexer_dim must be an int >= 0 (0: no indexed attention), got {indexer_dim!r}")
+        #: per layer, one indexer key per token at its K/V slot (indexed attention, :mod:`.indexed`); empty when 0
+        self.indexer_caches = [
+            torch.zeros(shape[:2] + (indexer_dim,), dtype=dtype, device=device) for _ in range(num_layers if indexer_dim else 0)
+        ]
         self.tables: dict[Hashable, list[int]] = {}
         self._device = torch.device(device)
         #: The attention backends the op runs for this cache, in order (see :mod:`.attention`).
@@ -137,8 +144,8 @@ class PagedKVCache:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of the K and V tensors of every layer (the scratch block included)."""
-        return sum(t.numel() * t.element_size() for t in (*self.key_caches, *self.value_caches))
+        """Bytes of the K, V (and indexer key) tensors of every layer (the scratch block included)."""
+        return sum(t.numel() * t.element_size() for t in (*self.key_caches, *self.value_caches, *self.indexer_caches))
 
     def reserve(self, request: Hashable, num_tokens: int) -> None:
         """Grow ``request``'s block table to hold ``num_tokens`` tokens (allocating on first use).
@@ -266,7 +273,7 @@ class PagedKVCache:
         """The attention metadata over ``views`` (a runner's views, or :meth:`step_inputs` for eager use)."""
         return PagedAttentionMetadata(
             views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self.key_caches,
-            self.value_caches, self.attention_backends,
+            self.value_caches, self.attention_backends, self.indexer_caches,
         )
 
     def context_fn(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -38,6 +38,8 @@ class PagedAttentionMetadata:
     key_caches: list[torch.Tensor]  # per layer, PagedKVCache.key_caches
     value_caches: list[torch.Tensor]
     attention_backends: tuple[str, ...] = ("bounded",)  # names, in order: the op runs the first that can
+    #: per layer, PagedKVCache.indexer_caches (indexed attention's keys, :mod:`.indexed`); empty without
+    indexer_caches: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -32,16 +32,18 @@ from .scheduler import StepPlan
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
     """The paged KV cache a model needs: attention layers (each indexes the cache by its own layer
-    number, 0-based, in call order), KV heads per layer and the head dim."""
+    number, 0-based, in call order), KV heads per layer and the head dim; ``indexer_dim`` > 0: each
+    layer also keeps one indexer key of that size per token (indexed attention, ``kv.indexed``)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    indexer_dim: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "indexer_dim"):
             value = getattr(self, name)
-            least = 0 if name == "num_layers" else 1  # a pure state-space model has no attention layer
+            least = 0 if name in ("num_layers", "indexer_dim") else 1  # a pure state-space model has no attention layer
             if not is_int(value) or value < least:
                 raise ValueError(f"KVLayout.{name} must be an int >= {least}, got {value!r}")
             object.__setattr__(self, name, int(value))
@@ -118,6 +120,7 @@ class ModelRunner:
             kv_layout.num_layers, kv_layout.num_kv_heads, kv_layout.head_dim, block_size=block_size,
             max_model_len=max_model_len, num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
             dtype=param.dtype, device=param.device, attention_backend=attention_backend,
+            indexer_dim=kv_layout.indexer_dim,
         )
         self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
         #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)

@@ -21,6 +21,9 @@ import numbers
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
+
+from ..runner.agreement import distributed
 
 _M32 = 0xFFFFFFFF
 _MAX_SEED = 2**64
@@ -104,10 +107,19 @@ def per_request(sampling: SamplingParams | Sequence[SamplingParams | None] | Non
 
 
 def resolve_seed(params: SamplingParams) -> int:
-    """The seed a request samples with: its own, or one drawn from torch's default generator."""
+    """The seed a request samples with: its own, or one drawn from torch's default generator.
+
+    In a process group (tensor parallel: every rank runs the same requests) rank 0's draw is broadcast,
+    so every rank samples the same tokens whatever its own generator's state.
+    """
     if params.seed is not None:
         return params.seed
-    return int(torch.randint(0, 2**62, (), dtype=torch.long).item())  # a CPU tensor: no device sync
+    seed = torch.randint(0, 2**62, (), dtype=torch.long)  # a CPU tensor: no device sync
+    if distributed():
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        seed = seed.to(device)
+        dist.broadcast(seed, 0)
+    return int(seed.item())
 
 
 def _mix(x: int) -> int:

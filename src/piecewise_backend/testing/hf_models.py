@@ -26,6 +26,8 @@ TINY_IF_SET = dict(
     # encoder-decoder style names (d_model, *_attention_heads) that the head count must divide
     d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
     encoder_layers=2, decoder_layers=2,
+    # indexed (sparse) attention: a top-k shorter than the prompts, so the selection drops tokens
+    index_topk=4, index_n_heads=8, index_head_dim=16,
     linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
 )
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
@@ -36,6 +38,8 @@ MAX_PARAMS = 50_000_000
 #: expand * hidden, and transformers 5.17's chunked scan materializes chunk^2 * heads * state floats
 #: (8-24 GiB at the defaults of bamba, granitemoehybrid, falcon_h1).
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16}
+#: Qwen4-Exp's QSA indexer (one key head; a budget of whole compressed blocks), sized like TINY.
+_QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8, "indexer_compress_ratio": 4}
 #: lfm2_moe's default config has no ``layer_types`` (its model indexes them) and makes its first two layers
 #: dense: a short convolution and an attention layer, the second with experts, as in its checkpoints.
 TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
@@ -53,6 +57,9 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "falcon": {"initializer_range": 0.2},
     "gpt_neox_japanese": {"initializer_range": 0.2},
     "xglm": {"init_std": 0.2},
+    # QSA's indexer fields default to None, which its indexed_attention layers cannot be built with
+    "qwen4_exp": _QSA,
+    "qwen4_exp_text": _QSA,
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
