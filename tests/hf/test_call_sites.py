@@ -14,8 +14,8 @@ from pbtest.helpers import load_file
 import piecewise_backend as pb
 
 pytest.importorskip("transformers")
-from piecewise_backend import hf  # noqa: E402
-from piecewise_backend.hf.call_sites import CallSites  # noqa: E402
+from piecewise_backend import hf
+from piecewise_backend.hf.call_sites import CallSites
 
 CONFIG = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4, 8])
 BUDGETS = [5, 7, 4]
@@ -130,3 +130,8 @@ def test_dory_in_last_loop_mode_is_refused():
     """Its earlier loops would attend over the last loop's cache: not a K/V of their own call site."""
     with pytest.raises(ValueError, match=r"recurrent_kv_cache_mode='last_loop'.*one K/V per attention call site"):
         hf.adapt(hf.tiny_random_model("dory", recurrent_kv_cache_mode="last_loop"))
+
+
+def test_inkling_is_refused_naming_what_its_layers_add():
+    with pytest.raises(ValueError, match=r"\['hybrid_sliding'\] \(layer_types\): .*relative-position bias.*no per-score bias"):
+        hf.adapt(hf.tiny_random_model("inkling_text"))

@@ -32,6 +32,15 @@ SERVED_LAYER_TYPES = frozenset({
     "hybrid",  # falcon_h1: a Mamba2 mixer and attention side by side in one layer
     "mamba",  # jamba's layers_block_type
 })
+#: Why a layer type no mechanism here serves is refused, where more than its name says it.
+UNSERVED_LAYER_TYPES = {
+    "hybrid_sliding": (
+        "inkling's attention layers (hybrid_sliding, and its hybrid ones alike) add a learned relative-position "
+        "bias to every score (position_bias, from each query's r_proj over its distance to each key), convolve K and V "
+        "over the preceding tokens (state kept between tokens) and scale the full layers' queries by the row index: "
+        "the paged attention takes no per-score bias and no K/V convolution state"
+    ),
+}
 # Layer classes that keep a recurrent or convolution state from one token to the next.
 _STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
 
@@ -255,6 +264,9 @@ def refusal(model: torch.nn.Module) -> str | None:
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         other = sorted({str(k) for k in kinds or ()} - SERVED_LAYER_TYPES)
+        known = next((k for k in other if k in UNSERVED_LAYER_TYPES), None)
+        if known is not None:
+            return f"{name} has layers of type {[known]} ({field}): {UNSERVED_LAYER_TYPES[known]}"
         if other:
             return (
                 f"{name} has layers of type {other} ({field}); the paged attention serves "
