@@ -135,3 +135,19 @@ def test_dory_in_last_loop_mode_is_refused():
 def test_inkling_is_refused_naming_what_its_layers_add():
     with pytest.raises(ValueError, match=r"\['hybrid_sliding'\] \(layer_types\): .*relative-position bias.*no per-score bias"):
         hf.adapt(hf.tiny_random_model("inkling_text"))
+
+
+def test_micro_batched_decode_steps_keep_each_call_sites_slots():
+    """use_ubatching runs pure-decode steps as two halves: the slots are constants of the traced graph, so the
+    halves (which hand over at each attention op) never share the call-site counter."""
+    model = hf.tiny_random_model("diffllama")
+    reference = hf.tiny_random_model("diffllama")
+    config = CONFIG.replace(use_ubatching=True, dbo_decode_token_threshold=2)
+    engine = hf.HFEngine(model, config, max_num_reqs=3, max_model_len=32, block_size=4)
+    engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    split: list[bool] = []
+    outputs = engine.generate(prompts, BUDGETS, on_step=lambda s: split.append(engine.runner.last_ubatched))
+    assert sum(split) >= 2, split
+    assert check(reference, prompts, outputs) == []
