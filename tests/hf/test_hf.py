@@ -79,8 +79,8 @@ def test_adapt_refuses_what_it_cannot_serve():
     [
         # keys compressed over groups of tokens: a second, pooled cache the paged one does not hold
         ("deepseek_v4", {}, r"\['compressed_sparse_attention', 'heavily_compressed_attention'\] layers: .* compressed"),
-        # differential attention calls the interface twice per layer with the same layer index
-        ("diffllama", {}, "runs attention layer 0 more than once per forward"),
+        # earlier recurrent loops read the last loop's cache: no K/V of their own call site
+        ("dory", {"recurrent_kv_cache_mode": "last_loop"}, r"recurrent_kv_cache_mode='last_loop'"),
         # positions from the sequence length, not position_ids: wrong for a step's second request and decode
         ("pegasus", {}, r"PegasusForCausalLM ignores position_ids"),
     ],
@@ -469,11 +469,11 @@ def test_hf_generate_example_serves_lazily_and_samples_on_cuda():
 
 def test_hf_generate_example_exits_2_with_the_reason_for_a_refused_model():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "diffllama", "--check"],
+        [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", "bert", "--check"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "error: DiffLlamaForCausalLM runs attention layer 0 more than once per forward" in proc.stderr
+    assert "error: BertLMHeadModel has non-causal attention" in proc.stderr
 
 
 def test_model_survey_classifies_each_exit_and_groups_the_table():

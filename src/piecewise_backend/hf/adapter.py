@@ -10,7 +10,6 @@ device-to-host reads (``nonzero``, ``.item()``, boolean-mask indexing) that no g
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 from typing import Any
 
@@ -22,6 +21,7 @@ from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
 from . import attention_swaps, indexed, mixers
 from .buffers import recording_self_assignments, self_assigned
+from .call_sites import CallSites
 
 PROBE_IMPLEMENTATION = "pb_probe"
 #: ``layer_types`` / ``layers_block_type`` entries served (others are refused): attention by the paged
@@ -32,6 +32,15 @@ SERVED_LAYER_TYPES = frozenset({
     "hybrid",  # falcon_h1: a Mamba2 mixer and attention side by side in one layer
     "mamba",  # jamba's layers_block_type
 })
+#: Why a layer type no mechanism here serves is refused, where more than its name says it.
+UNSERVED_LAYER_TYPES = {
+    "hybrid_sliding": (
+        "inkling's attention layers (hybrid_sliding, and its hybrid ones alike) add a learned relative-position "
+        "bias to every score (position_bias, from each query's r_proj over its distance to each key), convolve K and V "
+        "over the preceding tokens (state kept between tokens) and scale the full layers' queries by the row index: "
+        "the paged attention takes no per-score bias and no K/V convolution state"
+    ),
+}
 # Layer classes that keep a recurrent or convolution state from one token to the next.
 _STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
 
@@ -58,15 +67,21 @@ class LayerLayout:
     causal: bool = True  # neither the module nor the call says is_causal=False
     extra: tuple[str, ...] = ()  # keyword arguments the paged attention would ignore
     mask: str | None = None  # how an attention mask the model built differs from the causal one
+    layer: Any = None  # the module's ``layer_idx`` (None or -1 for a shared block)
 
 
 @dataclasses.dataclass
 class ProbeResult:
+    #: the attention layers by ``layer_idx``, or by call site (see :mod:`.call_sites`) where ``call_sites``
     layers: dict[int, LayerLayout]
     host_reads: list[str]  # "aten.nonzero in model.layers.0.mlp.experts", first seen first
     host_read_modules: list[str] = dataclasses.field(default_factory=list)  # the innermost module of each, as named there
-    masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)
-    qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)  # by call site
+    qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)  # by call site
+    #: every attention call of the forward, in call order (one layout per call)
+    sites: list[LayerLayout] = dataclasses.field(default_factory=list)
+    #: the cache holds one K/V per call site, not per layer (a module called twice, shared or unindexed)
+    call_sites: bool = False
     ignores_positions: bool = False  # q/k differ along the row for one token at one position_id
     #: attention modules that called the interface without a ``layer_idx`` of their own, first seen first
     unindexed: list[torch.nn.Module] = dataclasses.field(default_factory=list)
@@ -77,9 +92,20 @@ class ProbeResult:
 
     def compare_masks(self) -> None:
         """Set each layer's ``mask`` to how the mask the model built differs from the causal one (None: it does not)."""
-        for layer, (mask, tokens, window) in self.masks.items():
-            self.layers[layer].mask = _mask_difference(mask, tokens, window)
+        for site, (mask, tokens, window) in self.masks.items():
+            self.sites[site].mask = _mask_difference(mask, tokens, window)
         self.masks.clear()
+
+    def use_call_sites(self) -> None:
+        """Key ``layers`` by call site where the layers' modules do not name one K/V history each
+        (:meth:`.CallSites.needed`)."""
+        if self.sites and CallSites.needed([(l.module, l.layer) for l in self.sites]):
+            self.layers = dict(enumerate(self.sites))
+            self.call_sites = True
+
+    def call_site_modules(self) -> CallSites | None:
+        """The :class:`.CallSites` of the probed forward where the cache holds call sites, else None."""
+        return CallSites([l.module for l in self.sites]) if self.call_sites else None
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(attention layers, kv_heads, head_dim) of one cache that holds every attention layer (head dims
@@ -128,21 +154,23 @@ def probe_attention_forward(
     """AttentionInterface entry of the probe: records the layer's layout, returns zeros of the output's shape."""
     result = _RECORD[-1]
     layer = getattr(module, "layer_idx", None)
-    if layer is None:  # refused after the forward (layout_refusal), which would fail on a raise here
+    site = len(result.sites)
+    result.qk[site] = (query.detach().clone(), key.detach().clone())
+    extra = tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in UNDERSTOOD_KWARGS))
+    mask = args[0] if args else kwargs.get("attention_mask")
+    causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
+    layout = LayerLayout(
+        module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], causal=causal, extra=extra, layer=layer
+    )
+    result.sites.append(layout)
+    if isinstance(mask, torch.Tensor):  # compared after the forward: reading it here would count as a host read
+        result.masks[site] = (mask.detach().clone(), query.shape[2], kwargs.get("sliding_window"))
+    if not isinstance(layer, int) or layer < 0:
         result.unindexed.append(module)
-        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-    result.qk.setdefault(layer, (query.detach().clone(), key.detach().clone()))
-    if layer in result.layers:
+    elif layer in result.layers:
         result.layers[layer].calls += 1
     else:
-        extra = tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in UNDERSTOOD_KWARGS))
-        mask = args[0] if args else kwargs.get("attention_mask")
-        causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
-        result.layers[layer] = LayerLayout(
-            module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], causal=causal, extra=extra
-        )
-        if isinstance(mask, torch.Tensor):  # compared after the forward: reading it here would count as a host read
-            result.masks[layer] = (mask.detach().clone(), query.shape[2], kwargs.get("sliding_window"))
+        result.layers[layer] = layout
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
 
@@ -206,6 +234,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         if settable:
             model.set_attn_implementation(previous)
     result.compare_masks()
+    result.use_call_sites()
     result.state_layers = {i: l for i, l in states.layers.items() if l.calls}
     result.self_assigned = self_assigned(assigned)
     # Close, not equal: a kernel may round one row differently from another.
@@ -231,12 +260,20 @@ def refusal(model: torch.nn.Module) -> str | None:
             f"{name} sets attention_chunk_size={chunk} without layer_types naming its chunked_attention layers; "
             "the paged attention cannot tell which layers are chunked"
         )
+    if getattr(text, "recurrent_kv_cache_mode", None) == "last_loop":
+        return (
+            f"{name} sets recurrent_kv_cache_mode='last_loop': its earlier recurrent loops attend over the last loop's "
+            "cached K/V instead of their own, which the paged cache (one K/V per attention call site) does not hold"
+        )
     for field in ("layer_types", "layers_block_type"):
         kinds = getattr(text, field, None)
         other = sorted({str(k) for k in kinds or ()} - SERVED_LAYER_TYPES)
         why = indexed.layer_types_refusal(model, other)  # indexed (sparse) attention is served, compressed not
         if why:
             return why
+        known = next((k for k in other if k in UNSERVED_LAYER_TYPES), None)
+        if known is not None:
+            return f"{name} has layers of type {[known]} ({field}): {UNSERVED_LAYER_TYPES[known]}"
         if other:
             return (
                 f"{name} has layers of type {other} ({field}); the paged attention serves "
@@ -319,16 +356,6 @@ def graph_safe_experts(model: torch.nn.Module) -> str | None:
     return chosen
 
 
-def _shared(module: torch.nn.Module) -> str:
-    """Why ``module`` lacks a layer of its own, when its forward says so: it takes the layer at call time."""
-    try:
-        takes = "layer_idx" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        takes = False
-    return (f" (a shared attention block: {type(module).__name__}.forward takes the layer as an argument, "
-            "so one module serves several layers)") if takes else ""
-
-
 def layout_refusal(name: str, result: ProbeResult) -> str | None:
     """Why the probe's findings rule the model out, or None."""
     if result.host_reads:
@@ -336,12 +363,16 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
             f"{name} reads device data on the host in its forward ({result.host_reads[0]}): "
             "a data-dependent shape or a sync, which a CUDA graph would replay with the values seen at capture"
         )
-    if not result.layers and not result.state_layers and not result.unindexed:
+    if not result.layers and not result.state_layers:
         return f"{name} calls no attention through transformers' AttentionInterface and has no state layer it routes"
-    if result.unindexed:
-        module = result.unindexed[0]
-        return (f"{name} calls attention from {type(module).__name__}, which has no layer_idx{_shared(module)}; "
-                "the paged cache cannot tell its layers apart")
+    if result.call_sites:
+        kv: dict[int, set[int]] = {}
+        for l in result.sites:
+            kv.setdefault(id(l.module), set()).add(l.kv_heads)
+        mixed = next((l for l in result.sites if len(kv[id(l.module)]) > 1), None)
+        if mixed is not None:
+            return (f"{name} calls attention from one {type(mixed.module).__name__} with KV head counts "
+                    f"{sorted(kv[id(mixed.module)])}; a module's call sites must share one KV head count")
     for layer in result.state_layers.values():
         why = layer.refusal(name)
         if why:
@@ -357,10 +388,6 @@ def layout_refusal(name: str, result: ProbeResult) -> str | None:
     if bidirectional is not None:
         kind = type(result.layers[bidirectional].module).__name__
         return f"{name} has non-causal attention (layer {bidirectional}, {kind}); paged attention is causal only"
-    twice = [i for i, l in result.layers.items() if l.calls > 1]
-    if twice:
-        return (f"{name} runs attention layer {twice[0]} more than once per forward{_shared(result.layers[twice[0]].module)}; "
-                "the paged cache holds one K/V per layer")
     extra = next(((i, l.extra) for i, l in result.layers.items() if l.extra), None)
     if extra is not None:
         return f"{name} passes {list(extra[1])} to attention (layer {extra[0]}); the paged attention does not apply them"

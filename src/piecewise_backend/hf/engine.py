@@ -38,6 +38,7 @@ from ..state.cache import StateSpec
 from . import attention_swaps, indexed, mixers
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
+from .call_sites import CallSites
 from .host_breaks import install_host_breaks, no_full_graphs
 from .tensor_parallel import (
     check_engine_agreement,
@@ -81,7 +82,8 @@ def paged_attention_forward(
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (F.pad(t[0], (0, dim - t.shape[-1])).transpose(0, 1).contiguous() for t in (query, key, value))
     out = torch.empty_like(q)
-    layer = getattr(module, "pb_kv_layer", module.layer_idx)  # the cache holds attention layers only
+    sites = getattr(module, "pb_call_sites", None)  # a cache slot per call, not per layer (see .call_sites)
+    layer = sites.next(module) if sites is not None else getattr(module, "pb_kv_layer", module.layer_idx)
     selected = kwargs.get("indices")  # an indexer's top-k positions (1, tokens, topk): indexed attention
     if selected is not None:
         if sliding_window or softcap:
@@ -108,6 +110,7 @@ class TokensFirst(torch.nn.Module):
         self, model: torch.nn.Module, kv_shape: tuple[int, int, int] | None = None, host_breaks: list[str] | None = None,
         state_specs: Sequence[StateSpec] = (),
         indexer_dim: int = 0,
+        call_sites: CallSites | None = None,
     ):
         super().__init__()
         self.model = model
@@ -119,11 +122,15 @@ class TokensFirst(torch.nn.Module):
         self.host_breaks = host_breaks or []
         #: the states its state layers keep per request, in the order of the state cache (set by :func:`adapt`)
         self.state_specs = list(state_specs)
+        #: the attention calls of one forward where the cache holds a slot per call (:mod:`.call_sites`)
+        self.call_sites = call_sites
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # A step has >= 1 token: with the unbacked token count known non-zero, a model's
         # ``reshape(..., -1, d)`` needs no data-dependent guard (qwen3_next broke its graph there).
         torch._check(input_ids.shape[0] >= 1)
+        if self.call_sites is not None:
+            self.call_sites.start()
         return self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False).logits[0]
 
 
@@ -161,11 +168,14 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     drop_self_assignments(result.self_assigned)  # Dynamo would end a graph at each (ctrl's pos_encoding)
     kv_layers = result.kv_layers()
     chunked = chunked_layers(model)
+    sites = result.call_site_modules()
     for layer, layout in result.layers.items():
         layout.module.pb_head_dim = result.head_dim
         layout.module.pb_kv_repeat = result.kv_shape()[1] // layout.kv_heads
         layout.module.pb_kv_layer = kv_layers[layer]
-        layout.module.pb_chunk_size = chunked.get(layer, 0)
+        layout.module.pb_chunk_size = chunked.get(layout.layer, 0)
+        if sites is not None:
+            layout.module.pb_call_sites = sites
     for _, indexer in indexed.indexers(model):
         indexer.pb_kv_layer = kv_layers[indexer.layer_idx]
     specs = mixers.specs(result.state_layers)
@@ -174,7 +184,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     register_attention()
     if settable:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs, index_dim)
+    return own_code(TokensFirst)(model.eval(), result.kv_shape(), breaks, specs, index_dim, sites)
 
 
 def chunked_layers(model: torch.nn.Module) -> dict[int, int]:

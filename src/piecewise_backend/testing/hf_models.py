@@ -71,6 +71,10 @@ STATE_GAIN = 8.0
 TINY_LAYER_MIX: dict[str, dict[str, Any]] = {
     "zamba": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
     "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid"] * 2},
+    # dory's defaults (8 input and 8 output layers) leave a 2-layer model a negative recurrent section: one input
+    # layer, a recurrent section of a sliding and a full layer run twice, one output layer
+    "dory": {"num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_layers": 2,
+             "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"]},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "bamba": {"attn_layer_indices": [1]},
