@@ -4,7 +4,9 @@ Needs ``transformers`` (``pip install piecewise_backend[hf]``); importing ``piec
 alone never imports it. Works for decoder-only models whose attention goes through
 transformers' ``AttentionInterface`` (Llama, Qwen, Mistral, Mixtral, DeepSeek V2/V3, gpt-oss,
 Gemma 2/3, ...), and those whose attention modules :mod:`.attention_swaps` swaps onto the paged
-op (falcon, bloom, mpt, gpt_neox_japanese, xglm, openai-gpt); :func:`adapt` refuses, naming the
+op (falcon, bloom, mpt, gpt_neox_japanese, xglm, openai-gpt), and the decoders of encoder-decoder
+families whose positional embeddings :mod:`.position_swaps` points at ``position_ids`` (bart, marian,
+pegasus, ...); :func:`adapt` refuses, naming the
 reason, every model it would serve wrongly (:mod:`piecewise_backend.hf.adapter`; docs/models.md
 lists every type's outcome):
 
@@ -35,7 +37,7 @@ from ..serve.arguments import check_attention_backend, check_engine_args
 from ..serve.engine import Engine, check_config
 from ..serve.model_runner import KVLayout, first_parameter, own_code
 from ..state.cache import StateSpec
-from . import attention_swaps, indexed, mixers
+from . import attention_swaps, indexed, mixers, position_swaps
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
 from .buffers import drop_self_assignments
 from .call_sites import CallSites
@@ -154,16 +156,19 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     if reason is None:
         graph_safe_experts(model)
         attention_swaps.swap(model, ATTN_IMPLEMENTATION)  # modules outside the AttentionInterface, if any
+        position_swaps.swap(model)  # positional embeddings that take no position_ids from their decoder
         index_dim = indexed.route(model)  # before the probe, which runs the indexers
         try:
             result = probe(model.eval())
         except Exception as e:  # e.g. a forward that needs more than token ids (embeddings, shared K/V states)
             attention_swaps.restore(model)
+            position_swaps.restore(model)
             raise ValueError(f"{name} fails on a plain token-id forward ({type(e).__name__}: {e}); adapt() gives it nothing else") from e
         breaks = install_host_breaks(model, result) if result.layers else []  # a host read: a break, not a refusal
         reason = layout_refusal(name, result)
     if reason is not None:
         attention_swaps.restore(model)
+        position_swaps.restore(model)
         raise ValueError(reason)
     drop_self_assignments(result.self_assigned)  # Dynamo would end a graph at each (ctrl's pos_encoding)
     kv_layers = result.kv_layers()
