@@ -234,6 +234,9 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         if settable:
             model.set_attn_implementation(previous)
     result.compare_masks()
+    if settable and any(not l.causal for l in result.sites) and causal_in_effect(model, tokens + 1):
+        for layout in result.sites:  # causal through the mask the model builds (bigbird_pegasus's decoder)
+            layout.causal = True
     result.use_call_sites()
     result.state_layers = {i: l for i, l in states.layers.items() if l.calls}
     result.self_assigned = self_assigned(assigned)
@@ -244,6 +247,25 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     )
     result.qk.clear()
     return result
+
+
+def causal_in_effect(model: torch.nn.Module, tokens: int) -> bool:
+    """Whether ``model``'s own forward (its own attention implementation) keeps every prefix's logits when a
+    later token changes: attention modules that say ``is_causal=False`` may still be causal through the
+    mask the model builds for them (bigbird_pegasus's decoder self-attention), which the probe's
+    attention never sees. False where a plain token-id forward fails."""
+    param = next(model.parameters())
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.arange(3, 3 + tokens, device=param.device).clamp(max=vocab - 1)[None]
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab
+    positions = torch.arange(tokens, device=param.device)[None]
+    try:
+        with torch.no_grad():
+            a, b = (model(input_ids=i, position_ids=positions, use_cache=False).logits[0, :-1].float() for i in (ids, changed))
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError, NotImplementedError):
+        return False
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def transformers_pretrained() -> type:
