@@ -1,6 +1,6 @@
 """Attention modules outside transformers' AttentionInterface, swapped at module level onto the paged op.
 
-falcon, bloom, mpt, gpt_neox_japanese, xglm and openai-gpt compute attention inside their own
+falcon, bloom, mpt, gpt_neox_japanese, xglm, trocr and openai-gpt compute attention inside their own
 ``*Attention.forward`` (with ALiBi for bloom, mpt and falcon's ``alibi=True`` checkpoints), so
 setting an attention implementation reaches none of them. :func:`swap` gives each such module a forward of its own that computes q/k/v with the
 module's projections (and RoPE for rotary falcon), calls the attention implementation named by the
@@ -154,9 +154,10 @@ def xglm_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None, cache: Any = None,
     attention_mask: Any = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """XGLMAttention's self-attention on the attention implementation (queries scaled first, as XGLM does)."""
+    """XGLMAttention's (and TrOCRAttention's) self-attention on the attention implementation (queries scaled
+    first, as both do)."""
     if key_value_states is not None:
-        raise ValueError("XGLMAttention swapped onto the paged attention serves self-attention only, not cross-attention")
+        raise ValueError(f"{type(self).__name__} swapped onto the paged attention serves self-attention only, not cross-attention")
     batch, tokens, _ = hidden_states.shape
     shape = (batch, tokens, self.num_heads, self.head_dim)
     query, key, value = _heads_first(
@@ -206,6 +207,7 @@ SWAPS: dict[str, Swap] = {
         neox_japanese_forward, _no_slopes
     ),
     "transformers.models.xglm.modeling_xglm.XGLMAttention": Swap(xglm_forward, _no_slopes),
+    "transformers.models.trocr.modeling_trocr.TrOCRAttention": Swap(xglm_forward, _no_slopes),  # the same layout
     "transformers.models.openai.modeling_openai.Attention": Swap(openai_gpt_forward, _no_slopes, numbered=True),
 }
 

@@ -1,19 +1,24 @@
 """Positional embeddings that take the step's ``position_ids``, swapped at module level.
 
-The causal-LM decoders of bart, mbart, marian, pegasus, plbart, blenderbot, blenderbot-small and
-bigbird_pegasus accept ``position_ids`` (it reaches their decoder in ``**kwargs``) but embed
-positions from an ``arange`` over the row's length plus the HF cache's length: on the engine's
-tokens-first row (every request of a step in one row, no HF cache) the second request of a step
-and every decode token would get the wrong position. Each of their positional-embedding modules
-(a learned table, with bart's offset of 2 in the families that have one, or a fixed sinusoidal
-table; both ``nn.Embedding`` subclasses) already takes a ``position_ids`` keyword, but the decoder
-passes its own.
+The causal-LM decoders of bart, mbart, marian, pegasus, plbart, blenderbot, blenderbot-small,
+bigbird_pegasus and trocr (whose attention :mod:`.attention_swaps` swaps) embed positions from an
+``arange`` over the row's length plus the HF cache's length, whatever ``position_ids`` the model is
+called with: on the engine's tokens-first row (every request of a step in one row, no HF cache) the
+second request of a step and every decode token would get the wrong position. Their positional
+embeddings are tables (learned, with an offset of 2 in bart's, mbart's, plbart's and trocr's, or
+fixed sinusoids) looked up at those positions.
 
-:func:`swap` gives each such module a forward that looks up the positions its decoder was called
-with: a forward pre-hook on the decoder keeps ``position_ids`` from the call's keywords on the
-module (:data:`POSITIONS_ATTR`) and a forward hook clears it after. Without ``position_ids`` in the
-call (``model.generate`` passes none to these models) the module's own forward runs. Dynamo traces
-the hooks and the attribute write with the forward, so the graph reads the step's positions input.
+:func:`swap` gives each such module a forward that looks up the positions the model was called
+with: a forward pre-hook on the model keeps ``position_ids`` from the call's keywords on each
+module (:data:`POSITIONS_ATTR`) and a forward hook clears them after (the hook sits on the model,
+not the decoder: trocr's causal LM passes no keywords on to its decoder). Called without
+``position_ids`` (``model.generate`` passes none to these models) a module runs its own forward.
+Dynamo traces the hooks and the attribute writes with the forward, so the graph reads the step's
+positions input.
+
+trocr's sinusoidal table (fairseq's) counts positions from ``padding_idx + 1`` over the non-pad
+tokens; here they come from ``position_ids``, so a pad token inside a prompt gets its position's
+row where transformers gives it zeros and does not count it.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ POSITIONS_ATTR = "pb_position_ids"
 _HOOKS_ATTR = "pb_position_hooks"
 _MODELS = ("bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot_small", "bigbird_pegasus")
 _PREFIX = {"mbart": "MBart", "plbart": "PLBart", "blenderbot_small": "BlenderbotSmall", "bigbird_pegasus": "BigBirdPegasus"}
+_TROCR_SINUSOIDAL = "transformers.models.trocr.modeling_trocr.TrOCRSinusoidalPositionalEmbedding"
 #: Swapped positional-embedding classes, by ``module.qualname`` (transformers 5.24).
 SWAPPED: frozenset[str] = frozenset(
     f"transformers.models.{m}.modeling_{m}.{_PREFIX.get(m, m.capitalize())}{kind}PositionalEmbedding"
     for m in _MODELS for kind in (("Sinusoidal",) if m in ("marian", "pegasus") else ("Learned",))
-)
+) | {"transformers.models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding", _TROCR_SINUSOIDAL}
 
 
 def _key(module: torch.nn.Module) -> str:
@@ -44,47 +50,50 @@ def positional_forward(self: torch.nn.Embedding, *args: Any, **kwargs: Any) -> t
     positions = getattr(self, POSITIONS_ATTR, None)
     if positions is None:
         return type(self).forward(self, *args, **kwargs)
+    if _key(self) == _TROCR_SINUSOIDAL:  # fairseq's table: position p at row padding_idx + 1 + p
+        table = self.weights.to(positions.device)
+        return table[positions + (self.padding_idx + 1)].detach()
     return torch.nn.Embedding.forward(self, positions + getattr(self, "offset", 0))
 
 
-def _keep(embedding: torch.nn.Module) -> tuple[Any, Any]:
+def _hooks(embeddings: list[torch.nn.Module]) -> tuple[Any, Any]:
     def keep(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        setattr(embedding, POSITIONS_ATTR, kwargs.get("position_ids"))
+        for embedding in embeddings:
+            setattr(embedding, POSITIONS_ATTR, kwargs.get("position_ids"))
 
     def clear(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        setattr(embedding, POSITIONS_ATTR, None)
+        for embedding in embeddings:
+            setattr(embedding, POSITIONS_ATTR, None)
 
     return keep, clear
 
 
-def swappable(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
-    """``(decoder, positional embedding)`` of each swappable positional-embedding module of ``model``."""
-    return [
-        (parent, child) for parent in model.modules() for child in parent.children() if _key(child) in SWAPPED
-    ]
+def swappable(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The positional-embedding modules of ``model`` that :func:`swap` replaces (empty: none)."""
+    return [m for m in model.modules() if _key(m) in SWAPPED]
 
 
 def swap(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Make every swappable positional embedding of ``model`` use its decoder call's ``position_ids``
-    (idempotent); returns the embeddings."""
-    found = []
-    for decoder, embedding in swappable(model):
-        found.append(embedding)
-        if _HOOKS_ATTR in embedding.__dict__:
-            continue
-        keep, clear = _keep(embedding)
-        hooks = (decoder.register_forward_pre_hook(keep, with_kwargs=True),
-                 decoder.register_forward_hook(clear, with_kwargs=True, always_call=True))
-        embedding.__dict__[_HOOKS_ATTR] = hooks
+    """Make every swappable positional embedding of ``model`` use the ``position_ids`` ``model`` is called
+    with (idempotent); returns the embeddings."""
+    found = swappable(model)
+    if not found or _HOOKS_ATTR in model.__dict__:
+        return found
+    keep, clear = _hooks(found)
+    model.__dict__[_HOOKS_ATTR] = (
+        model.register_forward_pre_hook(keep, with_kwargs=True),
+        model.register_forward_hook(clear, with_kwargs=True, always_call=True),
+    )
+    for embedding in found:
         setattr(embedding, POSITIONS_ATTR, None)
         embedding.forward = types.MethodType(positional_forward, embedding)
     return found
 
 
 def restore(model: torch.nn.Module) -> None:
-    """Undo :func:`swap`: the embeddings' own forwards, no hooks on their decoders."""
-    for _, embedding in swappable(model):
-        for hook in embedding.__dict__.pop(_HOOKS_ATTR, ()):
-            hook.remove()
+    """Undo :func:`swap`: the embeddings' own forwards, no hooks on ``model``."""
+    for hook in model.__dict__.pop(_HOOKS_ATTR, ()):
+        hook.remove()
+    for embedding in swappable(model):
         embedding.__dict__.pop("forward", None)
         embedding.__dict__.pop(POSITIONS_ATTR, None)
