@@ -1,6 +1,6 @@
 """Attention modules outside transformers' AttentionInterface, swapped at module level onto the paged op.
 
-falcon, bloom, mpt, gpt_neox_japanese, xglm, trocr and openai-gpt compute attention inside their own
+falcon, bloom, mpt, gpt_neox_japanese, xglm, trocr, mvp and openai-gpt compute attention inside their own
 ``*Attention.forward`` (with ALiBi for bloom, mpt and falcon's ``alibi=True`` checkpoints), so
 setting an attention implementation reaches none of them. :func:`swap` gives each such module a forward of its own that computes q/k/v with the
 module's projections (and RoPE for rotary falcon), calls the attention implementation named by the
@@ -168,6 +168,19 @@ def xglm_forward(
     return self.out_proj(out.reshape(batch, tokens, -1)), None
 
 
+def mvp_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None, cache: Any = None,
+    attention_mask: Any = None, attn_prompt: torch.Tensor | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """MvpAttention's self-attention without prompts: XGLM's layout; a prompt's extra keys are refused."""
+    if attn_prompt is not None:
+        raise ValueError(
+            "MvpAttention with use_prompt=True attends to its prompt's keys and values before the tokens' own, "
+            "which the paged cache does not hold"
+        )
+    return xglm_forward(self, hidden_states, key_value_states, cache, attention_mask, **kwargs)
+
+
 def openai_gpt_forward(
     self: torch.nn.Module, x: torch.Tensor, attention_mask: Any = None, output_attentions: bool = False,
 ) -> list[torch.Tensor]:
@@ -208,6 +221,7 @@ SWAPS: dict[str, Swap] = {
     ),
     "transformers.models.xglm.modeling_xglm.XGLMAttention": Swap(xglm_forward, _no_slopes),
     "transformers.models.trocr.modeling_trocr.TrOCRAttention": Swap(xglm_forward, _no_slopes),  # the same layout
+    "transformers.models.mvp.modeling_mvp.MvpAttention": Swap(mvp_forward, _no_slopes),
     "transformers.models.openai.modeling_openai.Attention": Swap(openai_gpt_forward, _no_slopes, numbered=True),
 }
 

@@ -1,17 +1,17 @@
 """Positional embeddings that take the step's ``position_ids``, swapped at module level.
 
 The causal-LM decoders of bart, mbart, marian, pegasus, plbart, blenderbot, blenderbot-small,
-bigbird_pegasus and trocr (whose attention :mod:`.attention_swaps` swaps) embed positions from an
+bigbird_pegasus, trocr and mvp (the last two with attention :mod:`.attention_swaps` swaps) embed positions from an
 ``arange`` over the row's length plus the HF cache's length, whatever ``position_ids`` the model is
 called with: on the engine's tokens-first row (every request of a step in one row, no HF cache) the
 second request of a step and every decode token would get the wrong position. Their positional
-embeddings are tables (learned, with an offset of 2 in bart's, mbart's, plbart's and trocr's, or
+embeddings are tables (learned, with an offset of 2 in bart's, mbart's, plbart's, trocr's and mvp's, or
 fixed sinusoids) looked up at those positions.
 
 :func:`swap` gives each such module a forward that looks up the positions the model was called
 with: a forward pre-hook on the model keeps ``position_ids`` from the call's keywords on each
 module (:data:`POSITIONS_ATTR`) and a forward hook clears them after (the hook sits on the model,
-not the decoder: trocr's causal LM passes no keywords on to its decoder). Called without
+not the decoder: trocr's and mvp's causal LMs pass no keywords on to its decoder). Called without
 ``position_ids`` (``model.generate`` passes none to these models) a module runs its own forward.
 Dynamo traces the hooks and the attribute writes with the forward, so the graph reads the step's
 positions input.
@@ -28,17 +28,24 @@ from typing import Any
 
 import torch
 
-#: The attribute holding the positions of the decoder call in progress (None outside one).
+#: The attribute holding the positions of the model call in progress (None outside one).
 POSITIONS_ATTR = "pb_position_ids"
 _HOOKS_ATTR = "pb_position_hooks"
-_MODELS = ("bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot_small", "bigbird_pegasus")
-_PREFIX = {"mbart": "MBart", "plbart": "PLBart", "blenderbot_small": "BlenderbotSmall", "bigbird_pegasus": "BigBirdPegasus"}
 _TROCR_SINUSOIDAL = "transformers.models.trocr.modeling_trocr.TrOCRSinusoidalPositionalEmbedding"
 #: Swapped positional-embedding classes, by ``module.qualname`` (transformers 5.24).
-SWAPPED: frozenset[str] = frozenset(
-    f"transformers.models.{m}.modeling_{m}.{_PREFIX.get(m, m.capitalize())}{kind}PositionalEmbedding"
-    for m in _MODELS for kind in (("Sinusoidal",) if m in ("marian", "pegasus") else ("Learned",))
-) | {"transformers.models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding", _TROCR_SINUSOIDAL}
+SWAPPED: frozenset[str] = frozenset({
+    "transformers.models.bart.modeling_bart.BartLearnedPositionalEmbedding",
+    "transformers.models.bigbird_pegasus.modeling_bigbird_pegasus.BigBirdPegasusLearnedPositionalEmbedding",
+    "transformers.models.blenderbot.modeling_blenderbot.BlenderbotLearnedPositionalEmbedding",
+    "transformers.models.blenderbot_small.modeling_blenderbot_small.BlenderbotSmallLearnedPositionalEmbedding",
+    "transformers.models.marian.modeling_marian.MarianSinusoidalPositionalEmbedding",
+    "transformers.models.mbart.modeling_mbart.MBartLearnedPositionalEmbedding",
+    "transformers.models.mvp.modeling_mvp.MvpLearnedPositionalEmbedding",
+    "transformers.models.pegasus.modeling_pegasus.PegasusSinusoidalPositionalEmbedding",
+    "transformers.models.plbart.modeling_plbart.PLBartLearnedPositionalEmbedding",
+    "transformers.models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
+    _TROCR_SINUSOIDAL,
+})
 
 
 def _key(module: torch.nn.Module) -> str:
@@ -46,7 +53,7 @@ def _key(module: torch.nn.Module) -> str:
 
 
 def positional_forward(self: torch.nn.Embedding, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The table's rows at the decoder call's ``position_ids`` (plus the family's ``offset``), else the own forward."""
+    """The table's rows at the model call's ``position_ids`` (plus the family's ``offset``), else the own forward."""
     positions = getattr(self, POSITIONS_ATTR, None)
     if positions is None:
         return type(self).forward(self, *args, **kwargs)
