@@ -1,5 +1,5 @@
 """Attention modules outside transformers' AttentionInterface (hf/attention_swaps.py): falcon, bloom, mpt,
-gpt_neox_japanese, xglm and openai-gpt served on the paged op like ``generate``, ALiBi included; the swap
+gpt_neox_japanese, xglm and openai-gpt served (trocr and mvp in test_position_swaps.py) on the paged op like ``generate``, ALiBi included; the swap
 undone where adapt refuses; the others refused naming why."""
 
 from __future__ import annotations
@@ -92,10 +92,13 @@ def test_a_refused_swapped_model_gets_its_own_attention_back(monkeypatch):
 
 
 @pytest.mark.parametrize("arch, why", [
+    # trocr's attention is swapped and its positions too (test_position_swaps.py): here without its swap
     ("trocr", r"ignores position_ids \(its positions come from the sequence length\)"),
     ("xlm", r"its attention is also non-causal"),  # its default config is a masked LM (causal=False)
     ("rwkv", r"keeps recurrent state between tokens in its own code \(RwkvSelfAttention\)"),
 ])
-def test_attention_outside_the_interface_without_a_swap_is_refused_naming_why(arch, why):
+def test_attention_outside_the_interface_without_a_swap_is_refused_naming_why(arch, why, monkeypatch):
+    if arch == "trocr":
+        monkeypatch.delitem(attention_swaps.SWAPS, "transformers.models.trocr.modeling_trocr.TrOCRAttention")
     with pytest.raises(ValueError, match="does not route attention through transformers' AttentionInterface.*" + why):
         hf.adapt(hf.tiny_random_model(arch))

@@ -81,8 +81,6 @@ def test_adapt_refuses_what_it_cannot_serve():
         ("deepseek_v4", {}, r"\['compressed_sparse_attention', 'heavily_compressed_attention'\] layers: .* compressed"),
         # earlier recurrent loops read the last loop's cache: no K/V of their own call site
         ("dory", {"recurrent_kv_cache_mode": "last_loop"}, r"recurrent_kv_cache_mode='last_loop'"),
-        # positions from the sequence length, not position_ids: wrong for a step's second request and decode
-        ("pegasus", {}, r"PegasusForCausalLM ignores position_ids"),
     ],
 )
 def test_adapt_refuses_models_it_would_serve_wrongly(arch, sizes, reason):
