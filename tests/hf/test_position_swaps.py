@@ -76,16 +76,19 @@ def test_without_the_swap_the_tokens_change_and_adapt_refuses(monkeypatch):
     assert check(reference, prompts, outputs, budgets) != []
 
 
-def test_a_refused_model_gets_its_own_positions_back(monkeypatch):
-    model = hf.tiny_random_model("marian")
+@pytest.mark.parametrize("arch, fields", [("marian", {}), ("trocr", {"use_learned_position_embeddings": False})])
+def test_a_refused_model_gets_its_own_positions_back(monkeypatch, arch, fields):
+    model = hf.tiny_random_model(arch, **fields)
+    name = type(model).__name__
     ids = torch.arange(3, 10)[None]
     with torch.no_grad():
         before = model(ids).logits
     monkeypatch.setattr(hf.engine, "layout_refusal", lambda name, result: f"{name}: refused for the test")
-    with pytest.raises(ValueError, match="MarianForCausalLM: refused for the test"):
+    with pytest.raises(ValueError, match=f"{name}: refused for the test"):
         hf.adapt(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
-    assert all(not {"forward", position_swaps.POSITIONS_ATTR} & m.__dict__.keys() for m in position_swaps.swappable(model))
+    assert all(not {"forward", position_swaps.POSITIONS_ATTR} & m.__dict__.keys()
+               and not hasattr(m, position_swaps.TABLE_BUFFER) for m in position_swaps.swappable(model))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
 

@@ -31,6 +31,9 @@ import torch
 #: The attribute holding the positions of the model call in progress (None outside one).
 POSITIONS_ATTR = "pb_position_ids"
 _HOOKS_ATTR = "pb_position_hooks"
+#: trocr's sinusoidal table as a buffer: transformers keeps it as a plain attribute, which ``model.to()``
+#: does not move (a graph would copy it from the host every step)
+TABLE_BUFFER = "pb_position_table"
 _TROCR_SINUSOIDAL = "transformers.models.trocr.modeling_trocr.TrOCRSinusoidalPositionalEmbedding"
 #: Swapped positional-embedding classes, by ``module.qualname`` (transformers 5.24).
 SWAPPED: frozenset[str] = frozenset({
@@ -58,8 +61,7 @@ def positional_forward(self: torch.nn.Embedding, *args: Any, **kwargs: Any) -> t
     if positions is None:
         return type(self).forward(self, *args, **kwargs)
     if _key(self) == _TROCR_SINUSOIDAL:  # fairseq's table: position p at row padding_idx + 1 + p
-        table = self.weights.to(positions.device)
-        return table[positions + (self.padding_idx + 1)].detach()
+        return getattr(self, TABLE_BUFFER)[positions + (self.padding_idx + 1)]
     return torch.nn.Embedding.forward(self, positions + getattr(self, "offset", 0))
 
 
@@ -91,7 +93,10 @@ def swap(model: torch.nn.Module) -> list[torch.nn.Module]:
         model.register_forward_pre_hook(keep, with_kwargs=True),
         model.register_forward_hook(clear, with_kwargs=True, always_call=True),
     )
+    device = next(model.parameters()).device
     for embedding in found:
+        if _key(embedding) == _TROCR_SINUSOIDAL:
+            embedding.register_buffer(TABLE_BUFFER, embedding.weights.detach().to(device), persistent=False)
         setattr(embedding, POSITIONS_ATTR, None)
         embedding.forward = types.MethodType(positional_forward, embedding)
     return found
@@ -104,3 +109,5 @@ def restore(model: torch.nn.Module) -> None:
     for embedding in swappable(model):
         embedding.__dict__.pop("forward", None)
         embedding.__dict__.pop(POSITIONS_ATTR, None)
+        if hasattr(embedding, TABLE_BUFFER):
+            delattr(embedding, TABLE_BUFFER)
