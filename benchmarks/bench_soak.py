@@ -117,7 +117,7 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
     from piecewise_backend import hf
 
     raise_recompile_limits()
-    layers, steps = (2, 120) if quick else (4, 400)
+    layers, steps = (2, 80) if quick else (4, 400)
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", cudagraph_mode="FULL_AND_PIECEWISE",
                                   max_capture_size=16)
     kwargs = {"max_num_reqs": 4, "max_model_len": 64, "block_size": 8, "num_blocks": 18, "max_num_batched_tokens": 16}
@@ -173,7 +173,7 @@ def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a 2-layer model, 120 steps a round")
+    ap.add_argument("--quick", action="store_true", help="a 2-layer model, 80 steps a round")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sections = run(quick=args.quick)
