@@ -3,6 +3,7 @@ re-exported as ``piecewise_backend.hf.tiny_random_model``."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -60,6 +61,29 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     # QSA's indexer fields default to None, which its indexed_attention layers cannot be built with
     "qwen4_exp": _QSA,
     "qwen4_exp_text": _QSA,
+    # dbrx's attention reads attn_config.rope_theta, which DbrxAttentionConfig does not declare (transformers
+    # 5.24); its experts live in ffn_config (DBRX: 16 experts, top 4)
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0},
+             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    # dots1's expert counts default to None; dots.llm1: shared experts and a dense first layer
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1},
+    # gpt_neo's layers come from attention_types (global, local alternating) with a local window
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    # prophetnet has no settable num_hidden_layers (its encoder and decoder counts) and its own head-count names
+    "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2, "num_encoder_attention_heads": 4,
+                   "num_decoder_attention_heads": 4},
+    # reformer's LM head needs is_decoder; one local and one LSH layer, as its checkpoints alternate;
+    # the axial position shape multiplies to max_position_embeddings, its dims add to hidden_size
+    "reformer": {"is_decoder": True, "attn_layers": ["local", "lsh"], "axial_pos_shape": [16, 16],
+                 "axial_pos_embds_dim": [32, 32], "attention_head_size": 16, "feed_forward_size": 128,
+                 "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8, "num_buckets": 4},
+    "xlnet": {"d_inner": 128, "d_head": 16, "n_head": 4},  # d_head is derived once, from the default sizes
+    # blt's hash embeddings: 6 byte-group sizes times this vocabulary (500002 by default)
+    "blt": {"encoder_hash_byte_group_vocab": 256},
+    # cohere_compass_text reads rope parameters per layer type; its default config has none
+    "cohere_compass_text": {"rope_parameters": {
+        kind: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+        for kind in ("full_attention", "sliding_attention")}},
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
@@ -93,7 +117,15 @@ def _settable(config: Any, name: str) -> bool:
     except Exception:  # absent, or a per-layer attribute that refuses a global read (gemma4)
         return False
     prop = getattr(type(config), name, None)
-    return not (isinstance(prop, property) and prop.fset is None)
+    if not isinstance(prop, property):
+        return True
+    if prop.fset is None:
+        return False
+    try:  # a setter that refuses every value (prophetnet's num_hidden_layers, xlnet's max_position_embeddings)
+        prop.fset(copy.copy(config), getattr(config, name))
+    except Exception:
+        return False
+    return True
 
 
 def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, Any]:
@@ -114,13 +146,16 @@ def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, A
                                  and getattr(defaults, k)}
     if level >= 2:  # expert counts some MoE configs leave None by default (dots1)
         optional = {k: TINY_IF_SET[k] for k in _EXPERT_COUNTS if k not in sizes and _settable(defaults, k)}
-    return {k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)}
+    # copied: configs rewrite the dicts and lists they are given (rope_parameters), and the tables are shared
+    return copy.deepcopy({k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)})
 
 
 def _shrunk(transformers: Any, defaults: Any, sizes: dict[str, Any], level: int) -> Any:
     """``defaults`` rebuilt with tiny sizes, its sub-configs (text, vision, ...) too."""
     config = transformers.AutoConfig.for_model(defaults.model_type, **_fields(defaults, sizes, level))
     for key in (getattr(config, "sub_configs", {}) or {}) if level < 3 else ():
+        if key in sizes:  # given whole (dbrx's attn_config): kept as given
+            continue
         sub = getattr(config, key, None)
         if isinstance(sub, transformers.PretrainedConfig):
             setattr(config, key, type(sub)(**_fields(sub, sizes, level)))  # the sub-config's defaults, shrunk
