@@ -41,6 +41,9 @@ MAX_PARAMS = 50_000_000
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16}
 #: Qwen4-Exp's QSA indexer (one key head; a budget of whole compressed blocks), sized like TINY.
 _QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8, "indexer_compress_ratio": 4}
+#: BLT's sub-configs given whole (see TINY_TYPE_SIZES): TINY's sizes.
+_BLT_LOCAL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
 #: lfm2_moe's default config has no ``layer_types`` (its model indexes them) and makes its first two layers
 #: dense: a short convolution and an attention layer, the second with experts, as in its checkpoints.
 TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
@@ -62,8 +65,9 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "qwen4_exp": _QSA,
     "qwen4_exp_text": _QSA,
     # dbrx's attention reads attn_config.rope_theta, which DbrxAttentionConfig does not declare (transformers
-    # 5.24); its experts live in ffn_config (DBRX: 16 experts, top 4)
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0},
+    # 5.24), and clamps q/k/v to clip_qkv, which fails unset (DBRX sets 8); its experts live in ffn_config
+    # (DBRX: 16 experts, top 4)
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
     # dots1's expert counts default to None; dots.llm1: shared experts and a dense first layer
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1},
@@ -78,8 +82,12 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
                  "axial_pos_embds_dim": [32, 32], "attention_head_size": 16, "feed_forward_size": 128,
                  "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8, "num_buckets": 4},
     "xlnet": {"d_inner": 128, "d_head": 16, "n_head": 4},  # d_head is derived once, from the default sizes
-    # blt's hash embeddings: 6 byte-group sizes times this vocabulary (500002 by default)
-    "blt": {"encoder_hash_byte_group_vocab": 256},
+    # blt's hash embeddings: 6 byte-group sizes times this vocabulary (500002 by default); its global
+    # transformer is as wide as the local encoder's cross_attn_k (2) patch copies, as in BLT's checkpoints
+    # (the config derives the projection between them from the two sub-configs it is given: both given whole)
+    "blt": {"encoder_hash_byte_group_vocab": 256, "hidden_size_global": 128,
+            "encoder_config": {**_BLT_LOCAL, "num_hidden_layers": 1, "hidden_size_global": 128},
+            "global_config": {**_BLT_LOCAL, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}},
     # cohere_compass_text reads rope parameters per layer type; its default config has none
     "cohere_compass_text": {"rope_parameters": {
         kind: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
