@@ -131,7 +131,7 @@ def _settable(config: Any, name: str) -> bool:
         return False
     try:  # a setter that refuses every value (prophetnet's num_hidden_layers, xlnet's max_position_embeddings)
         prop.fset(copy.copy(config), getattr(config, name))
-    except Exception:
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
         return False
     return True
 
@@ -269,8 +269,9 @@ def tiny_random_model(
 ) -> torch.nn.Module:
     """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
 
-    ``sizes`` override :data:`TINY`; only fields the model's config has (and can set) are set (GPT-2
-    has no ``num_key_value_heads``...). Fewer layers keep one of each type the full config has
+    ``sizes`` override :data:`TINY` (and :data:`TINY_TYPE_SIZES`); only fields the model's config has (and
+    can set) are set (GPT-2 has no ``num_key_value_heads``...); a sub-config given in ``sizes`` (dbrx's
+    ``attn_config``) is used as given, not shrunk. Fewer layers keep one of each type the full config has
     (``layer_types``; :data:`TINY_LAYER_MIX` where released models differ from the default). The
     weight matrices and convolutions of state layers (modules that call the kernels
     :mod:`piecewise_backend.hf.mixers` routes) are scaled by ``state_gain``: at HF's initialization and this size their
