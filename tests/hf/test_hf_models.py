@@ -267,6 +267,9 @@ BUILT_FROM_TYPE_SIZES = {
     "xlnet": lambda c: c.n_layer == 2 and c.d_head * c.n_head == c.d_model == 64,
     "blt": lambda c: c.global_config.hidden_size == c.encoder_config.hidden_size * c.cross_attn_k,
     "cohere_compass_text": lambda c: set(c.rope_parameters) == {"full_attention", "sliding_attention"},
+    # built from the decoder sub-config, the one its causal LM class takes: a row of tokens per audio codebook
+    "musicgen": lambda c: c.model_type == "musicgen_decoder" and c.num_codebooks == 4,
+    "musicgen_melody": lambda c: c.model_type == "musicgen_melody_decoder" and c.num_codebooks == 4,
 }
 
 
@@ -279,8 +282,9 @@ def test_tiny_random_model_builds_types_its_generic_sizes_cannot(arch):
     model = hf.tiny_random_model(arch)
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
     assert BUILT_FROM_TYPE_SIZES[arch](model.config), model.config
+    rows = getattr(model.config, "num_codebooks", 1)
     with torch.no_grad():
-        logits = model(input_ids=torch.arange(3, 11)[None], use_cache=False).logits
-    assert logits.shape == (1, 8, model.config.get_text_config().vocab_size) and bool(logits.isfinite().all())
+        logits = model(input_ids=torch.arange(3, 11).repeat(rows, 1), use_cache=False).logits
+    assert logits.shape == (rows, 8, model.config.get_text_config().vocab_size) and bool(logits.isfinite().all())
     assert hf_models.TINY_TYPE_SIZES[arch] == table  # the config was given a copy (configs rewrite their dicts)
 

@@ -88,6 +88,9 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     "blt": {"encoder_hash_byte_group_vocab": 256, "hidden_size_global": 128,
             "encoder_config": {**_BLT_LOCAL, "num_hidden_layers": 1, "hidden_size_global": 128},
             "global_config": {**_BLT_LOCAL, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}},
+    # musicgen's causal LM is its decoder over 4 audio codebooks (built from its decoder sub-config)
+    "musicgen": {"ffn_dim": 128},
+    "musicgen_melody": {"ffn_dim": 128},
     # cohere_compass_text reads rope parameters per layer type; its default config has none
     "cohere_compass_text": {"rope_parameters": {
         kind: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
@@ -170,6 +173,25 @@ def _shrunk(transformers: Any, defaults: Any, sizes: dict[str, Any], level: int)
     return config
 
 
+def _lm_config(transformers: Any, arch: str, defaults: Any) -> Any:
+    """The config ``arch``'s causal LM class takes: ``defaults``, or the one of its sub-configs the class is
+    built from (transformers maps musicgen to its decoder over the audio codebooks, whose config is a sub-config)."""
+    lm_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(defaults)]
+    if isinstance(defaults, lm_class.config_class):
+        return defaults
+    subs = [getattr(defaults, key, None) for key in getattr(defaults, "sub_configs", {}) or {}]
+    return next((sub for sub in subs if isinstance(sub, lm_class.config_class)), defaults)
+
+
+def _from_config(transformers: Any, arch: str, config: Any, **kwargs: Any) -> torch.nn.Module:
+    """``arch``'s causal LM built from ``config``: its own config type, or the sub-config :func:`_lm_config` chose
+    (a type AutoModelForCausalLM does not map, so its class is built directly)."""
+    if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    lm_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[transformers.CONFIG_MAPPING[arch]]
+    return lm_class._from_config(config, **kwargs)
+
+
 def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -> Any:
     """The first shrunk config (fewest changes last) that builds a model under MAX_PARAMS, on the meta device."""
     errors = []
@@ -177,7 +199,7 @@ def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -
         try:
             config = _shrunk(transformers, defaults, sizes, level)
             with torch.device("meta"):  # count first: a size field left unshrunk can mean GBs
-                params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+                params = sum(p.numel() for p in _from_config(transformers, arch, config).parameters())
         except Exception as e:  # the config's own validation: try fewer changes
             errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             continue
@@ -292,14 +314,15 @@ def tiny_random_model(
         raise ValueError(f"tiny_random_model cannot build {arch!r}: its default config is invalid ({type(e).__name__}: {e})") from e
     if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
+    defaults = _lm_config(transformers, arch, defaults)
     sizes = {**TINY_TYPE_SIZES.get(arch, {}), **sizes}
     config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes)
     torch.manual_seed(seed)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = _from_config(transformers, arch, config, attn_implementation="sdpa")
     except ValueError:  # a model without SDPA support (Gemma2...): HF's eager attention
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = _from_config(transformers, arch, config, attn_implementation="eager")
     with torch.no_grad():
         for _, module in candidates(model):
             for p in module.parameters():
