@@ -173,9 +173,10 @@ def _shrunk(transformers: Any, defaults: Any, sizes: dict[str, Any], level: int)
     return config
 
 
-def _lm_config(transformers: Any, arch: str, defaults: Any) -> Any:
-    """The config ``arch``'s causal LM class takes: ``defaults``, or the one of its sub-configs the class is
-    built from (transformers maps musicgen to its decoder over the audio codebooks, whose config is a sub-config)."""
+def _lm_config(transformers: Any, defaults: Any) -> Any:
+    """The config the type's causal LM class takes: ``defaults``, or the one of its sub-configs the class is
+    built from, where the composite config does not build (transformers maps musicgen to its decoder over the
+    audio codebooks, whose config is a sub-config; composites that build, emu3, mllama..., are built as they are)."""
     lm_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(defaults)]
     if isinstance(defaults, lm_class.config_class):
         return defaults
@@ -314,9 +315,14 @@ def tiny_random_model(
         raise ValueError(f"tiny_random_model cannot build {arch!r}: its default config is invalid ({type(e).__name__}: {e})") from e
     if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
-    defaults = _lm_config(transformers, arch, defaults)
     sizes = {**TINY_TYPE_SIZES.get(arch, {}), **sizes}
-    config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes)
+    try:
+        config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes)
+    except ValueError:
+        decoder = _lm_config(transformers, defaults)
+        if decoder is defaults:
+            raise
+        config = _keep_layer_mix(transformers, arch, decoder, _build_mixed(transformers, arch, decoder, sizes), sizes)
     torch.manual_seed(seed)
     try:
         model = _from_config(transformers, arch, config, attn_implementation="sdpa")
