@@ -160,8 +160,12 @@ def test_tiny_random_model_builds_configs_with_read_only_fields():
     assert plbart.config.d_model == 64
 
 
-def test_tiny_random_model_names_what_it_cannot_shrink():
-    """A size field TINY does not know is found on the meta device (nothing allocated) and named."""
+def test_tiny_random_model_names_what_it_cannot_shrink(monkeypatch):
+    """A size field TINY does not know is found on the meta device (nothing allocated) and named: blt's hash
+    embeddings without the size tiny_random_model's table gives them."""
+    from piecewise_backend.testing import hf_models
+
+    monkeypatch.delitem(hf_models.TINY_TYPE_SIZES, "blt")
     with pytest.raises(ValueError, match=r"cannot build 'blt' from a shrunk config \(\d+M parameters \(> 50M"):
         hf.tiny_random_model("blt")
 

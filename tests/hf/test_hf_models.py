@@ -8,6 +8,8 @@ pieces match eager logits, and a simulated PIECEWISE capture replays them exactl
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,10 +224,9 @@ def _example():
     return load_file("examples/hf_generate.py")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_bigcode", "gpt_oss", "gemma2"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_bigcode", "gpt_oss", "gemma2", "dots1",
+                                  "cohere_compass_text"])
 def test_engine_serves_the_architecture_like_generate(arch):
-    import copy
-
     from piecewise_backend import hf
 
     model = hf.tiny_random_model(arch, sliding_window=4) if arch == "gemma2" else hf.tiny_random_model(arch)
@@ -253,3 +254,37 @@ def test_engine_refuses_a_model_with_state_it_cannot_hold_up_front(monkeypatch):
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
     with pytest.raises(ValueError, match=r"MiniMaxForCausalLM keeps recurrent or convolution state .* in its own code \(MiniMaxLightningAttention"):
         hf.HFEngine(hf.tiny_random_model("minimax"), config, max_model_len=24)
+
+
+#: Types whose default config cannot be shrunk by TINY alone (tiny_random_model's per-type sizes), with what
+#: each keeps of its family: the layer mix, experts, the sub-configs it is given whole.
+BUILT_FROM_TYPE_SIZES = {
+    "dbrx": lambda c: c.attn_config.clip_qkv == 8.0 and c.ffn_config.moe_num_experts == 4 and c.ffn_config.moe_top_k == 2,
+    "dots1": lambda c: c.n_routed_experts == 4 and c.n_shared_experts == 1 and c.first_k_dense_replace == 1,
+    "gpt_neo": lambda c: c.attention_layers == ["global", "local"] and c.window_size == 8,
+    "prophetnet": lambda c: c.num_decoder_layers == 2 and c.num_decoder_attention_heads == 4,
+    "reformer": lambda c: list(c.attn_layers) == ["local", "lsh"] and c.is_decoder,
+    "xlnet": lambda c: c.n_layer == 2 and c.d_head * c.n_head == c.d_model == 64,
+    "blt": lambda c: c.global_config.hidden_size == c.encoder_config.hidden_size * c.cross_attn_k,
+    "cohere_compass_text": lambda c: set(c.rope_parameters) == {"full_attention", "sliding_attention"},
+    # built from the decoder sub-config, the one its causal LM class takes: a row of tokens per audio codebook
+    "musicgen": lambda c: c.model_type == "musicgen_decoder" and c.num_codebooks == 4,
+    "musicgen_melody": lambda c: c.model_type == "musicgen_melody_decoder" and c.num_codebooks == 4,
+}
+
+
+@pytest.mark.parametrize("arch", sorted(BUILT_FROM_TYPE_SIZES))
+def test_tiny_random_model_builds_types_its_generic_sizes_cannot(arch):
+    from piecewise_backend import hf
+    from piecewise_backend.testing import hf_models
+
+    table = copy.deepcopy(hf_models.TINY_TYPE_SIZES[arch])
+    model = hf.tiny_random_model(arch)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert BUILT_FROM_TYPE_SIZES[arch](model.config), model.config
+    rows = getattr(model.config, "num_codebooks", 1)
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(3, 11).repeat(rows, 1), use_cache=False).logits
+    assert logits.shape == (rows, 8, model.config.get_text_config().vocab_size) and bool(logits.isfinite().all())
+    assert hf_models.TINY_TYPE_SIZES[arch] == table  # the config was given a copy (configs rewrite their dicts)
+

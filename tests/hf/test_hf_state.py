@@ -123,15 +123,13 @@ def test_zamba_keeps_two_hybrid_layers_and_is_refused_for_its_multi_head_mamba()
         hf.adapt(hf.tiny_random_model("zamba"))
 
 
-def test_a_config_that_cannot_be_shrunk_says_so_even_with_several_text_configs():
-    """musicgen's shrunk config fails; looking for its layer types (get_text_config raises: a text encoder and
-    a decoder) must not replace that error with transformers' own."""
-    try:
-        transformers.AutoConfig.for_model("musicgen")
-    except Exception as e:  # 5.17: its default config fails its own validation, before any shrinking
-        pytest.skip(f"transformers {transformers.__version__} cannot build musicgen's default config ({type(e).__name__})")
-    with pytest.raises(ValueError, match=r"cannot build 'musicgen' from a shrunk config \(AttributeError"):
-        hf.tiny_random_model("musicgen")
+def test_a_causal_lm_over_audio_codebooks_is_built_from_its_decoder_and_refused():
+    """transformers maps musicgen to its decoder's causal LM (several text configs: a text encoder and a decoder);
+    tiny_random_model builds it from the decoder sub-config, and adapt() refuses it: a row of tokens per codebook."""
+    model = hf.tiny_random_model("musicgen")
+    assert type(model).__name__ == "MusicgenForCausalLM" and model.config.num_codebooks == 4
+    with pytest.raises(ValueError, match=r"MusicgenForCausalLM fails on a plain token-id forward"):
+        hf.adapt(model)
 
 
 def test_adapt_routes_each_state_layer_to_the_ops_by_what_it_calls():

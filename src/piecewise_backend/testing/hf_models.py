@@ -3,6 +3,7 @@ re-exported as ``piecewise_backend.hf.tiny_random_model``."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -40,6 +41,9 @@ MAX_PARAMS = 50_000_000
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_state": 16, "mamba_chunk_size": 16}
 #: Qwen4-Exp's QSA indexer (one key head; a budget of whole compressed blocks), sized like TINY.
 _QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8, "indexer_compress_ratio": 4}
+#: BLT's sub-configs given whole (see TINY_TYPE_SIZES): TINY's sizes.
+_BLT_LOCAL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
 #: lfm2_moe's default config has no ``layer_types`` (its model indexes them) and makes its first two layers
 #: dense: a short convolution and an attention layer, the second with experts, as in its checkpoints.
 TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
@@ -60,6 +64,37 @@ TINY_TYPE_SIZES: dict[str, dict[str, Any]] = {
     # QSA's indexer fields default to None, which its indexed_attention layers cannot be built with
     "qwen4_exp": _QSA,
     "qwen4_exp_text": _QSA,
+    # dbrx's attention reads attn_config.rope_theta, which DbrxAttentionConfig does not declare (transformers
+    # 5.24), and clamps q/k/v to clip_qkv, which fails unset (DBRX sets 8); its experts live in ffn_config
+    # (DBRX: 16 experts, top 4)
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},
+    # dots1's expert counts default to None; dots.llm1: shared experts and a dense first layer
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1},
+    # gpt_neo's layers come from attention_types (global, local alternating) with a local window
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    # prophetnet has no settable num_hidden_layers (its encoder and decoder counts) and its own head-count names
+    "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2, "num_encoder_attention_heads": 4,
+                   "num_decoder_attention_heads": 4},
+    # reformer's LM head needs is_decoder; one local and one LSH layer, as its checkpoints alternate;
+    # the axial position shape multiplies to max_position_embeddings, its dims add to hidden_size
+    "reformer": {"is_decoder": True, "attn_layers": ["local", "lsh"], "axial_pos_shape": [16, 16],
+                 "axial_pos_embds_dim": [32, 32], "attention_head_size": 16, "feed_forward_size": 128,
+                 "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8, "num_buckets": 4},
+    "xlnet": {"d_inner": 128, "d_head": 16, "n_head": 4},  # d_head is derived once, from the default sizes
+    # blt's hash embeddings: 6 byte-group sizes times this vocabulary (500002 by default); its global
+    # transformer is as wide as the local encoder's cross_attn_k (2) patch copies, as in BLT's checkpoints
+    # (the config derives the projection between them from the two sub-configs it is given: both given whole)
+    "blt": {"encoder_hash_byte_group_vocab": 256, "hidden_size_global": 128,
+            "encoder_config": {**_BLT_LOCAL, "num_hidden_layers": 1, "hidden_size_global": 128},
+            "global_config": {**_BLT_LOCAL, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}},
+    # musicgen's causal LM is its decoder over 4 audio codebooks (built from its decoder sub-config)
+    "musicgen": {"ffn_dim": 128},
+    "musicgen_melody": {"ffn_dim": 128},
+    # cohere_compass_text reads rope parameters per layer type; its default config has none
+    "cohere_compass_text": {"rope_parameters": {
+        kind: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+        for kind in ("full_attention", "sliding_attention")}},
 }
 #: What :func:`tiny_random_model` scales state layers' weights by (see there).
 STATE_GAIN = 8.0
@@ -93,7 +128,15 @@ def _settable(config: Any, name: str) -> bool:
     except Exception:  # absent, or a per-layer attribute that refuses a global read (gemma4)
         return False
     prop = getattr(type(config), name, None)
-    return not (isinstance(prop, property) and prop.fset is None)
+    if not isinstance(prop, property):
+        return True
+    if prop.fset is None:
+        return False
+    try:  # a setter that refuses every value (prophetnet's num_hidden_layers, xlnet's max_position_embeddings)
+        prop.fset(copy.copy(config), getattr(config, name))
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, Any]:
@@ -114,17 +157,40 @@ def _fields(defaults: Any, sizes: dict[str, Any], level: int = 0) -> dict[str, A
                                  and getattr(defaults, k)}
     if level >= 2:  # expert counts some MoE configs leave None by default (dots1)
         optional = {k: TINY_IF_SET[k] for k in _EXPERT_COUNTS if k not in sizes and _settable(defaults, k)}
-    return {k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)}
+    # copied: configs rewrite the dicts and lists they are given (rope_parameters), and the tables are shared
+    return copy.deepcopy({k: v for k, v in {**optional, **wanted}.items() if _settable(defaults, k)})
 
 
 def _shrunk(transformers: Any, defaults: Any, sizes: dict[str, Any], level: int) -> Any:
     """``defaults`` rebuilt with tiny sizes, its sub-configs (text, vision, ...) too."""
     config = transformers.AutoConfig.for_model(defaults.model_type, **_fields(defaults, sizes, level))
     for key in (getattr(config, "sub_configs", {}) or {}) if level < 3 else ():
+        if key in sizes:  # given whole (dbrx's attn_config): kept as given
+            continue
         sub = getattr(config, key, None)
         if isinstance(sub, transformers.PretrainedConfig):
             setattr(config, key, type(sub)(**_fields(sub, sizes, level)))  # the sub-config's defaults, shrunk
     return config
+
+
+def _lm_config(transformers: Any, defaults: Any) -> Any:
+    """The config the type's causal LM class takes: ``defaults``, or the one of its sub-configs the class is
+    built from, where the composite config does not build (transformers maps musicgen to its decoder over the
+    audio codebooks, whose config is a sub-config; composites that build, emu3, mllama..., are built as they are)."""
+    lm_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(defaults)]
+    if isinstance(defaults, lm_class.config_class):
+        return defaults
+    subs = [getattr(defaults, key, None) for key in getattr(defaults, "sub_configs", {}) or {}]
+    return next((sub for sub in subs if isinstance(sub, lm_class.config_class)), defaults)
+
+
+def _from_config(transformers: Any, arch: str, config: Any, **kwargs: Any) -> torch.nn.Module:
+    """``arch``'s causal LM built from ``config``: its own config type, or the sub-config :func:`_lm_config` chose
+    (a type AutoModelForCausalLM does not map, so its class is built directly)."""
+    if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    lm_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[transformers.CONFIG_MAPPING[arch]]
+    return lm_class._from_config(config, **kwargs)
 
 
 def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -> Any:
@@ -134,7 +200,7 @@ def _build(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any]) -
         try:
             config = _shrunk(transformers, defaults, sizes, level)
             with torch.device("meta"):  # count first: a size field left unshrunk can mean GBs
-                params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+                params = sum(p.numel() for p in _from_config(transformers, arch, config).parameters())
         except Exception as e:  # the config's own validation: try fewer changes
             errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             continue
@@ -226,8 +292,9 @@ def tiny_random_model(
 ) -> torch.nn.Module:
     """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
 
-    ``sizes`` override :data:`TINY`; only fields the model's config has (and can set) are set (GPT-2
-    has no ``num_key_value_heads``...). Fewer layers keep one of each type the full config has
+    ``sizes`` override :data:`TINY` (and :data:`TINY_TYPE_SIZES`); only fields the model's config has (and
+    can set) are set (GPT-2 has no ``num_key_value_heads``...); a sub-config given in ``sizes`` (dbrx's
+    ``attn_config``) is used as given, not shrunk. Fewer layers keep one of each type the full config has
     (``layer_types``; :data:`TINY_LAYER_MIX` where released models differ from the default). The
     weight matrices and convolutions of state layers (modules that call the kernels
     :mod:`piecewise_backend.hf.mixers` routes) are scaled by ``state_gain``: at HF's initialization and this size their
@@ -249,13 +316,19 @@ def tiny_random_model(
     if type(defaults) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
     sizes = {**TINY_TYPE_SIZES.get(arch, {}), **sizes}
-    config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes)
+    try:
+        config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes)
+    except ValueError:
+        decoder = _lm_config(transformers, defaults)
+        if decoder is defaults:
+            raise
+        config = _keep_layer_mix(transformers, arch, decoder, _build_mixed(transformers, arch, decoder, sizes), sizes)
     torch.manual_seed(seed)
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = _from_config(transformers, arch, config, attn_implementation="sdpa")
     except ValueError:  # a model without SDPA support (Gemma2...): HF's eager attention
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = _from_config(transformers, arch, config, attn_implementation="eager")
     with torch.no_grad():
         for _, module in candidates(model):
             for p in module.parameters():
