@@ -213,6 +213,11 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
         model.set_attn_implementation(PROBE_IMPLEMENTATION)
     _RECORD.append(result)
     is_compiling = torch.compiler.is_compiling
+    # ModuleTracker's hooks assert on a view of a grad-requiring parameter taken under no_grad (dbrx's
+    # experts slice their weights in the forward): the probe runs with the parameters' grads off.
+    grads = [p for p in model.parameters() if p.requires_grad]
+    for p in grads:
+        p.requires_grad_(False)
     try:
         # HF takes other branches under torch.compile (eager-only input checks skipped, MoE fallbacks):
         # the probe follows the ones Dynamo will trace.
@@ -229,6 +234,8 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
             states.rows_independent = True
             model(input_ids=ids[:, :1].expand(1, tokens), position_ids=torch.zeros_like(positions), use_cache=False)
     finally:
+        for p in grads:
+            p.requires_grad_(True)
         torch.compiler.is_compiling = is_compiling
         _RECORD.pop()
         if settable:

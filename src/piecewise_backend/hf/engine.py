@@ -339,7 +339,7 @@ def check_hf_model(model: Any, config: CompilationConfig, max_model_len: int) ->
     returns its vocabulary size."""
     text = model.config.get_text_config()
     limit = getattr(text, "max_position_embeddings", None)
-    if isinstance(limit, int) and max_model_len > limit:
+    if isinstance(limit, int) and 0 < limit < max_model_len:  # xlnet's -1: no limit
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}: "
             f"use max_model_len <= {limit}"
