@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Section, fmt_ratio, fmt_spread, log, table
+from benchmarks.common import Section, fmt_ratio, fmt_spread, launch_ranks, log, table
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(vocab=512, dim=256, hidden=1024, num_layers=2, num_experts=8, top_k=2)
@@ -89,18 +88,9 @@ RESULT = "bench_dbo result: "  # marks rank 0's JSON line in the launcher's outp
 
 
 def run(quick: bool = False, deadline: float | None = None, backend: str = "gloo") -> list[Section]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "benchmarks" / "bench_dbo.py"), "--child", "--backend", backend, *(["--quick"] if quick else [])]
     log(f"  dbo: 2 {backend} ranks")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ranks failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    line = next((ln for ln in reversed(proc.stdout.splitlines()) if RESULT in ln), None)
-    if line is None:
-        raise RuntimeError(f"rank 0 printed no result line: {proc.stdout.strip()[-2000:]}")
-    data = {int(k): v for k, v in json.loads(line.split(RESULT, 1)[1]).items()}
+    args = ["--backend", backend, *(["--quick"] if quick else [])]
+    data = {int(k): v for k, v in launch_ranks("bench_dbo.py", args, RESULT).items()}
     rows, medians = [], {}
     for tokens, times in data.items():
         plain, ub = times["no micro-batching"], times["micro-batched"]

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import Section, fmt_ratio, fmt_spread, log, table
+from benchmarks.common import Section, fmt_ratio, fmt_spread, launch_ranks, log, table
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
@@ -84,18 +83,8 @@ RESULT = "bench_tp result: "  # marks rank 0's JSON line in the launcher's outpu
 
 
 def run(quick: bool = False, deadline: float | None = None) -> list[Section]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "benchmarks" / "bench_tp.py"), "--child", *(["--quick"] if quick else [])]
     log("  tp: 2 gloo ranks")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ranks failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    line = next((ln for ln in reversed(proc.stdout.splitlines()) if RESULT in ln), None)
-    if line is None:
-        raise RuntimeError(f"rank 0 printed no result line: {proc.stdout.strip()[-2000:]}")
-    data = json.loads(line.split(RESULT, 1)[1])
+    data = launch_ranks("bench_tp.py", ["--quick"] if quick else [], RESULT)
     tokens, times = data["tokens"], data["times"]
     rate = {name: [tokens / t for t in ts] for name, ts in times.items()}
     ratios = [b / a for a, b in zip(rate["TP=1"], rate["TP=2"])]

@@ -90,6 +90,22 @@ def spawn_child(module: str, args: Sequence[str], inductor_cache: str, timeout: 
     return result
 
 
+def launch_ranks(script: str, args: Sequence[str], marker: str, nproc: int = 2, timeout: float = 900) -> Any:
+    """Run ``benchmarks/<script> --child <args>`` on ``nproc`` ranks under torchrun (one thread each); returns
+    the JSON rank 0 printed after ``marker`` on a line of its own."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(ROOT / "benchmarks" / script), "--child", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ranks failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if marker in ln), None)
+    if line is None:
+        raise RuntimeError(f"rank 0 printed no result line: {proc.stdout.strip()[-2000:]}")
+    return json.loads(line.split(marker, 1)[1])
+
+
 def quartiles(xs: Sequence[float]) -> tuple[float, float]:
     if len(xs) < 2:
         return xs[0], xs[0]

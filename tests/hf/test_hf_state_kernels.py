@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from pbtest.helpers import load_file
+from pbtest.helpers import load_file, serve_requests
 
 import piecewise_backend as pb
 from piecewise_backend import state as st
@@ -32,15 +32,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def serve(model: torch.nn.Module, capture: bool = True, **kw) -> tuple[list[list[int]], list[list[int]], list, hf.HFEngine]:
-    engine = hf.HFEngine(model, CONFIG, max_num_reqs=3, max_model_len=32, block_size=4, **kw)
-    if capture:
-        engine.capture()
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
-    steps: list[hf.StepInfo] = []
-    outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
-    return prompts, outputs, steps, engine
+def serve(model: torch.nn.Module, capture: bool = True, **engine_kwargs):
+    return serve_requests(model, CONFIG, capture, **engine_kwargs)
 
 
 def check(reference, prompts, outputs) -> list[int]:

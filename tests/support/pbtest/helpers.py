@@ -402,3 +402,18 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int], devic
             raise
         return False
     return True
+
+
+def serve_requests(model: torch.nn.Module, config: pb.CompilationConfig, capture: bool = True, **engine_kwargs):
+    """Serve three requests that join and finish at different steps (a prompt longer than llama4's chunk of 8)
+    with an HFEngine over ``model``; returns (prompts, outputs, steps, engine)."""
+    from piecewise_backend import hf
+
+    engine = hf.HFEngine(model, config, max_num_reqs=3, max_model_len=32, block_size=4, **engine_kwargs)
+    if capture:
+        engine.capture()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 11, 3)]
+    steps: list = []
+    outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
+    return prompts, outputs, steps, engine
