@@ -5,7 +5,7 @@ from .agreement import PeerCaptureError, check_same_step, init_tensor_parallel
 from .assembly import clear_graphs, drop_full_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .buffers import StepBuffers
 from .dispatcher import CudagraphDispatcher
-from .graph_runner import GraphRunner
+from .graph_runner import GraphRunner, StepResult
 from .orchestration import CaptureReport
 from .static_inputs import StaticInput
 from .step import ModelStep, Step
@@ -18,6 +18,7 @@ __all__ = [
     "wrap_model",
     "CudagraphDispatcher",
     "GraphRunner",
+    "StepResult",
     "CaptureReport",
     "StaticInput",
     "StepBuffers",

@@ -11,6 +11,7 @@ capture is closed) and the one step path of :meth:`GraphRunner.run`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +45,19 @@ from .static_inputs import (
 )
 from .step import ContextFn, ModelStep
 
-__all__ = ["CaptureReport", "GraphRunner", "StaticInput"]  # CaptureReport, StaticInput: imported from here too
+__all__ = ["CaptureReport", "GraphRunner", "StaticInput", "StepResult"]  # CaptureReport, StaticInput: imported from here too
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :meth:`GraphRunner.run_step` did: the step's unpadded ``output``, the ``mode`` it ran in (NONE:
+    eagerly), the ``descriptor`` of the graph it replayed (or of the eager step) and whether it was
+    micro-batched (``ubatched``)."""
+
+    output: Any
+    mode: CUDAGraphMode
+    descriptor: BatchDescriptor
+    ubatched: bool = False
 
 
 class GraphRunner:
@@ -266,7 +279,18 @@ class GraphRunner:
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
         query_lens: Sequence[int] | None = None, **batch: torch.Tensor,
     ) -> Any:
-        """Run one step; returns outputs sliced to the real token count.
+        """Run one step; returns outputs sliced to the real token count (:meth:`run_step` without the
+        record: :attr:`last_mode` and :attr:`last_ubatched` say what the latest step ran)."""
+        return self.run_step(
+            uniform_decode=uniform_decode, num_reqs=num_reqs, context=context, query_lens=query_lens, **batch
+        ).output
+
+    def run_step(
+        self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
+        query_lens: Sequence[int] | None = None, **batch: torch.Tensor,
+    ) -> StepResult:
+        """Run one step; returns its :class:`StepResult`: outputs sliced to the real token count, the mode
+        and descriptor it ran under, whether it was micro-batched.
 
         ``query_lens`` (tokens per request, in order) lets a micro-batching runner split a
         mixed step at a request boundary; uniform decode steps and steps of one token per
@@ -340,6 +364,7 @@ class GraphRunner:
             self.last_ubatched = agreed.ubatch
             if agreed.ubatch:
                 return self._run_halves(batch, agreed, mode, desc, n, num_reqs, context, may_capture)
+        ubatched = agreed is not None and agreed.ubatch
         self.last_mode = mode
         if self.config.debug_checks and agreed is None:
             _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
@@ -360,19 +385,20 @@ class GraphRunner:
                 out = self.step(views, mode, desc, context=context, may_capture=may_capture)
                 self.lazy.note_eager(wanted, time.perf_counter() - began)
             if padded == n:
-                return out  # what the model returned, as an eager call returns it
+                return StepResult(out, mode, desc, ubatched)  # what the model returned, as an eager call returns it
         else:
             padded = desc.num_tokens
             buffers.fill(batch, padded)
             out = self.step(buffers.step_views(padded), mode, desc, context=context, may_capture=may_capture)
         if isinstance(out, torch.Tensor):  # the common case, without tree_map's flatten and unflatten
-            return _unpad(out, n, padded)
-        return tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out)
+            return StepResult(_unpad(out, n, padded), mode, desc, ubatched)
+        return StepResult(tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out), mode,
+                          desc, ubatched)
 
     def _run_halves(
         self, batch: dict[str, torch.Tensor], agreed: _ubatch.Agreement, mode: CUDAGraphMode, desc: BatchDescriptor,
         n: int, num_reqs: int | None, context: dict, may_capture: bool | None,
-    ) -> Any:
+    ) -> StepResult:
         """The rest of a micro-batched step: lay its halves out and run them (one call of the wrapped model)."""
         buffers = self.step_buffers
         mode, agreed, halves = _ubatch.plan(agreed, mode, desc, n, self.dispatcher.uniform_decode_query_len, buffers)
@@ -383,7 +409,7 @@ class GraphRunner:
         desc = desc if mode == CUDAGraphMode.FULL else BatchDescriptor(sum(halves.rows))
         out = self.step(views, mode, desc, context=context, may_capture=may_capture, halves=halves)
         cut = agreed.split[0]
-        return tree_map(lambda o: _ubatch.unsplit(o, cut, n, halves), out)
+        return StepResult(tree_map(lambda o: _ubatch.unsplit(o, cut, n, halves), out), mode, desc, True)
 
     def clear_graphs(self) -> None:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""

@@ -21,7 +21,7 @@ from ..backend.compiler import make_backend
 from ..config import CompilationConfig
 from ..kv import cache as kv
 from ..modes import AttentionGraphSupport
-from ..runner import GraphRunner, StaticInput
+from ..runner import GraphRunner, StaticInput, StepResult
 from ..state.cache import StateCache, StateSpec
 from .arguments import is_int
 from .loop import Executed, chunk_ends
@@ -147,10 +147,10 @@ class ModelRunner:
     def run(
         self, layout: Sequence[tuple[Hashable, int, int]], tokens: Sequence[int] | torch.Tensor, uniform: bool,
         commit: bool = True,
-    ) -> torch.Tensor:
+    ) -> StepResult:
         """One step over ``layout`` (``(request slot, first position, tokens)`` each) and its ``tokens``
-        (ids, or a device tensor of them); the logits of every token. They live in graph memory: read
-        them before any other replay. ``commit=False`` leaves the state layers' states as they were
+        (ids, or a device tensor of them); what the GraphRunner did, its ``output`` the logits of every
+        token. They live in graph memory: read them before any other replay. ``commit=False`` leaves the state layers' states as they were
         before the step (the copies it wrote become current only through :meth:`commit`)."""
         meta = self.cache.step_inputs(layout)
         if self.states is not None:  # a new (or preempted) request gets a zeroed slot
@@ -159,10 +159,12 @@ class ModelRunner:
             ids = tokens.to(device=self.cache.device, dtype=torch.long)
         else:
             ids = torch.tensor(list(tokens), dtype=torch.long, device=self.cache.device)
-        logits = self.runner.run(uniform_decode=uniform, num_reqs=len(layout) if uniform else None, input_ids=ids, **meta)
+        result = self.runner.run_step(
+            uniform_decode=uniform, num_reqs=len(layout) if uniform else None, input_ids=ids, **meta
+        )
         if commit:
             self.commit([slot for slot, _, _ in layout])
-        return logits
+        return result
 
     def commit(self, slots: Sequence[Hashable]) -> None:
         """The states the last step wrote for ``slots`` become current (no-op without state layers)."""
@@ -195,7 +197,8 @@ class Decode:
         layout = [(r.slot, start, count) for r, start, count in chunks]
         tokens = [t for r, start, count in chunks for t in r.tokens(start, count)]
         decode = all(count == 1 for _, _, count in chunks)  # one query token per request: FULL-graph shaped
-        logits = self.model.run(layout, tokens, decode)
+        result = self.model.run(layout, tokens, decode)
+        logits = result.output
         new: list[list[int]] = [[] for _ in chunks]
         emit = [(i, r, end) for i, ((r, start, count), end) in enumerate(zip(chunks, chunk_ends(chunks)))
                 if start + count == r.length]
@@ -211,7 +214,7 @@ class Decode:
             drawn = sample(rows, [r.sampling for _, r, _ in emit], keys).tolist()  # read before any other replay
             for (i, _, _), token in zip(emit, drawn):
                 new[i] = [token]
-        return Executed(new, len(tokens), decode, self.model.runner.last_mode)
+        return Executed(new, len(tokens), decode, result.mode)
 
     def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None:
         return None

@@ -178,11 +178,8 @@ class Speculate:
         if drafting:
             ids[torch.tensor(draft_rows, device=ids.device)] = drafts.flatten().to(ids.device)
         verify_only = all(f and count == 1 for (_, _, count), f in zip(chunks, final))
-        logits = self.target.run(layout, ids, verify_only, commit=False)
-        mode = self.target.runner.last_mode
-        key = self.target.runner.dispatcher.dispatch(
-            len(host), uniform_decode=verify_only, num_reqs=len(chunks) if verify_only else None
-        )[1]
+        verified_step = self.target.run(layout, ids, verify_only, commit=False)
+        logits, mode, key = verified_step.output, verified_step.mode, verified_step.descriptor
         new: list[list[int]] = []
         verified: list[tuple[Request, int]] = []
         commit = []
@@ -234,8 +231,8 @@ class Speculate:
         feed = [(r, start + count - r.draft_computed) for r, start, count in chunks]
         layout = [(r.slot, r.draft_computed, n) for r, n in feed if n > 0]
         tokens = [t for r, n in feed if n > 0 for t in r.tokens(r.draft_computed, n)]
-        logits = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout))
-        modes = [self.drafter.runner.last_mode]
+        first = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout))
+        logits, modes = first.output, [first.mode]
         if not drafting:
             return torch.empty(0, k, dtype=torch.long), None, modes, None
         ends = {slot: end for (slot, _, _), end in zip(layout, chunk_ends(layout))}
@@ -246,8 +243,9 @@ class Speculate:
         for j in range(k):
             if j:
                 layout = [(r.slot, r.length + j - 1, 1) for r in drafting]
-                rows = self.drafter.run(layout, drafts[-1], True)
-                modes.append(self.drafter.runner.last_mode)
+                proposal = self.drafter.run(layout, drafts[-1], True)
+                rows = proposal.output
+                modes.append(proposal.mode)
             if sampled:
                 probs = probabilities(rows, params)
                 keys = torch.tensor([noise_key(r.seed, r.length + j, DRAFT) for r in drafting], device=rows.device)
