@@ -125,9 +125,3 @@ def get_forward_context() -> ForwardContext:
 
 def is_forward_context_available() -> bool:
     return current_forward_context() is not None
-
-
-def current_runtime_mode() -> CUDAGraphMode:
-    """The active runtime mode, NONE when no context is set (cheap; used on hot paths)."""
-    ctx = current_forward_context()
-    return CUDAGraphMode.NONE if ctx is None else ctx.runtime_mode
