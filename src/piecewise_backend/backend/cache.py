@@ -1,7 +1,7 @@
 """Compiled pieces saved to ``CompilationConfig.cache_dir`` and loaded by later processes.
 
 One file per distinct piece, named by a key over everything that changes its code
-(:func:`~piecewise_backend.backend.keys.piece_key` with ``stable=True``: the graph with the bodies of
+(:func:`~piecewise_backend.backend.keys.describe_piece` with ``stable=True``: the graph with the bodies of
 higher-order ops, called functions by their code and closures, constants by value, input
 metadata and symbolic ranges, grad mode, autocast, default dtype, Inductor's and AOTAutograd's
 configs and custom passes by ``uuid()``) and the environment: torch (version and source hash),
@@ -32,8 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..observability import counters, logger
-from .keys import CompileState, Uncacheable
-from .keys import piece_key as piece_description
+from .keys import CompileState, Uncacheable, describe_piece
 from .trust import UntrustedPathError, check_trusted, check_trusted_file
 
 MAGIC = b"PBPIECE1"
@@ -82,7 +81,7 @@ def piece_key(gm: fx.GraphModule, state: CompileState | None = None) -> str:
     """
     inputs = example_inputs(gm)
     devices = {v.device.type for v in inputs if isinstance(v, torch.Tensor)}
-    h = hashlib.sha256(piece_description(gm, stable=True, state=state)[0].encode())
+    h = hashlib.sha256(describe_piece(gm, stable=True, state=state)[0].encode())
     for device in sorted(devices) or ["cpu"]:
         h.update(_environment(device).encode())
     return h.hexdigest()
@@ -206,7 +205,7 @@ class PieceCache:
 def compile_cached(gm: fx.GraphModule, cache: PieceCache | None,
                    state: CompileState | None = None) -> tuple[Callable[..., Any], Any, bool]:
     """(piece callable, artifact, loaded?) for ``gm``: from ``cache`` when it holds it, else compiled
-    (and saved to ``cache``). ``state``: see :func:`~piecewise_backend.backend.keys.piece_key`."""
+    (and saved to ``cache``). ``state``: see :func:`~piecewise_backend.backend.keys.describe_piece`."""
     bare = returns_bare_value(gm)
     key = None
     if cache is not None:

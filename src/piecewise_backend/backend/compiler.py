@@ -22,7 +22,7 @@ from ..ops import OpMatcher, registered_splitting_ops
 from ..platforms.registry import effective_mode
 from .cache import PieceCache, compile_cached
 from .dump import dump_split
-from .keys import CompileState, piece_key
+from .keys import CompileState, describe_piece
 from .partition import PartitionWrappers, compile_partitioned
 from .split import Piece, SplitGraph, split_graph
 
@@ -160,7 +160,7 @@ class PiecewiseBackend:
         """Compiled code for ``piece``: once per distinct piece in this backend (same graph, same
         called objects, same compile-time state: :mod:`.keys`), then from ``cache_dir`` when set
         (loaded by a later process), else Inductor."""
-        key, refs = piece_key(piece.module, stable=False, state=self._state)
+        key, refs = describe_piece(piece.module, stable=False, state=self._state)
         hit = self._compiled.get(key)
         if hit is not None:
             counters["compile_cache_hits"] += 1

@@ -1,6 +1,6 @@
 """What decides reuse of compiled code: the keys of in-process piece sharing and of the piece cache.
 
-A compiled piece may serve another piece only when both are the same code. :func:`piece_key`
+A compiled piece may serve another piece only when both are the same code. :func:`describe_piece`
 describes everything that changes the code Inductor makes for a piece: its graph, recursively
 into the bodies of higher-order ops (``torch.cond``, ``checkpoint``, ``wrap``), the identity of
 every object it calls or reads (functions, closures, constants, tensor constants by value), its
@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .describe import Describer, Uncacheable
 
-__all__ = ["CompileState", "Uncacheable", "global_state", "piece_key", "stable_digest"]
+__all__ = ["CompileState", "Uncacheable", "describe_piece", "global_state", "stable_digest"]
 
 # Inductor hooks left out of save_config_portable(): they hold callables, keyed by uuid() here.
 _PASS_HOOKS = (
@@ -108,7 +108,7 @@ class CompileState:
         return part
 
 
-def piece_key(gm: fx.GraphModule, *, stable: bool, state: CompileState | None = None) -> tuple[str, list[Any]]:
+def describe_piece(gm: fx.GraphModule, *, stable: bool, state: CompileState | None = None) -> tuple[str, list[Any]]:
     """(description, objects to keep alive) of everything that changes ``gm``'s compiled code.
 
     ``stable=False``: in-process identity is allowed. ``stable=True``: raises :class:`Uncacheable`
@@ -123,5 +123,4 @@ def piece_key(gm: fx.GraphModule, *, stable: bool, state: CompileState | None = 
 
 def stable_digest(gm: fx.GraphModule) -> str:
     """SHA-256 hex of the cross-process description of ``gm`` (raises :class:`Uncacheable`)."""
-    return hashlib.sha256(piece_key(gm, stable=True)[0].encode()).hexdigest()
-
+    return hashlib.sha256(describe_piece(gm, stable=True)[0].encode()).hexdigest()
