@@ -431,7 +431,7 @@ def capture_allowed(ctx: Any) -> bool:
 
 
 # gc during capture: collecting per capture dominated capture time (vLLM), so a bulk
-# capture collects once and freezes; platforms ask gc_managed() before collecting.
+# capture collects once and freezes; platforms ask platforms.may_collect_garbage() (this probe) first.
 _bulk_depth = 0
 _bulk_lock = threading.Lock()
 

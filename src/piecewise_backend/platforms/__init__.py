@@ -3,7 +3,7 @@
 A platform opens capture *scopes* (one per wrapper capture call: stream, gc) and records
 *segments* inside them; a finished segment is a graph with ``replay()``."""
 
-from .base import Graph, Platform, Recorder, Recording, fresh_outputs, gc_managed, set_gc_managed
+from .base import Graph, Platform, Recorder, Recording, fresh_outputs, may_collect_garbage, set_gc_managed
 from .registry import (
     config_platform_name,
     effective_mode,
@@ -16,11 +16,11 @@ from .registry import (
 
 __all__ = [
     "fresh_outputs",
-    "gc_managed",
     "Graph",
     "Platform",
     "Recorder",
     "Recording",
+    "may_collect_garbage",
     "set_gc_managed",
     "config_platform_name",
     "effective_mode",

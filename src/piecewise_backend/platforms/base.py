@@ -107,8 +107,10 @@ def set_gc_managed(probe: Callable[[], bool]) -> None:
     _gc_probe[0] = probe
 
 
-def gc_managed() -> bool:
-    return _gc_probe[0]()
+def may_collect_garbage() -> bool:
+    """Whether a platform may collect garbage around a capture: no caller (a bulk capture) collected
+    once and froze gc, as the probe :func:`set_gc_managed` installed says."""
+    return not _gc_probe[0]()
 
 
 def fresh_outputs(args: tuple, kwargs: dict, outs: list[Any]) -> list[tuple[int, torch.Tensor]]:

@@ -39,7 +39,7 @@ import torch
 from ...context import context_attributes, current_forward_context, set_forward_context
 from ...modes import CUDAGraphMode
 from ...weak import weak_ref_tensor
-from ..base import gc_managed
+from ..base import may_collect_garbage
 from .graphs import _EMPTY_WARNING, CudaGraphSegment, CudaRecorder, EmptyGraph  # noqa: F401 (re-exported)
 from .pools import Generations, PrivatePool
 from .recovery import CaptureInvalidatedError  # noqa: F401 (re-exported: pb.CaptureInvalidatedError)
@@ -103,7 +103,7 @@ class CudaPlatform:
         """Around one whole capture; ``collect``: collect garbage first (None: unless a bulk capture manages gc)."""
         self._usable()
         with exclusive("capturing"):
-            if collect if collect is not None else not gc_managed():
+            if collect if collect is not None else may_collect_garbage():
                 gc.collect()  # once per capture call, never per segment (it dominated capture time in vLLM)
             with torch.cuda.device(self.device):
                 # outside any capture (ending a generation drops its MemPool); the current one stays: this
@@ -161,7 +161,7 @@ class CudaPlatform:
             gens.current = gen
         self._local.error_mode = capture_error_mode
         # as torch.cuda.graph: no gc.collect() unless torch asks for one (force_cudagraph_gc)
-        collect = bool(getattr(torch.compiler.config, "force_cudagraph_gc", False)) and not gc_managed()
+        collect = bool(getattr(torch.compiler.config, "force_cudagraph_gc", False)) and may_collect_garbage()
         try:
             with self.capture_scope(collect):
                 yield
@@ -261,7 +261,7 @@ class CudaPlatform:
         bytes the allocator released."""
         if captures_open():
             return 0  # inside a capture the pool is in use
-        if not gc_managed():
+        if may_collect_garbage():
             gc.collect()  # a graph in a reference cycle holds its generation until it is collected
         with exclusive("releasing graph memory"), torch.cuda.device(self.device):
             before = torch.cuda.memory_reserved(self.device)

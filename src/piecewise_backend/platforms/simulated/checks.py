@@ -31,8 +31,9 @@ class Recorded(Protocol):
     def replay(self) -> None: ...
 
 
-class Recording(Protocol):
-    """The recording mode as the checks see it: what it snapshotted and allocated, and its undo."""
+class RecordingMode(Protocol):
+    """The simulator's recording mode (a TorchDispatchMode of :mod:`.platform`) as the checks see it: what it
+    snapshotted and allocated, and its undo."""
 
     snapshots: dict[Any, tuple[Any, Any]]
     allocated: dict[Any, Any]
@@ -125,7 +126,7 @@ def _writers(graph: Recorded) -> dict[int, Any]:
     return writers
 
 
-def validate_segment(mode: Recording, graph: Recorded) -> None:
+def validate_segment(mode: RecordingMode, graph: Recorded) -> None:
     """Replay ``graph`` from the pre-segment state and compare with the eager run; refuse on a difference.
 
     When it refuses, memory is left as after a capture (undone); when it passes, as after a
