@@ -8,6 +8,7 @@ from typing import Any
 
 from .modes import CUDAGraphMode
 from .ops import canonicalize_op
+from .validation import is_int
 
 PLATFORMS = ("auto", "cuda", "simulated")
 DEFAULT_MAX_CAPTURE_SIZE = 512
@@ -20,10 +21,6 @@ def default_capture_sizes(max_capture_size: int) -> tuple[int, ...]:
     """[1, 2, 4], every 8 below 256, every 16 from 256 up to ``max_capture_size``."""
     ladder = [1, 2, 4, *range(8, 256, 8), *range(256, max_capture_size + 1, 16)]
     return tuple(s for s in ladder if s <= max_capture_size)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +62,7 @@ class CompilationConfig:
         object.__setattr__(self, "_max_derived", not explicit_max)  # not a field: replace() re-derives it
         if explicit_max:
             least = 1 if graphs else 0
-            if not _is_int(self.max_capture_size) or not least <= self.max_capture_size <= MAX_CAPTURE_SIZE_LIMIT:
+            if not is_int(self.max_capture_size) or not least <= self.max_capture_size <= MAX_CAPTURE_SIZE_LIMIT:
                 raise ValueError(
                     f"CompilationConfig.max_capture_size must be an int in [{least}, {MAX_CAPTURE_SIZE_LIMIT}] "
                     f"(0 only with cudagraph_mode NONE; larger batches run eagerly), got {self.max_capture_size!r}"
@@ -73,7 +70,7 @@ class CompilationConfig:
         if self.capture_sizes is not None:
             iterable = hasattr(self.capture_sizes, "__iter__") and not isinstance(self.capture_sizes, (str, bytes))
             sizes = list(self.capture_sizes) if iterable else []
-            bad = [s for s in sizes if not _is_int(s) or s < 1]
+            bad = [s for s in sizes if not is_int(s) or s < 1]
             if bad or not iterable or (graphs and not sizes):
                 raise ValueError(
                     "CompilationConfig.capture_sizes must be a non-empty list of positive ints (empty only with "
@@ -91,7 +88,7 @@ class CompilationConfig:
                     f"CompilationConfig.capture_sizes hold {top}, above the limit {MAX_CAPTURE_SIZE_LIMIT}; "
                     "larger batches run eagerly"
                 )
-            set_("capture_sizes", tuple(sorted(set(sizes))))
+            set_("capture_sizes", tuple(sorted({int(s) for s in sizes})))  # numpy ints stored as ints
             if not explicit_max:
                 set_("max_capture_size", top)
         elif not explicit_max:
@@ -107,13 +104,13 @@ class CompilationConfig:
                 "CompilationConfig: platform='simulated' needs compile_pieces='eager' (Inductor's fused CPU "
                 "kernels bypass the ATen dispatcher the simulator records); got compile_pieces='inductor'"
             )
-        if not _is_int(self.num_warmups) or self.num_warmups < 0:
+        if not is_int(self.num_warmups) or self.num_warmups < 0:
             raise ValueError(f"CompilationConfig.num_warmups must be an int >= 0, got {self.num_warmups!r}")
         for name in ("debug_dump_dir", "cache_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"CompilationConfig.{name} must be None or a path, got {value!r}")
-        if self.max_num_seqs is not None and (not _is_int(self.max_num_seqs) or self.max_num_seqs < 1):
+        if self.max_num_seqs is not None and (not is_int(self.max_num_seqs) or self.max_num_seqs < 1):
             raise ValueError(f"CompilationConfig.max_num_seqs must be None or a positive int, got {self.max_num_seqs!r}")
         if not isinstance(self.debug_checks, bool):
             raise ValueError(f"CompilationConfig.debug_checks must be a bool, got {self.debug_checks!r}")
@@ -132,8 +129,13 @@ class CompilationConfig:
                 )
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 2:  # a micro-batched step has two non-empty halves
+            if not is_int(value) or value < 2:  # a micro-batched step has two non-empty halves
                 raise ValueError(f"CompilationConfig.{name} must be an int >= 2 (tokens), got {value!r}")
+        for name in ("max_capture_size", "num_warmups", "max_num_seqs", "dbo_decode_token_threshold",
+                     "dbo_prefill_token_threshold"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                set_(name, int(value))  # a numpy integer scalar passed the checks: the config holds Python ints
 
     @property
     def max_capture_size_derived(self) -> bool:

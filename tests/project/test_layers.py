@@ -16,7 +16,7 @@ PACKAGE = "piecewise_backend"
 
 # Bottom up; a module may import only from its own layer or below.
 LAYERS = ("core", "platforms", "capture", "backend", "ubatch", "runner", "blocks", "serve", "hf")
-CORE = {"modes", "context", "config", "ops", "observability", "weak", "shapes", "inputs", "version"}
+CORE = {"modes", "context", "config", "ops", "observability", "weak", "shapes", "inputs", "validation", "version"}
 BLOCKS = {"attention", "kv", "state"}  # what a model is built from: attention, the KV and state caches
 # The package's faces and documented re-export paths sit on top: they may name anything; so do the
 # fixtures of ``testing`` (toy models, tiny HF models, graph_code) and the CLI. ``hf``'s face re-exports

@@ -7,13 +7,10 @@ import bisect
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
+from ..validation import is_int as _is_int
 
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 _EAGER_KEYS = 1 << 16  # bounds the NONE keys kept (one small object per token count seen)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class CudagraphDispatcher:

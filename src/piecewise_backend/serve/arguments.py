@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..attention.backends import attention_backends, describe, select_attention_backends
+from ..validation import is_int  # noqa: F401  (serve's modules import it from here)
 
 #: What a prompt may be, for the error messages.
 PROMPT_KINDS = "a list or tuple of ints, a 1-D integer tensor or a 1-D numpy integer array"
@@ -31,11 +32,6 @@ class GenerateArgs:
     prompts: list[list[int]]
     budgets: list[int]
     eos: frozenset[int]
-
-
-def is_int(value: Any) -> bool:
-    """An integer that is not a bool (numpy's integer scalars count: they are ``numbers.Integral``)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_array(value: Any) -> bool:

@@ -24,16 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ..runner.agreement import distributed
+from ..validation import is_int as _is_int
 
 _M32 = 0xFFFFFFFF
 _MAX_SEED = 2**64
 
 
-def _is_int(value: object) -> bool:  # numpy's integer and float scalars count (numbers' ABCs)
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> bool:  # numpy's float and integer scalars count (numbers.Real)
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
