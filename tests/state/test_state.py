@@ -86,6 +86,62 @@ def test_ops_need_state_metadata():
     assert torch.equal(out, torch.zeros_like(x)) and not cache.states[0].any()  # refused before writing anything
 
 
+def _op_calls(T: int = 2) -> dict[str, tuple]:
+    """Each state op with well-formed inputs for ``T`` tokens: (call(out, state, size), out, the slot shape it needs)."""
+    r, ops = torch.randn, torch.ops.pb_state
+    x, w, a = r(T, C), r(C, K), r(T, C)
+    q, k, v, g, beta = r(T, HK, DK), r(T, HK, DK), r(T, HV, DV), -torch.rand(T, HV), torch.rand(T, HV)
+    kq, kg = r(T, HV, DK), -torch.rand(T, HV, DK)
+    lq, slope = r(T, HV, DV), torch.rand(HV)
+    u, dt, A1, B1 = r(T, C), torch.rand(T, C), -torch.rand(C, MN), r(T, MN)
+    x2, dt2, A2, B2 = r(T, SH, SP), torch.rand(T, SH), -torch.rand(SH), r(T, SG, SN)
+    return {
+        "causal_conv1d": (lambda out, i, n: ops.causal_conv1d(x, w, None, out, i, ""), torch.zeros(T, C), (C, K - 1)),
+        "gated_delta_rule": (lambda out, i, n: ops.gated_delta_rule(q, k, v, g, beta, out, i, True, n),
+                             torch.zeros(T, HV, DV), (HV, DK, DV)),
+        "kda_rule": (lambda out, i, n: ops.kda_rule(kq, kq, v, kg, beta, out, i, True, n), torch.zeros(T, HV, DV),
+                     (HV, DK, DV)),
+        "lightning_attention": (lambda out, i, n: ops.lightning_attention(lq, lq, lq, slope, out, i, n),
+                                torch.zeros(T, HV, DV), (HV, DV, DV)),
+        "linear_recurrence": (lambda out, i, n: ops.linear_recurrence(a, x, out, i), torch.zeros(T, C), (C,)),
+        "selective_scan": (lambda out, i, n: ops.selective_scan(u, dt, A1, B1, B1, None, None, None, out, i, True),
+                           torch.zeros(T, C), (C, MN)),
+        "ssd_scan": (lambda out, i, n: ops.ssd_scan(x2, dt2, A2, B2, B2, None, None, out, i, n, True, 0.0, float("inf")),
+                     torch.zeros(T, SH, SP), (SH, SP, SN)),
+        "causal_window": (lambda out, i, n: ops.causal_window(x, out, i), torch.zeros(T, C, K), (C, K - 1)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_op_calls()))
+def test_every_state_op_refuses_a_state_its_inputs_do_not_fit(name):
+    call, out, shape = _op_calls()[name]
+    wrong = (*shape[:-1], shape[-1] + 1)
+    cache = st.StateCache([st.StateSpec(0, "right", shape), st.StateSpec(0, "wrong", wrong)], num_slots=1)
+    meta = cache.metadata(cache.step_inputs([("a", 0, 2)]))
+    with pb.set_forward_context(pb.CUDAGraphMode.NONE, None, state_metadata=meta):
+        call(out, 0, 4)  # the state it fits: runs
+        assert out.abs().sum() > 0
+        out.zero_()
+        with pytest.raises(ValueError, match=rf"pb_state::{name}: .*; the state holds \({', '.join(map(str, wrong))},?\), "
+                                             r"it must be \("):
+            call(out, 1, 4)
+        with pytest.raises(ValueError, match=rf"pb_state::{name}: state 2 out of range; the state cache holds 2 states"):
+            call(out, 2, 4)
+    assert not out.any() and not cache.states[1].any()  # refused before writing anything
+
+
+@pytest.mark.parametrize("name, size", [("gated_delta_rule", "chunk_size"), ("kda_rule", "chunk_size"),
+                                        ("lightning_attention", "block_size"), ("ssd_scan", "chunk_size")])
+def test_chunked_state_ops_refuse_a_chunk_length_below_one(name, size):
+    call, out, shape = _op_calls()[name]
+    cache = st.StateCache([st.StateSpec(0, "state", shape)], num_slots=1)
+    meta = cache.metadata(cache.step_inputs([("a", 0, 2)]))
+    with pb.set_forward_context(pb.CUDAGraphMode.NONE, None, state_metadata=meta):
+        with pytest.raises(ValueError, match=rf"pb_state::{name}: {size} must be >= 1, got 0"):
+            call(out, 0, 0)
+    assert not out.any() and not cache.states[0].any()
+
+
 # --- kernels against transformers' torch fallbacks ---
 
 def _delta_inputs(n: int, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .metadata import StateOpCall, pick
 
 #: Activations the op applies after the convolution ("" = none).
 ACTIVATIONS = {"": None, "silu": F.silu, "swish": F.silu}
@@ -58,19 +58,14 @@ def causal_conv1d(
     ``x``/``out``: (tokens, channels) in the step's layout (request after request); ``weight``:
     (channels, K); ``state`` indexes the forward context's ``state_metadata.states``.
     """
-    op = "pb_state::causal_conv1d"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
+    call = StateOpCall.current("pb_state::causal_conv1d", state)
     channels = x.shape[1]
-    if weight.dim() != 2 or weight.shape[0] != channels or states.shape[1:] != (channels, weight.shape[1] - 1):
-        raise ValueError(
-            f"{op}: x has {channels} channels and weight is {tuple(weight.shape)} (channels, K); the state holds "
-            f"{tuple(states.shape[1:])}, it must be (channels, K - 1)"
-        )
+    if weight.dim() != 2 or weight.shape[0] != channels or call.slot_shape != (channels, weight.shape[1] - 1):
+        call.refuse(f"x has {channels} channels and weight is {tuple(weight.shape)} (channels, K)", "(channels, K - 1)")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
-    apply_state_op(
-        op, meta.state_index, states, out,
+        raise ValueError(f"{call.op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    call.run(
+        out,
         step=lambda at, s: conv_step(pick(x, at), s, weight, bias, activation),
         sequence=lambda part, s: conv_sequence(x[part], s, weight, bias, activation),
     )

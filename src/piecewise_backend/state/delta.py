@@ -23,7 +23,27 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .metadata import StateOpCall, pick
+
+
+def to_chunks(t: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Per-token ``(n, heads)`` or ``(n, heads, dim)`` values as ``(heads, chunks, chunk_size[, dim])`` in
+    float32, the last chunk padded with zeros (a padded token has zero q/k/v/beta and no decay)."""
+    t = t.float().transpose(0, 1)
+    pad = -t.shape[1] % chunk_size
+    if t.dim() == 2:
+        return F.pad(t, (0, pad)).reshape(t.shape[0], -1, chunk_size)
+    return F.pad(t, (0, 0, 0, pad)).reshape(t.shape[0], -1, chunk_size, t.shape[-1])
+
+
+def from_chunks(out: torch.Tensor, n: int) -> torch.Tensor:
+    """``(heads, chunks, chunk_size, dim)`` outputs back as the ``(n, heads, dim)`` of the ``n`` real tokens."""
+    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :n].transpose(0, 1)
+
+
+def later_in_chunk(chunk_size: int, device: torch.device) -> torch.Tensor:
+    """``(chunk_size, chunk_size)`` mask, True where token ``j`` comes after token ``i``: no pair there."""
+    return torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +69,16 @@ def delta_step(
     (R, heads), ``states`` (R, heads, key_dim, value_dim) -> (output (R, heads, value_dim), new states)."""
     q, k = _prepare(q, k, v.shape[-2], l2norm)
     q = q / (q.shape[-1] ** 0.5)
-    s = states.float() * g.float().exp()[..., None, None]
+    return delta_update(states.float() * g.float().exp()[..., None, None], q, k, v, beta)
+
+
+def delta_update(
+    s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's write then read, one token per request, on the already decayed float32 states ``s``
+    (R, heads, key_dim, value_dim) with float32 ``q``/``k`` (R, heads, key_dim):
+    ``S <- S + k (beta * (v - S^T k))^T;  o = S^T q`` -> (``o`` in ``v``'s dtype, new states). The gated
+    and the Kimi delta rules differ only in how they decay ``S`` first."""
     remembered = (s * k[..., None]).sum(-2)  # S^T k: (R, heads, value_dim)
     correction = (v.float() - remembered) * beta.float()[..., None]
     s = s + k[..., None] * correction[..., None, :]
@@ -62,17 +91,13 @@ def delta_sequence(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: ``q``/``k`` (n, key_heads, key_dim), ``v`` (n, heads, value_dim), ``g``/``beta`` (n, heads),
     from ``state`` (heads, key_dim, value_dim) -> (output (n, heads, value_dim), new state), chunk by chunk."""
-    n, heads, v_dim = v.shape
+    n, heads = v.shape[:2]
     q, k = _prepare(q, k, heads, l2norm)
     q = q * q.shape[-1] ** -0.5
-    pad = -n % chunk_size
-    # (heads, chunks, L, dim) and (heads, chunks, L); padded tokens have zero k/v/beta and no decay
-    as_chunks = lambda t: F.pad(t.transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk_size, t.shape[-1])  # noqa: E731
-    q, k, vf = as_chunks(q), as_chunks(k), as_chunks(v.float())
-    beta_c, g_c = (F.pad(t.float().transpose(0, 1), (0, pad)).reshape(heads, -1, chunk_size) for t in (beta, g))
+    q, k, vf, beta_c, g_c = (to_chunks(t, chunk_size) for t in (q, k, v, beta, g))
     k_beta, v_beta = k * beta_c[..., None], vf * beta_c[..., None]
     log_decay = g_c.cumsum(-1)  # log of the decay from the chunk's start to each token
-    later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).triu(1)
+    later = later_in_chunk(chunk_size, v.device)
     pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(later, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * pair  # unit lower triangular (the diagonal is taken as 1)
     within = (q @ k.transpose(-1, -2)) * pair
@@ -87,8 +112,7 @@ def delta_sequence(
         fresh = values[:, c] - reads[:, c] @ s
         out[:, c] = q_from_start[:, c] @ s + within[:, c] @ fresh
         s = s * whole[:, c] + k_to_end[:, c].transpose(-1, -2) @ fresh
-    out = out.reshape(heads, -1, v_dim)[:, :n].transpose(0, 1)
-    return out.to(v.dtype), s
+    return from_chunks(out, n).to(v.dtype), s
 
 
 @torch.library.custom_op("pb_state::gated_delta_rule", mutates_args=("out",))
@@ -101,19 +125,14 @@ def gated_delta_rule(
     ``q``/``k``: (tokens, key_heads, key_dim); ``v``/``out``: (tokens, heads, value_dim); ``g`` (log
     decay, <= 0) and ``beta``: (tokens, heads); tokens in the step's layout (request after request).
     """
-    op = "pb_state::gated_delta_rule"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
+    call = StateOpCall.current("pb_state::gated_delta_rule", state)
     _, heads, v_dim = v.shape
-    if heads % k.shape[1] or states.shape[1:] != (heads, k.shape[2], v_dim):
-        raise ValueError(
-            f"{op}: k has {k.shape[1]} heads of {k.shape[2]}, v {heads} heads of {v_dim} (a multiple of k's); "
-            f"the state holds {tuple(states.shape[1:])}, it must be (value heads, key_dim, value_dim)"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
-    apply_state_op(
-        op, meta.state_index, states, out,
+    if heads % k.shape[1] or call.slot_shape != (heads, k.shape[2], v_dim):
+        call.refuse(f"k has {k.shape[1]} heads of {k.shape[2]}, v {heads} heads of {v_dim} (a multiple of k's)",
+                    "(value heads, key_dim, value_dim)")
+    call.require_positive("chunk_size", chunk_size)
+    call.run(
+        out,
         step=lambda at, s: delta_step(pick(q, at), pick(k, at), pick(v, at), pick(g, at), pick(beta, at), s, l2norm),
         sequence=lambda p, s: delta_sequence(q[p], k[p], v[p], g[p], beta[p], s, l2norm, chunk_size),
     )

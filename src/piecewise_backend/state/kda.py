@@ -16,10 +16,10 @@ fallbacks compute for a prompt and a decode token.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .delta import delta_update, from_chunks, later_in_chunk, to_chunks
+from .metadata import StateOpCall, pick
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,10 +37,7 @@ def kda_step(
     """One token per request: ``q``/``k``/``g`` (R, heads, key_dim), ``v`` (R, heads, value_dim), ``beta`` (R, heads),
     ``states`` (R, heads, key_dim, value_dim) -> (output (R, heads, value_dim), new states)."""
     q, k = _prepare(q, k, l2norm)
-    s = states.float() * g.float().exp()[..., None]
-    correction = (v.float() - (s * k[..., None]).sum(-2)) * beta.float()[..., None]
-    s = s + k[..., None] * correction[..., None, :]
-    return (s * q[..., None]).sum(-2).to(v.dtype), s
+    return delta_update(states.float() * g.float().exp()[..., None], q, k, v, beta)
 
 
 def kda_sequence(
@@ -49,15 +46,12 @@ def kda_sequence(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: ``q``/``k``/``g`` (n, heads, key_dim), ``v`` (n, heads, value_dim), ``beta`` (n, heads), from
     ``state`` (heads, key_dim, value_dim) -> (output (n, heads, value_dim), new state), chunk by chunk."""
-    n, heads, v_dim = v.shape
+    n = v.shape[0]
     q, k = _prepare(q, k, l2norm)
-    pad = -n % chunk_size
-    # (heads, chunks, L, dim); padded tokens have zero q/k/v/beta and no decay
-    as_chunks = lambda t: F.pad(t.float().transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk_size, t.shape[-1])
-    q, k, vf, log_decay = as_chunks(q), as_chunks(k), as_chunks(v), as_chunks(g).cumsum(-2)
-    beta_c = F.pad(beta.float().transpose(0, 1), (0, pad)).reshape(heads, -1, chunk_size)
+    q, k, vf, beta_c = (to_chunks(t, chunk_size) for t in (q, k, v, beta))
+    log_decay = to_chunks(g, chunk_size).cumsum(-2)
     k_beta, v_beta = k * beta_c[..., None], vf * beta_c[..., None]
-    later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).triu(1)
+    later = later_in_chunk(chunk_size, v.device)
     s = state.float()
     out = torch.empty_like(vf)
     # chunk by chunk: the pairwise decays (heads, L, L, key_dim) of one chunk at a time bound the memory
@@ -71,8 +65,7 @@ def kda_sequence(
         fresh = values - reads @ s
         out[:, c] = (q[:, c] * decay.exp()) @ s + within @ fresh
         s = s * decay[:, -1, :].exp()[..., None] + (kc * (decay[:, -1:, :] - decay).exp()).transpose(-1, -2) @ fresh
-    out = out.reshape(heads, -1, v_dim)[:, :n].transpose(0, 1)
-    return out.to(v.dtype), s
+    return from_chunks(out, n).to(v.dtype), s
 
 
 @torch.library.custom_op("pb_state::kda_rule", mutates_args=("out",))
@@ -85,19 +78,14 @@ def kda_rule(
     ``q``/``k``/``g``: (tokens, heads, key_dim); ``v``/``out``: (tokens, heads, value_dim); ``beta``:
     (tokens, heads); tokens in the step's layout (request after request).
     """
-    op = "pb_state::kda_rule"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
+    call = StateOpCall.current("pb_state::kda_rule", state)
     _, heads, v_dim = v.shape
-    if q.shape != k.shape or g.shape != k.shape or k.shape[1] != heads or states.shape[1:] != (heads, k.shape[2], v_dim):
-        raise ValueError(
-            f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)} and g {tuple(g.shape)} must be equal (tokens, heads, key_dim) "
-            f"with v's {heads} heads of {v_dim}; the state holds {tuple(states.shape[1:])}, it must be (heads, key_dim, value_dim)"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
-    apply_state_op(
-        op, meta.state_index, states, out,
+    if q.shape != k.shape or g.shape != k.shape or k.shape[1] != heads or call.slot_shape != (heads, k.shape[2], v_dim):
+        call.refuse(f"q {tuple(q.shape)}, k {tuple(k.shape)} and g {tuple(g.shape)} must be equal (tokens, heads, "
+                    f"key_dim) with v's {heads} heads of {v_dim}", "(heads, key_dim, value_dim)")
+    call.require_positive("chunk_size", chunk_size)
+    call.run(
+        out,
         step=lambda at, s: kda_step(pick(q, at), pick(k, at), pick(v, at), pick(g, at), pick(beta, at), s, l2norm),
         sequence=lambda p, s: kda_sequence(q[p], k[p], v[p], g[p], beta[p], s, l2norm, chunk_size),
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .metadata import StateOpCall, pick
 
 
 def lightning_step(
@@ -59,19 +59,14 @@ def lightning_attention(
 
     ``q``/``k``/``v``/``out``: (tokens, heads, dim) in the step's layout; ``slope``: (heads,) decay rates.
     """
-    op = "pb_state::lightning_attention"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
+    call = StateOpCall.current("pb_state::lightning_attention", state)
     _, heads, dim = q.shape
-    if k.shape != q.shape or v.shape != q.shape or slope.shape != (heads,) or states.shape[1:] != (heads, dim, dim):
-        raise ValueError(
-            f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be equal (tokens, heads, dim), "
-            f"slope {tuple(slope.shape)} (heads,); the state holds {tuple(states.shape[1:])}, it must be (heads, dim, dim)"
-        )
-    if block_size < 1:
-        raise ValueError(f"{op}: block_size must be >= 1, got {block_size}")
-    apply_state_op(
-        op, meta.state_index, states, out,
+    if k.shape != q.shape or v.shape != q.shape or slope.shape != (heads,) or call.slot_shape != (heads, dim, dim):
+        call.refuse(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be equal (tokens, heads, dim), "
+                    f"slope {tuple(slope.shape)} (heads,)", "(heads, dim, dim)")
+    call.require_positive("block_size", block_size)
+    call.run(
+        out,
         step=lambda at, s: lightning_step(pick(q, at), pick(k, at), pick(v, at), slope, s),
         sequence=lambda p, s: lightning_sequence(q[p], k[p], v[p], slope, s, block_size),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .metadata import StateOpCall, pick
 
 
 def recurrence_step(a: torch.Tensor, x: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,16 +36,11 @@ def linear_recurrence(a: torch.Tensor, x: torch.Tensor, out: torch.Tensor, state
 
     ``a``/``x``/``out``: (tokens, width) in the step's layout.
     """
-    op = "pb_state::linear_recurrence"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
-    if a.shape != x.shape or x.dim() != 2 or states.shape[1:] != x.shape[1:]:
-        raise ValueError(
-            f"{op}: a {tuple(a.shape)} and x {tuple(x.shape)} must be equal (tokens, width); the state holds "
-            f"{tuple(states.shape[1:])}, it must be (width,)"
-        )
-    apply_state_op(
-        op, meta.state_index, states, out,
+    call = StateOpCall.current("pb_state::linear_recurrence", state)
+    if a.shape != x.shape or x.dim() != 2 or call.slot_shape != x.shape[1:]:
+        call.refuse(f"a {tuple(a.shape)} and x {tuple(x.shape)} must be equal (tokens, width)", "(width,)")
+    call.run(
+        out,
         step=lambda at, s: recurrence_step(pick(a, at), pick(x, at), s),
         sequence=lambda p, s: recurrence_sequence(a[p], x[p], s),
     )

@@ -9,14 +9,16 @@ the same old state every time, and only a committed step changes what the next o
 
 The per-token input :data:`STATE_INDEX` holds the flat row (``copy * copies + slot``) each
 token's request reads; its write row is :func:`write_rows`. Padding tokens read and write the
-scratch slot. The state ops (:mod:`.conv`, :mod:`.delta`) take it from the forward context's
-``state_metadata`` (:func:`current_state_metadata`).
+scratch slot. The state ops (:mod:`.conv`, :mod:`.delta`, ...) take it from the forward context's
+``state_metadata`` (:func:`current_state_metadata`), each through one :class:`StateOpCall`: look up
+the state, refuse inputs that do not fit it, run the step (:func:`apply_state_op`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -148,3 +150,42 @@ def apply_state_op(op: str, index: torch.Tensor, states: torch.Tensor, out: torc
         y, new = step(at, states.index_select(0, read_rows))
         states.index_copy_(0, write_rows(read_rows, rows), new.to(states.dtype))
         out.index_copy_(0, at, y)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateOpCall:
+    """One call of a state op in the current step: the op's name, the rows the step reads (the
+    metadata's ``state_index``) and the state tensor the op advances, ``(2 * copies, *slot shape)``.
+
+    What every state op does around its kernels, once: :meth:`current` looks the state up,
+    :meth:`refuse` and :meth:`require_positive` reject inputs with the op's name in the message,
+    :meth:`run` runs the step (:func:`apply_state_op`).
+    """
+
+    op: str
+    index: torch.Tensor
+    states: torch.Tensor
+
+    @classmethod
+    def current(cls, op: str, state: int) -> StateOpCall:
+        """``op``'s call on state number ``state`` of the forward context's ``state_metadata``."""
+        meta = current_state_metadata(op)
+        return cls(op, meta.state_index, state_tensor(meta, state, op))
+
+    @property
+    def slot_shape(self) -> torch.Size:
+        """The shape of one slot's state (what the op's inputs must fit)."""
+        return self.states.shape[1:]
+
+    def refuse(self, inputs: str, layout: str) -> NoReturn:
+        """ValueError: the inputs (``inputs`` says what they are) do not fit the state, which must be ``layout``."""
+        raise ValueError(f"{self.op}: {inputs}; the state holds {tuple(self.slot_shape)}, it must be {layout}")
+
+    def require_positive(self, name: str, value: int) -> None:
+        """ValueError naming ``name`` unless ``value`` >= 1 (a chunk or block length)."""
+        if value < 1:
+            raise ValueError(f"{self.op}: {name} must be >= 1, got {value}")
+
+    def run(self, out: torch.Tensor, step: StepFn, sequence: SequenceFn) -> None:
+        """Fill ``out`` and advance the state: :func:`apply_state_op` with this call's rows and state."""
+        apply_state_op(self.op, self.index, self.states, out, step, sequence)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .metadata import StateOpCall, pick
 
 
 def selective_sequence(
@@ -78,17 +78,13 @@ def selective_scan(
     ``u``/``dt``/``z``/``out``: (tokens, channels); ``A``: (channels, state_size); ``B``/``C``: (tokens,
     state_size); ``D``, ``dt_bias``: (channels,); tokens in the step's layout (request after request).
     """
-    op = "pb_state::selective_scan"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
+    call = StateOpCall.current("pb_state::selective_scan", state)
     channels = u.shape[1]
-    if A.shape != (channels, B.shape[1]) or states.shape[1:] != tuple(A.shape):
-        raise ValueError(
-            f"{op}: u has {channels} channels, A is {tuple(A.shape)}, B has state size {B.shape[1]}; the state holds "
-            f"{tuple(states.shape[1:])}, it must be (channels, state_size) like A"
-        )
-    apply_state_op(
-        op, meta.state_index, states, out,
+    if A.shape != (channels, B.shape[1]) or call.slot_shape != A.shape:
+        call.refuse(f"u has {channels} channels, A is {tuple(A.shape)}, B has state size {B.shape[1]}",
+                    "(channels, state_size) like A")
+    call.run(
+        out,
         step=lambda at, s: selective_step(pick(u, at), pick(dt, at), A, pick(B, at), pick(C, at), D, pick(z, at), dt_bias,
                                           s, dt_softplus),
         sequence=lambda p, s: selective_sequence(u[p], dt[p], A, B[p], C[p], D, None if z is None else z[p], dt_bias, s,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .metadata import StateOpCall, pick
 
 
 def _dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool) -> torch.Tensor:
@@ -110,19 +110,14 @@ def ssd_scan(
     state_size); ``A``, ``D``, ``dt_bias``: (heads,); tokens in the step's layout (request after request);
     prefills clamp ``dt`` to ``[dt_min, dt_max]`` (``dt_max`` may be ``inf``).
     """
-    op = "pb_state::ssd_scan"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
+    call = StateOpCall.current("pb_state::ssd_scan", state)
     _, heads, head_dim = x.shape
-    if heads % B.shape[1] or states.shape[1:] != (heads, head_dim, B.shape[2]):
-        raise ValueError(
-            f"{op}: x has {heads} heads of {head_dim}, B {B.shape[1]} groups (dividing the heads) of state size "
-            f"{B.shape[2]}; the state holds {tuple(states.shape[1:])}, it must be (heads, head_dim, state_size)"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"{op}: chunk_size must be >= 1, got {chunk_size}")
-    apply_state_op(
-        op, meta.state_index, states, out,
+    if heads % B.shape[1] or call.slot_shape != (heads, head_dim, B.shape[2]):
+        call.refuse(f"x has {heads} heads of {head_dim}, B {B.shape[1]} groups (dividing the heads) of state size "
+                    f"{B.shape[2]}", "(heads, head_dim, state_size)")
+    call.require_positive("chunk_size", chunk_size)
+    call.run(
+        out,
         step=lambda at, s: ssd_step(pick(x, at), pick(dt, at), A, pick(B, at), pick(C, at), D, dt_bias, s, dt_softplus),
         sequence=lambda p, s: ssd_sequence(x[p], dt[p], A, B[p], C[p], D, dt_bias, s, chunk_size, dt_softplus,
                                            (dt_min, dt_max)),

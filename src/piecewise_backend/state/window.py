@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import register_splitting_op
-from .metadata import apply_state_op, current_state_metadata, pick, state_tensor
+from .metadata import StateOpCall, pick
 
 
 def window_step(x: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,16 +36,12 @@ def causal_window(x: torch.Tensor, out: torch.Tensor, state: int) -> None:
 
     ``x``: (tokens, channels) in the step's layout; ``out``: (tokens, channels, width + 1).
     """
-    op = "pb_state::causal_window"
-    meta = current_state_metadata(op)
-    states = state_tensor(meta, state, op)
-    if x.dim() != 2 or states.shape[1:-1] != x.shape[1:] or out.shape != (*x.shape, states.shape[-1] + 1):
-        raise ValueError(
-            f"{op}: x {tuple(x.shape)} must be (tokens, channels) and out {tuple(out.shape)} (tokens, channels, width + 1) "
-            f"for the state's {tuple(states.shape[1:])} (channels, width)"
-        )
-    apply_state_op(
-        op, meta.state_index, states, out,
+    call = StateOpCall.current("pb_state::causal_window", state)
+    if x.dim() != 2 or call.slot_shape[:-1] != x.shape[1:] or out.shape != (*x.shape, call.slot_shape[-1] + 1):
+        call.refuse(f"x {tuple(x.shape)} must be (tokens, channels) and out {tuple(out.shape)} (tokens, channels, "
+                    "width + 1)", "(channels, width)")
+    call.run(
+        out,
         step=lambda at, s: window_step(pick(x, at), s),
         sequence=lambda p, s: window_sequence(x[p], s),
     )
