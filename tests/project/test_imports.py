@@ -50,3 +50,16 @@ def test_the_probe_sees_a_heavy_import():
     """The check can fail: a module that does import Dynamo is reported."""
     new, _ = loaded_by("torch._dynamo")
     assert "torch._dynamo" in heavy(new)
+
+
+def test_the_parallel_face_loads_no_fixture_until_a_sharding_name_is_read():
+    new, _ = loaded_by("piecewise_backend.parallel")
+    assert "piecewise_backend.runner.agreement" in new
+    assert "piecewise_backend.testing.sharding" not in new  # (the package face itself loads testing.graphs)
+    import piecewise_backend.parallel as parallel
+    from piecewise_backend.testing import sharding
+
+    for name in ("ToyMLP", "make_kv_caches", "shard_mlp", "shard_toy_llama"):
+        assert getattr(parallel, name) is getattr(sharding, name) and name in parallel.__all__ and name in dir(parallel)
+    with pytest.raises(AttributeError, match="has no attribute 'shard_everything'"):
+        parallel.shard_everything  # noqa: B018
