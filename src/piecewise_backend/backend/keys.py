@@ -124,3 +124,8 @@ def describe_piece(gm: fx.GraphModule, *, stable: bool, state: CompileState | No
 def stable_digest(gm: fx.GraphModule) -> str:
     """SHA-256 hex of the cross-process description of ``gm`` (raises :class:`Uncacheable`)."""
     return hashlib.sha256(describe_piece(gm, stable=True)[0].encode()).hexdigest()
+
+
+#: The old name of :func:`describe_piece` (docs/restart.md named it): kept importable. The piece
+#: cache's key, a digest, is :func:`piecewise_backend.backend.cache.piece_key`.
+piece_key = describe_piece
