@@ -152,19 +152,20 @@ def apply_state_op(op: str, index: torch.Tensor, states: torch.Tensor, out: torc
         out.index_copy_(0, at, y)
 
 
-@dataclasses.dataclass(frozen=True)
 class StateOpCall:
     """One call of a state op in the current step: the op's name, the rows the step reads (the
     metadata's ``state_index``) and the state tensor the op advances, ``(2 * copies, *slot shape)``.
 
     What every state op does around its kernels, once: :meth:`current` looks the state up,
     :meth:`refuse` and :meth:`require_positive` reject inputs with the op's name in the message,
-    :meth:`run` runs the step (:func:`apply_state_op`).
+    :meth:`run` runs the step (:func:`apply_state_op`). A plain slotted class, not a dataclass: it is
+    made at every eager call of every state layer (a frozen dataclass cost three times as much).
     """
 
-    op: str
-    index: torch.Tensor
-    states: torch.Tensor
+    __slots__ = ("op", "index", "states")
+
+    def __init__(self, op: str, index: torch.Tensor, states: torch.Tensor):
+        self.op, self.index, self.states = op, index, states
 
     @classmethod
     def current(cls, op: str, state: int) -> StateOpCall:
