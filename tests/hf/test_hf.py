@@ -394,7 +394,7 @@ def test_ten_engines_in_one_process_each_compile_their_model():
 def test_engine_rejects_max_model_len_past_the_models_positions():
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
     model = hf.tiny_random_model("gpt2", max_position_embeddings=16)  # learned positions: 16 rows
-    with pytest.raises(ValueError, match="max_model_len=32 exceeds the model's max_position_embeddings=16"):
+    with pytest.raises(ValueError, match=r"max_model_len=32 exceeds GPT2LMHeadModel's max_position_embeddings=16: use max_model_len <= 16"):
         hf.HFEngine(model, config, max_model_len=32)
 
 

@@ -135,7 +135,7 @@ def test_eos_as_a_list_and_the_models_own_eos_stop_as_generate_does(self_draft):
     expected = [greedy(reference, p, n, eos) for p, n in zip(PROMPTS, budgets)]
     assert sum(len(o) for o in expected) < sum(budgets), expected
     assert engine.generate(PROMPTS, budgets, eos_token_id=eos) == expected
-    target = engine.target.model
+    target = engine.target_model
     saved = target.generation_config.eos_token_id, reference.generation_config.eos_token_id
     try:
         target.generation_config.eos_token_id = reference.generation_config.eos_token_id = eos

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,10 +37,10 @@ from ..kv.cache import PagedKVCache
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner import CaptureReport
 from ..state.cache import StateCache, StateSpec
-from .arguments import check_attention_backend, check_engine_args, check_tokens_budget, eos_ids, is_int
-from .engine import Engine, check_config, check_vocab
+from .arguments import EngineArgs, check_config, check_tokens_budget, check_vocab, engine_args, is_int, takes_engine_args
+from .engine import Engine
 from .loop import Executed, StepInfo, chunk_ends
-from .model_runner import KVLayout, ModelRunner, first_parameter
+from .model_runner import KVLayout, ModelRunner
 from .sampling import ACCEPT, DRAFT, RESAMPLE, TOKEN, SamplingParams, noise_key, probabilities, sample_from, uniform_noise
 from .scheduler import Request, StepPlan
 
@@ -77,6 +78,17 @@ class SpecStats:
     def tokens_per_target_step(self) -> float:
         """Tokens a request gains per target forward it takes part in (plain greedy decoding: 1)."""
         return self.emitted / self.request_steps if self.request_steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecModel:
+    """One model of a speculative engine as its :class:`~.model_runner.ModelRunner` takes it: the protocol
+    model (checked), its config, its cache layout and the specs of its state layers' states."""
+
+    model: torch.nn.Module
+    config: CompilationConfig
+    layout: KVLayout
+    state_specs: Sequence[StateSpec] = ()
 
 
 class CachesInStep:
@@ -320,6 +332,7 @@ class SpeculativeEngine(Engine):
     token per request). ``lazy_capture`` and ``graph_memory_budget`` apply to each runner.
     """
 
+    @takes_engine_args()
     def __init__(
         self,
         target: torch.nn.Module,
@@ -334,58 +347,52 @@ class SpeculativeEngine(Engine):
         drafter_state_specs: Sequence[StateSpec] | None = None,
         drafter_config: CompilationConfig | None = None,
         target_attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
-        max_num_reqs: int = 4,
-        max_model_len: int = 128,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        attention_backend: str = "auto",
-        lazy_capture: bool = False,
-        max_num_batched_tokens: int | None = None,
-        graph_memory_budget: int | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        step_capture_budget_s: float | None = None,
+        args: EngineArgs | None = None,
+        **engine_kwargs: Any,
     ):
-        k = check_speculative_args(
-            num_speculative_tokens, config, drafter_config, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
-            block_size=block_size, num_blocks=num_blocks, lazy_capture=lazy_capture,
-            max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
-            step_capture_budget_s=step_capture_budget_s,
-        )
+        args = engine_args("SpeculativeEngine", args, engine_kwargs)
+        k = check_speculative_args(num_speculative_tokens, config, drafter_config)
         for layout in (target_layout, drafter_layout):
             if not isinstance(layout, KVLayout):
                 raise TypeError(f"target_layout and drafter_layout must be serve.KVLayouts, got {type(layout).__name__}")
-        check_vocab(vocab_size)
-        for role, m in (("target", target), ("drafter", drafter)):
-            param = first_parameter(m, role)
-            check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
+        vocab_size = check_vocab(vocab_size)
+        args.check_model(target, "target")
+        args.check_model(drafter, "drafter")
+        self._start_speculative(
+            args, k, SpecModel(target, config, target_layout, target_state_specs or ()),
+            SpecModel(drafter, drafter_config or config, drafter_layout, drafter_state_specs or ()),
+            target_attention_support, vocab_size=vocab_size, eos_token_id=args.stop_tokens(vocab_size),
+        )
+
+    def _start_speculative(
+        self, args: EngineArgs, k: int, target: SpecModel, drafter: SpecModel,
+        target_attention_support: AttentionGraphSupport, *, vocab_size: int, eos_token_id: frozenset[int],
+    ) -> None:
+        """Build both model runners (their arguments checked) and start serving them (:meth:`Engine._start`)."""
         self.k = k
-        self.vocab_size = int(vocab_size)
-        self.eos_token_id = eos_ids(eos_token_id, vocab_size=self.vocab_size)
-        verify = sorted({r * (k + 1) for r in range(1, max_num_reqs + 1)} | set(config.sizes))
+        config = target.config
+        verify = sorted({r * (k + 1) for r in range(1, args.max_num_reqs + 1)} | set(config.sizes))
         if not config.max_capture_size_derived:
             verify = [s for s in verify if s <= config.max_capture_size]
         target_config = config.replace(capture_sizes=verify) if config.cudagraph_mode != CUDAGraphMode.NONE else config
-        common = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-                      attention_backend=attention_backend, lazy_capture=lazy_capture,
-                      graph_memory_budget=graph_memory_budget)
-        self.target = ModelRunner(target, target_config, kv_layout=target_layout, uniform_decode_query_len=k + 1,
-                                  attention_support=target_attention_support, state_specs=target_state_specs or (),
-                                  **common)
-        self.drafter = ModelRunner(drafter, drafter_config or config, kv_layout=drafter_layout, drafter=True,
-                                   state_specs=drafter_state_specs or (), **common)
-        chosen = self.target.attention_backend, self.drafter.attention_backend
-        #: the caches' attention backend(s) in words, as ``Engine.attention_backend`` (both's, when they differ)
-        self.attention_backend = chosen[0] if chosen[0] == chosen[1] else f"target: {chosen[0]}; drafter: {chosen[1]}"
-        self.max_model_len = max_model_len
+        #: the target's :class:`~.model_runner.ModelRunner` (verifies) and the drafter's (proposes)
+        self.target = ModelRunner(target.model, target_config, kv_layout=target.layout, args=args,
+                                  state_specs=target.state_specs, uniform_decode_query_len=k + 1,
+                                  attention_support=target_attention_support)
+        self.drafter = ModelRunner(drafter.model, drafter.config, kv_layout=drafter.layout, args=args,
+                                   state_specs=drafter.state_specs, drafter=True)
         self._speculate = Speculate(self.target, self.drafter, k)
-        budget = max_num_batched_tokens or self.target.runner.dispatcher.max_size or max_num_reqs * (k + 1)
+        budget = args.max_num_batched_tokens or self.target.runner.dispatcher.max_size or args.max_num_reqs * (k + 1)
         if budget < k + 1:
             raise ValueError(f"max_num_batched_tokens={budget} leaves no room for a request's token and its "
                              f"{k} drafts: give at least num_speculative_tokens + 1 = {k + 1}")
         states = StatesInStep([self.target.states, self.drafter.states])
-        self._serve([self.target, self.drafter], self._speculate, CachesInStep([self.target.cache, self.drafter.cache]),
-                    max_num_reqs, budget, states if states.caches else None, lookahead=k,
-                    step_capture_budget_s=step_capture_budget_s)
+        self._start(args, [self.target, self.drafter], self._speculate,
+                    CachesInStep([self.target.cache, self.drafter.cache]), states if states.caches else None,
+                    vocab_size=vocab_size, eos_token_id=eos_token_id, lookahead=k, max_num_batched_tokens=budget)
+        chosen = self.target.attention_backend, self.drafter.attention_backend
+        #: the caches' attention backend(s) in words, as ``Engine.attention_backend`` (both's, when they differ)
+        self.attention_backend = chosen[0] if chosen[0] == chosen[1] else f"target: {chosen[0]}; drafter: {chosen[1]}"
 
     def capture(self, progress: bool = False) -> CaptureReport:
         """Capture both runners before serving (target first; all graphs share one pool): one report
@@ -452,15 +459,12 @@ class SpeculativeEngine(Engine):
                                 on_token=on_token, on_step=step)
 
 
-def check_speculative_args(
-    num_speculative_tokens: object, config: object, drafter_config: object, **engine_args: object
-) -> int:
-    """The speculative engine's arguments, before anything is built; returns k."""
+def check_speculative_args(num_speculative_tokens: object, config: object, drafter_config: object) -> int:
+    """The speculative engines' own arguments, before anything is built; returns k."""
     k = num_speculative_tokens
     if not is_int(k) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
-    check_engine_args(**engine_args)  # type: ignore[arg-type]
     check_config(config)
     if drafter_config is not None:
-        check_config(drafter_config)
+        check_config(drafter_config, "drafter_config")
     return int(k)  # type: ignore[arg-type]
