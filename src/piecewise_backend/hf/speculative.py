@@ -38,16 +38,10 @@ class SpecEngine(SpeculativeEngine):
 
     @takes_engine_args(exclude=MODEL_EOS)
     def __init__(
-        self,
-        target: torch.nn.Module,
-        drafter: torch.nn.Module,
-        config: CompilationConfig,
-        *,
-        num_speculative_tokens: int,
-        drafter_config: CompilationConfig | None = None,
+        self, target: torch.nn.Module, drafter: torch.nn.Module, config: CompilationConfig, *,
+        num_speculative_tokens: int, drafter_config: CompilationConfig | None = None,
         target_attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
-        args: EngineArgs | None = None,
-        **engine_kwargs: Any,
+        args: EngineArgs | None = None, **engine_kwargs: Any,
     ):
         args = engine_args("SpecEngine", args, engine_kwargs, exclude=MODEL_EOS)
         k = check_speculative_args(num_speculative_tokens, config, drafter_config)

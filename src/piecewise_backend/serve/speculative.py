@@ -146,6 +146,79 @@ class StatesInStep:
                 c.free(request)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """One round, laid out from the scheduler's chunks: which chunks are final (they reach their
+    request's last token, so they carry ``k`` drafts and are verified), the requests drafting (those
+    of final chunks, in step order), the target's layout (each chunk, plus ``k`` positions after a
+    final one), its input ids with the drafts' rows (``draft_rows``) left 0 to be filled on the
+    device, and whether every request has exactly ``k + 1`` query tokens (a verify-only step)."""
+
+    chunks: list[tuple[Request, int, int]]
+    final: list[bool]
+    drafting: list[Request]
+    layout: list[tuple[Hashable, int, int]]
+    host_ids: list[int]
+    draft_rows: list[int]
+    verify_only: bool
+
+    @classmethod
+    def of(cls, chunks: list[tuple[Request, int, int]], k: int) -> RoundPlan:
+        final = [start + count == r.length for r, start, count in chunks]
+        host: list[int] = []
+        draft_rows: list[int] = []
+        for (r, start, count), f in zip(chunks, final):
+            host += r.tokens(start, count)
+            if f:
+                draft_rows += range(len(host), len(host) + k)
+                host += [0] * k
+        return cls(
+            chunks, final, [r for (r, _, _), f in zip(chunks, final) if f],
+            [(r.slot, start, count + (k if f else 0)) for (r, start, count), f in zip(chunks, final)],
+            host, draft_rows, all(f and count == 1 for (_, _, count), f in zip(chunks, final)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """The drafter's part of a round: the ``k`` proposals of each drafting request ``(requests, k)`` on
+    the device, their distributions ``(requests, k, vocab)`` (None when every request is greedy), the
+    mode of each drafter step, and the drafting requests' states after its first step (None without
+    state layers: :meth:`ModelRunner.snapshot`)."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None
+    modes: tuple[CUDAGraphMode, ...]
+    saved: list | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The target's answer to a round's drafts, read back once: per drafting request (in step order),
+    its drafts, how many of them it accepts and the token it draws after them."""
+
+    drafts: list[list[int]]
+    accepted: list[int]
+    next_tokens: list[int]
+
+    def tokens(self, i: int) -> list[int]:
+        """The tokens drafting request ``i`` gains: its accepted drafts and the target's next one."""
+        return self.drafts[i][:self.accepted[i]] + [self.next_tokens[i]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingRound:
+    """What :meth:`Speculate.execute` leaves for :meth:`Speculate.kept` (which learns what the loop kept):
+    the target's step and every verified request with the number of drafts it accepted."""
+
+    mode: CUDAGraphMode
+    key: BatchDescriptor
+    tokens: int
+    verify_only: bool
+    drafter_modes: tuple[CUDAGraphMode, ...]
+    verified: tuple[tuple[Request, int], ...]
+
+
 class Speculate:
     """The speculative step (see the module docstring): drafts, one verifying target step, acceptance.
 
@@ -170,83 +243,35 @@ class Speculate:
         self.target, self.drafter, self.k = target, drafter, k
         self.stats = SpecStats()
         self.last: RoundInfo | None = None
-        self._pending: dict = {}
+        self._pending: PendingRound | None = None
 
     def execute(self, plan: StepPlan) -> Executed:
-        k = self.k
-        chunks = plan.chunks
-        final = [start + count == r.length for r, start, count in chunks]
-        drafting = [r for (r, _, _), f in zip(chunks, final) if f]
-        drafts, q, drafter_modes, saved = self._draft(chunks, final, drafting)
-        layout = [(r.slot, start, count + (k if f else 0)) for (r, start, count), f in zip(chunks, final)]
-        host: list[int] = []
-        draft_rows: list[int] = []
-        for (r, start, count), f in zip(chunks, final):
-            host += r.tokens(start, count)
-            if f:
-                draft_rows += range(len(host), len(host) + k)
-                host += [0] * k  # the drafts, filled on the device
-        ids = torch.tensor(host, dtype=torch.long, device=self.target.cache.device)
-        if drafting:
-            ids[torch.tensor(draft_rows, device=ids.device)] = drafts.flatten().to(ids.device)
-        verify_only = all(f and count == 1 for (_, _, count), f in zip(chunks, final))
-        verified_step = self.target.run(layout, ids, verify_only, commit=False)
-        logits, mode, key = verified_step.output, verified_step.mode, verified_step.descriptor
-        new: list[list[int]] = []
-        verified: list[tuple[Request, int]] = []
-        commit = []
-        if drafting:
-            ends = [end for end, f in zip(chunk_ends(layout), final) if f]
-            rows = torch.tensor([e - k + j for e in ends for j in range(k + 1)], device=logits.device)
-            tokens, accepted = self._accept(logits[rows].view(len(drafting), k + 1, -1), drafts, q, drafting)
-            read = torch.cat([drafts.flatten(), accepted, tokens]).tolist()  # the round's one read-back
-            n = len(drafting)
-            drafted = [read[i * k:(i + 1) * k] for i in range(n)]
-            accepted_list, last = read[n * k:n * k + n], read[n * k + n:]
-        d = 0
-        stateful_target = self.target.states is not None
-        for (r, start, count), f in zip(chunks, final):
-            if not f:  # a prompt chunk: K/V written, nothing to sample yet
-                r.computed = start + count
-                r.draft_computed = max(r.draft_computed, start + count)
-                commit.append(r.slot)
-                new.append([])
-                continue
-            a, length = accepted_list[d], r.length
-            if a == k or not stateful_target:
-                r.computed = length + a  # valid K/V: the sequence and the accepted drafts
-                commit.append(r.slot)
-            else:  # the states after the step hold rejected drafts: keep those from before it, recompute
-                r.computed = start
-            self.target.cache.truncate(r.slot, r.computed)
-            if saved is not None and a < k - 1:  # the drafter's states ran past the last accepted draft
-                self.drafter.restore([r.slot], [saved[d]])
-                r.draft_computed = length
-            else:
-                r.draft_computed = length + min(a, k - 1)  # it fed the sequence and drafts[:k - 1]
-            self.drafter.cache.truncate(r.slot, r.draft_computed)
-            new.append(drafted[d][:a] + [last[d]])
-            verified.append((r, a))
-            d += 1
-        self.target.commit(commit)
-        self._pending = dict(mode=mode, key=key, tokens=len(host), verify_only=verify_only,
-                             drafter_modes=tuple(drafter_modes), verified=verified)
-        return Executed(new, len(host), verify_only, mode)
+        """One round: the plan, the drafts, the target's verifying step, its verdict and the rollback of
+        what the verdict rejected."""
+        round_plan = RoundPlan.of(plan.chunks, self.k)
+        drafts = self._draft(round_plan)
+        ids = torch.tensor(round_plan.host_ids, dtype=torch.long, device=self.target.cache.device)
+        if round_plan.drafting:
+            ids[torch.tensor(round_plan.draft_rows, device=ids.device)] = drafts.tokens.flatten().to(ids.device)
+        step = self.target.run(round_plan.layout, ids, round_plan.verify_only, commit=False)
+        verdict = self._verdict(round_plan, drafts, step.output) if round_plan.drafting else None
+        new, verified = self._roll_back(round_plan, verdict, drafts.saved)
+        num_tokens = len(round_plan.host_ids)
+        self._pending = PendingRound(step.mode, step.descriptor, num_tokens, round_plan.verify_only, drafts.modes,
+                                     tuple(verified))
+        return Executed(new, num_tokens, round_plan.verify_only, step.mode)
 
-    def _draft(
-        self, chunks: list[tuple[Request, int, int]], final: list[bool], drafting: list[Request],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[CUDAGraphMode], list | None]:
-        """The drafter's steps: each final chunk's k proposals ``(requests, k)`` on the device, their
-        distributions ``(requests, k, vocab)`` (None when every request is greedy), the mode of each
-        step, and the drafting requests' states after the first step (None without state layers)."""
-        k = self.k
+    def _draft(self, round_plan: RoundPlan) -> Drafts:
+        """The drafter's steps: the first catches up on what it has not cached of each scheduled chunk and
+        proposes each drafting request's first draft; ``k - 1`` more propose one token each."""
+        k, chunks, drafting = self.k, round_plan.chunks, round_plan.drafting
         feed = [(r, start + count - r.draft_computed) for r, start, count in chunks]
         layout = [(r.slot, r.draft_computed, n) for r, n in feed if n > 0]
         tokens = [t for r, n in feed if n > 0 for t in r.tokens(r.draft_computed, n)]
         first = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout))
         logits, modes = first.output, [first.mode]
         if not drafting:
-            return torch.empty(0, k, dtype=torch.long), None, modes, None
+            return Drafts(torch.empty(0, k, dtype=torch.long), None, tuple(modes), None)
         ends = {slot: end for (slot, _, _), end in zip(layout, chunk_ends(layout))}
         params = [r.sampling for r in drafting]
         sampled = any(not p.greedy for p in params)
@@ -267,7 +292,57 @@ class Speculate:
                 drafts.append(rows.argmax(-1))
             if j == 0:
                 saved = self.drafter.snapshot([r.slot for r in drafting])
-        return torch.stack(drafts, 1), (torch.stack(dists, 1) if sampled else None), modes, saved
+        return Drafts(torch.stack(drafts, 1), torch.stack(dists, 1) if sampled else None, tuple(modes), saved)
+
+    def _verdict(self, round_plan: RoundPlan, drafts: Drafts, logits: torch.Tensor) -> Verdict:
+        """Acceptance over the target's ``logits`` (every token's) at each drafting request's last
+        sequence token and its drafts, read back in one transfer."""
+        k, n = self.k, len(round_plan.drafting)
+        ends = [end for end, f in zip(chunk_ends(round_plan.layout), round_plan.final) if f]
+        rows = torch.tensor([e - k + j for e in ends for j in range(k + 1)], device=logits.device)
+        tokens, accepted = self._accept(logits[rows].view(n, k + 1, -1), drafts.tokens, drafts.q, round_plan.drafting)
+        read = torch.cat([drafts.tokens.flatten(), accepted, tokens]).tolist()  # the round's one read-back
+        return Verdict([read[i * k:(i + 1) * k] for i in range(n)], read[n * k:n * k + n], read[n * k + n:])
+
+    def _roll_back(
+        self, round_plan: RoundPlan, verdict: Verdict | None, saved: list | None,
+    ) -> tuple[list[list[int]], list[tuple[Request, int]]]:
+        """Keep what the verdict accepted and drop the rest: each request's valid K/V in both caches
+        (``computed``, ``draft_computed``), the target's states committed only for requests without a
+        rejected draft, the drafter's put back from ``saved`` where they ran past the last accepted draft.
+        Returns the tokens each chunk gains and every verified request with its accepted count."""
+        k = self.k
+        new: list[list[int]] = []
+        verified: list[tuple[Request, int]] = []
+        commit = []
+        stateful_target = self.target.states is not None
+        d = 0  # the verdict's index of the next drafting request
+        for (r, start, count), f in zip(round_plan.chunks, round_plan.final):
+            if not f:  # a prompt chunk: K/V written, nothing to sample yet
+                r.computed = start + count
+                r.draft_computed = max(r.draft_computed, start + count)
+                commit.append(r.slot)
+                new.append([])
+                continue
+            assert verdict is not None  # a final chunk drafts, so the round has a verdict
+            a, length = verdict.accepted[d], r.length
+            if a == k or not stateful_target:
+                r.computed = length + a  # valid K/V: the sequence and the accepted drafts
+                commit.append(r.slot)
+            else:  # the states after the step hold rejected drafts: keep those from before it, recompute
+                r.computed = start
+            self.target.cache.truncate(r.slot, r.computed)
+            if saved is not None and a < k - 1:  # the drafter's states ran past the last accepted draft
+                self.drafter.restore([r.slot], [saved[d]])
+                r.draft_computed = length
+            else:
+                r.draft_computed = length + min(a, k - 1)  # it fed the sequence and drafts[:k - 1]
+            self.drafter.cache.truncate(r.slot, r.draft_computed)
+            new.append(verdict.tokens(d))
+            verified.append((r, a))
+            d += 1
+        self.target.commit(commit)
+        return new, verified
 
     def _accept(
         self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, requests: list[Request],
@@ -303,18 +378,19 @@ class Speculate:
 
     def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None:
         p = self._pending
+        if p is None:
+            raise RuntimeError("Speculate.kept: no round was executed")
         by_request = {id(r): n for (r, _, _), n in zip(plan.chunks, kept)}
-        verified = p["verified"]
         s = self.stats
         s.rounds += 1
-        s.request_steps += len(verified)
-        s.proposed += self.k * len(verified)
-        s.accepted += sum(a for _, a in verified)
-        emitted = tuple(by_request[id(r)] for r, _ in verified)
+        s.request_steps += len(p.verified)
+        s.proposed += self.k * len(p.verified)
+        s.accepted += sum(a for _, a in p.verified)
+        emitted = tuple(by_request[id(r)] for r, _ in p.verified)
         s.emitted += sum(emitted)
         self.last = RoundInfo(
-            s.rounds - 1, tuple(r.tag for r, _ in verified), p["mode"], p["key"], p["tokens"], p["verify_only"],
-            p["drafter_modes"], tuple(a for _, a in verified), emitted,
+            s.rounds - 1, tuple(r.tag for r, _ in p.verified), p.mode, p.key, p.tokens, p.verify_only,
+            p.drafter_modes, tuple(a for _, a in p.verified), emitted,
         )
 
 
@@ -432,14 +508,10 @@ class SpeculativeEngine(Engine):
             return {r.tag: (r.computed, r.draft_computed) for r in self._loop.scheduler.running}
 
     def generate(  # type: ignore[override]
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int | Sequence[int],
-        *,
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
         eos_token_id: int | Sequence[int] | None = None,
         sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
-        on_token: Callable[[int, int], None] | None = None,
-        on_round: Callable[[RoundInfo], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None, on_round: Callable[[RoundInfo], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> list[list[int]]:
         """Completions of ``prompts``: greedy ones equal to the target's own greedy decoding, sampled
