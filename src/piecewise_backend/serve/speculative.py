@@ -444,7 +444,8 @@ class SpeculativeEngine(Engine):
         self, args: EngineArgs, k: int, target: SpecModel, drafter: SpecModel,
         target_attention_support: AttentionGraphSupport, *, vocab_size: int, eos_token_id: frozenset[int],
     ) -> None:
-        """Build both model runners (their arguments checked) and start serving them (:meth:`Engine._start`)."""
+        """Build both model runners (the caller checked the models and the arguments) and start serving them
+        (:meth:`Engine._start`)."""
         self.k = k
         config = target.config
         verify = sorted({r * (k + 1) for r in range(1, args.max_num_reqs + 1)} | set(config.sizes))
