@@ -394,8 +394,33 @@ def test_ten_engines_in_one_process_each_compile_their_model():
 def test_engine_rejects_max_model_len_past_the_models_positions():
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
     model = hf.tiny_random_model("gpt2", max_position_embeddings=16)  # learned positions: 16 rows
-    with pytest.raises(ValueError, match="max_model_len=32 exceeds the model's max_position_embeddings=16"):
+    with pytest.raises(ValueError, match=r"max_model_len=32 exceeds GPT2LMHeadModel's max_position_embeddings=16: use max_model_len <= 16"):
         hf.HFEngine(model, config, max_model_len=32)
+
+
+def test_engine_arguments_are_checked_before_adapt_and_from_pretrained_routes_them_by_field(tmp_path):
+    """HFEngine takes serve.EngineArgs' fields but eos_token_id (its stop token is the model's), as keywords or
+    ``args``; a bad one is refused before adapt touches the model; from_pretrained sends exactly those to it."""
+    from piecewise_backend.hf import engine as hf_engine
+    from piecewise_backend.serve import EngineArgs, arguments
+
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
+    model = hf.tiny_random_model("llama", num_hidden_layers=1)
+    for bad, error, match in (
+        (dict(max_num_reqs=0), ValueError, r"max_num_reqs must be a positive int \(requests a step runs at most\)"),
+        (dict(step_capture_budget_s=-1), ValueError, r"step_capture_budget_s must be None .* got -1"),
+        (dict(eos_token_id=3), TypeError, r"HFEngine.__init__\(\) got an unexpected keyword argument 'eos_token_id'"),
+        (dict(args=EngineArgs(eos_token_id=3)), TypeError, r"HFEngine takes no eos_token_id"),
+    ):
+        with pytest.raises(error, match=match):
+            hf.HFEngine(model, config, **bad)
+    assert model.config._attn_implementation != hf.ATTN_IMPLEMENTATION  # refused before adapt
+    assert hf_engine._ENGINE_KWARGS == {*arguments.engine_keywords(exclude=["eos_token_id"]), "args"}
+    copy.deepcopy(model).save_pretrained(tmp_path)
+    engine = hf.HFEngine.from_pretrained(tmp_path, config, args=EngineArgs(max_num_reqs=2, max_model_len=16),
+                                         block_size=4, dtype=torch.float32)
+    assert engine.args == EngineArgs(max_num_reqs=2, max_model_len=16, block_size=4)
+    assert engine.cache.block_size == 4 and engine.model_runners[0].model.model is engine.model
 
 
 def test_engine_frees_blocks_when_a_step_fails(llama_engine):

@@ -5,6 +5,8 @@ scripts/gpu_check.sh (it picks CUDA when one is present)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -173,6 +175,35 @@ def test_the_constructor_refuses_what_is_not_a_served_model():
         serve.KVLayout(2, 0, 8)
     with pytest.raises(TypeError, match="config must be a piecewise_backend.CompilationConfig"):
         serve.Engine(own.make_model(), "FULL", **args)
+
+
+def test_the_engine_arguments_come_as_keywords_or_as_one_engine_args():
+    """``args=EngineArgs(...)`` is the keywords' dataclass (keywords beside it replace its fields); both are
+    checked once, by the same messages; an unknown keyword is Python's TypeError; the signature lists the fields."""
+    import inspect
+
+    args = serve.EngineArgs(max_num_reqs=2, max_model_len=32, block_size=4, eos_token_id=[7, 9])
+    assert args.eos_token_id == (7, 9)  # frozen: a list given is kept as a tuple
+    config = pb.CompilationConfig(cudagraph_mode="NONE")
+    engine = serve.Engine(own.make_model(), config, kv_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, args=args,
+                          num_blocks=5)
+    assert engine.args == serve.EngineArgs(max_num_reqs=2, max_model_len=32, block_size=4, eos_token_id=(7, 9),
+                                           num_blocks=5)
+    assert (engine.max_num_reqs, engine.cache.max_model_len, engine.cache.total_blocks) == (2, 32, 5)
+    assert engine.default_eos() == [7, 9] and engine.model_runners[0].runner is engine.runner
+    with pytest.raises(ValueError, match=r"max_num_reqs must be a positive int \(requests a step runs at most\), got 0"):
+        serve.EngineArgs(max_num_reqs=0)
+    with pytest.raises(ValueError, match=r"eos_token_id must be an int, a list or tuple of ints .*got 2.5"):
+        serve.EngineArgs(eos_token_id=2.5)
+    with pytest.raises(ValueError, match=r"block_size must be a positive int \(tokens per KV block\), got 0"):
+        make_engine(args=args, block_size=0)
+    with pytest.raises(TypeError, match=r"Engine.__init__\(\) got an unexpected keyword argument 'max_num_seqs'"):
+        make_engine(max_num_seqs=2)
+    with pytest.raises(TypeError, match=r"args must be a serve.EngineArgs .*got dict"):
+        make_engine(args=dict(max_num_reqs=2))
+    names = [f.name for f in dataclasses.fields(serve.EngineArgs)]
+    params = inspect.signature(serve.Engine).parameters
+    assert all(params[n].default == getattr(serve.EngineArgs, n) for n in names) and list(params)[-1] == "args"
 
 
 def test_add_request_checks_without_using_up_an_id(crowded):

@@ -135,7 +135,7 @@ def test_eos_as_a_list_and_the_models_own_eos_stop_as_generate_does(self_draft):
     expected = [greedy(reference, p, n, eos) for p, n in zip(PROMPTS, budgets)]
     assert sum(len(o) for o in expected) < sum(budgets), expected
     assert engine.generate(PROMPTS, budgets, eos_token_id=eos) == expected
-    target = engine.target.model
+    target = engine.target_model
     saved = target.generation_config.eos_token_id, reference.generation_config.eos_token_id
     try:
         target.generation_config.eos_token_id = reference.generation_config.eos_token_id = eos
@@ -299,6 +299,38 @@ def test_engine_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"prompt 0: token id 5.5 \(float\) at position 0 is not an integer"):
         engine.generate([[5.5, 6.9]], 2)
     assert engine.target.cache.tables == {} and engine.drafter.cache.tables == {}
+
+
+def test_a_target_without_a_position_limit_is_served_as_hfengine_serves_it():
+    """xlnet's ``max_position_embeddings=-1`` means no limit: HFEngine's check (``check_hf_model``) skips it,
+    and SpecEngine shares that check (it refused the model with a check of its own before)."""
+    target = hf.tiny_random_model("llama", num_hidden_layers=2)
+    target.config.max_position_embeddings = -1  # as xlnet's config has it
+    reference = copy.deepcopy(target)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    drafter = spec.truncated_drafter(target, 1)
+    engine = spec.SpecEngine(target, drafter, config, num_speculative_tokens=2, max_num_reqs=2, max_model_len=512,
+                             block_size=16)
+    assert engine.generate(PROMPTS[:2], 4, eos_token_id=[]) == [greedy(reference, p, 4, eos=[]) for p in PROMPTS[:2]]
+    hf.HFEngine(copy.deepcopy(reference), config, max_num_reqs=2, max_model_len=512, block_size=16)  # accepted too
+    limited = hf.tiny_random_model("llama", num_hidden_layers=1)  # 256 positions: still refused past them
+    with pytest.raises(ValueError, match=r"max_model_len=512 exceeds LlamaForCausalLM's max_position_embeddings=256: "
+                                         r"use max_model_len <= 256"):
+        spec.SpecEngine(target, limited, config, num_speculative_tokens=2, max_model_len=512)
+
+
+def test_the_hf_models_keep_their_own_names_beside_the_model_runners():
+    """``.target_model`` / ``.drafter_model``: the HF models given; the runners keep the adapted models they compiled."""
+    target = hf.tiny_random_model("llama", num_hidden_layers=2)
+    drafter = spec.truncated_drafter(target, 1)
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    engine = spec.SpecEngine(target, drafter, config, num_speculative_tokens=2, max_model_len=32, block_size=4)
+    assert engine.target_model is target and engine.drafter_model is drafter
+    assert isinstance(engine.target.model, hf.TokensFirst) and engine.target.model.model is target
+    assert isinstance(engine.drafter.model, hf.TokensFirst) and engine.drafter.model.model is drafter
+    assert engine.model_runners == [engine.target, engine.drafter] and engine.runner is engine.target.runner
+    with pytest.raises(TypeError, match=r"SpecEngine.__init__\(\) got an unexpected keyword argument 'eos_token_id'"):
+        spec.SpecEngine(target, drafter, config, num_speculative_tokens=2, eos_token_id=3)
 
 
 #: The library's backends that serve a float32 CPU cache (the attention backends of docs/compatibility.md).

@@ -25,6 +25,7 @@ lists every type's outcome):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -33,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import CompilationConfig
-from ..serve.arguments import check_attention_backend, check_engine_args
-from ..serve.engine import Engine, check_config
-from ..serve.model_runner import KVLayout, first_parameter, own_code
+from ..serve.arguments import MODEL_EOS, EngineArgs, check_config, engine_args, engine_keywords, takes_engine_args
+from ..serve.engine import Engine
+from ..serve.model_runner import Decode, KVLayout, ModelRunner, own_code
 from ..state.cache import StateSpec
 from . import attention_swaps, indexed, mixers, position_swaps
 from .adapter import graph_safe_experts, layout_refusal, length_refusal, probe, refusal, transformers_module
@@ -233,54 +234,30 @@ class HFEngine(Engine):
     ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool.
     """
 
+    @takes_engine_args(exclude=MODEL_EOS)
     def __init__(
-        self,
-        model: torch.nn.Module,
-        config: CompilationConfig,
-        *,
-        max_num_reqs: int = 4,
-        max_model_len: int = 128,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        attention_backend: str = "auto",
-        lazy_capture: bool = False,
-        max_num_batched_tokens: int | None = None,
-        graph_memory_budget: int | None = None,
-        step_capture_budget_s: float | None = None,
+        self, model: torch.nn.Module, config: CompilationConfig, *, args: EngineArgs | None = None, **engine_kwargs: Any,
     ):
+        """The engine arguments as :class:`~piecewise_backend.serve.Engine`'s, but ``eos_token_id``: the
+        default stop token is the model's ``generation_config.eos_token_id``."""
         # every argument is checked before adapt, which changes the model
-        check_engine_args(
-            max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
-            graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
-        )
+        args = engine_args("HFEngine", args, engine_kwargs, exclude=MODEL_EOS)
         check_config(config)
         # tensor parallel: every rank must build the same engine (the same graphs, the same collectives)
-        check_engine_agreement({
-            "model": type(model).__name__, "config": config, "max_num_reqs": max_num_reqs,
-            "max_model_len": max_model_len, "block_size": block_size, "num_blocks": num_blocks,
-            "attention_backend": attention_backend, "lazy_capture": lazy_capture,
-            "max_num_batched_tokens": max_num_batched_tokens, "graph_memory_budget": graph_memory_budget,
-            "step_capture_budget_s": step_capture_budget_s,
-        })
+        check_engine_agreement({"model": type(model).__name__, "config": config, **dataclasses.asdict(args)})
         if is_tensor_parallel(model):  # loaded with tp_plan: plain local shards and explicit collectives
-            why = composition_refusal(model, lazy_capture=lazy_capture)
+            why = composition_refusal(model, lazy_capture=args.lazy_capture)
             if why is not None:
                 raise ValueError(why)
             localize(model)
-        vocab_size = check_hf_model(model, config, max_model_len)
-        param = first_parameter(model)
-        check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
+        vocab_size = check_hf_model(model, config, args.max_model_len)
+        args.check_model(model)
         adapted = adapt(model)
-        super().__init__(
-            adapted, no_full_graphs(config, adapted.host_breaks), kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim),
-            vocab_size=vocab_size, state_specs=adapted.state_specs, max_num_reqs=max_num_reqs,
-            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            attention_backend=attention_backend, lazy_capture=lazy_capture,
-            max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
-            step_capture_budget_s=step_capture_budget_s,
-        )
+        main = ModelRunner(adapted, no_full_graphs(config, adapted.host_breaks), args=args,
+                           kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim), state_specs=adapted.state_specs)
+        #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
+        self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=frozenset())
 
     def default_eos(self) -> Any:
         """The model's ``generation_config.eos_token_id``, as ``model.generate`` uses by default."""
@@ -341,7 +318,7 @@ def check_hf_model(model: Any, config: CompilationConfig, max_model_len: int) ->
     limit = getattr(text, "max_position_embeddings", None)
     if isinstance(limit, int) and 0 < limit < max_model_len:  # xlnet's -1: no limit
         raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}: "
+            f"max_model_len={max_model_len} exceeds {type(model).__name__}'s max_position_embeddings={limit}: "
             f"use max_model_len <= {limit}"
         )
     why = length_refusal(model, max([max_model_len, *config.sizes]))
@@ -350,8 +327,5 @@ def check_hf_model(model: Any, config: CompilationConfig, max_model_len: int) ->
     return text.vocab_size
 
 
-#: Keyword arguments of HFEngine (the rest of from_pretrained's go to transformers).
-_ENGINE_KWARGS = frozenset({
-    "max_num_reqs", "max_model_len", "block_size", "num_blocks", "attention_backend", "lazy_capture",
-    "max_num_batched_tokens", "graph_memory_budget", "step_capture_budget_s",
-})
+#: Keyword arguments of HFEngine (the rest of from_pretrained's go to transformers): its engine arguments.
+_ENGINE_KWARGS = frozenset({*engine_keywords(exclude=MODEL_EOS), "args"})

@@ -16,9 +16,9 @@ import torch
 
 from ..config import CompilationConfig
 from ..modes import AttentionGraphSupport
-from ..serve.arguments import check_attention_backend
-from ..serve.model_runner import KVLayout, first_parameter
-from ..serve.speculative import SpeculativeEngine, check_speculative_args
+from ..serve.arguments import MODEL_EOS, EngineArgs, engine_args, takes_engine_args
+from ..serve.model_runner import KVLayout
+from ..serve.speculative import SpecModel, SpeculativeEngine, check_speculative_args
 from .engine import adapt, check_hf_model, generation_eos, kv_shape
 from .host_breaks import no_full_graphs
 from .tensor_parallel import is_tensor_parallel
@@ -32,65 +32,48 @@ class SpecEngine(SpeculativeEngine):
     ``config`` is the target's; the drafter uses ``drafter_config`` (default: ``config``) with
     ``drafter=True``. ``attention_backend`` is ``HFEngine``'s, for both models' caches (reported as
     ``.attention_backend``); the other keywords are :class:`~piecewise_backend.hf.HFEngine`'s. The
-    default stop token is the target's ``generation_config.eos_token_id``.
+    default stop token is the target's ``generation_config.eos_token_id``. ``.target_model`` and
+    ``.drafter_model`` are the HF models given; ``.target`` and ``.drafter`` their model runners.
     """
 
+    @takes_engine_args(exclude=MODEL_EOS)
     def __init__(
-        self,
-        target: torch.nn.Module,
-        drafter: torch.nn.Module,
-        config: CompilationConfig,
-        *,
-        num_speculative_tokens: int,
-        drafter_config: CompilationConfig | None = None,
+        self, target: torch.nn.Module, drafter: torch.nn.Module, config: CompilationConfig, *,
+        num_speculative_tokens: int, drafter_config: CompilationConfig | None = None,
         target_attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
-        max_num_reqs: int = 4,
-        max_model_len: int = 128,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        attention_backend: str = "auto",
-        lazy_capture: bool = False,
-        max_num_batched_tokens: int | None = None,
-        graph_memory_budget: int | None = None,
-        step_capture_budget_s: float | None = None,
+        args: EngineArgs | None = None, **engine_kwargs: Any,
     ):
-        engine_args = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size,
-                           num_blocks=num_blocks, lazy_capture=lazy_capture,
-                           max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
-                           step_capture_budget_s=step_capture_budget_s)
-        check_speculative_args(num_speculative_tokens, config, drafter_config, **engine_args)
+        args = engine_args("SpecEngine", args, engine_kwargs, exclude=MODEL_EOS)
+        k = check_speculative_args(num_speculative_tokens, config, drafter_config)
         if any(is_tensor_parallel(m) for m in (target, drafter)):
             raise ValueError("SpecEngine does not serve tensor-parallel models (tp_plan) yet: the drafter and the "
                              "verifier would need their collectives agreed per step; use HFEngine")
         vocab = [m.config.get_text_config().vocab_size for m in (target, drafter)]
         if vocab[0] != vocab[1]:
             raise ValueError(f"the drafter's vocabulary ({vocab[1]} tokens) must be the target's ({vocab[0]})")
-        for role, m, c in (("target", target, config), ("drafter", drafter, drafter_config or config)):
-            limit = getattr(m.config.get_text_config(), "max_position_embeddings", None)
-            if limit is not None and max_model_len > limit:
-                raise ValueError(f"max_model_len={max_model_len} exceeds {type(m).__name__}'s max_position_embeddings={limit}")
-            check_hf_model(m, c, max_model_len)
-            param = first_parameter(m, role)
-            check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
+        drafter_config = drafter_config or config
+        for role, m, c in (("target", target, config), ("drafter", drafter, drafter_config)):
+            check_hf_model(m, c, args.max_model_len)  # HFEngine's refusals (its position limit among them)
+            args.check_model(m, role)
         adapted_target = adapt(target)
         adapted_drafter = adapted_target if drafter is target else adapt(drafter)
-        # a break point: no FULL graph holds it
-        target_config = no_full_graphs(config, adapted_target.host_breaks)
-        drafter_config = no_full_graphs(drafter_config or config, adapted_drafter.host_breaks)
-        super().__init__(
-            adapted_target, adapted_drafter, target_config, num_speculative_tokens=num_speculative_tokens,
-            target_layout=KVLayout(*kv_shape(adapted_target), adapted_target.indexer_dim),
-            drafter_layout=KVLayout(*kv_shape(adapted_drafter), adapted_drafter.indexer_dim),
-            vocab_size=vocab[0], target_state_specs=adapted_target.state_specs,
-            drafter_state_specs=adapted_drafter.state_specs, drafter_config=drafter_config,
-            target_attention_support=target_attention_support,
-            attention_backend=attention_backend, **engine_args,
+        self._start_speculative(
+            args, k, _served(adapted_target, config), _served(adapted_drafter, drafter_config), target_attention_support,
+            vocab_size=vocab[0], eos_token_id=frozenset(),
         )
-        self.target.model, self.drafter.model = target, drafter  # the HF models (adapted in place)
+        #: the HF models (adapted in place); ``.target.model`` / ``.drafter.model`` are the adapted ones compiled
+        self.target_model, self.drafter_model = target, drafter
 
     def default_eos(self) -> Any:
         """The target's ``generation_config.eos_token_id``, as ``model.generate`` uses by default."""
-        return generation_eos(self.target.model)
+        return generation_eos(self.target_model)
+
+
+def _served(adapted: torch.nn.Module, config: CompilationConfig) -> SpecModel:
+    """A model :func:`~.engine.adapt` returned, as a speculative engine runs it: its probed cache layout and states, and ``config``
+    without FULL graphs when it has a break point (no FULL graph holds one)."""
+    return SpecModel(adapted, no_full_graphs(config, adapted.host_breaks),
+                     KVLayout(*kv_shape(adapted), adapted.indexer_dim), adapted.state_specs)
 
 
 def truncated_drafter(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """The engine for any model that follows the protocol (docs/engine.md): scheduling, sampling, the serving loop, speculative decoding."""
 
-from .arguments import check_generate
+from .arguments import EngineArgs, check_generate
 from .engine import Engine
 from .loop import RequestOutput, ServingLoop, StepExecutor, StepInfo
 from .model_runner import KVLayout, ModelRunner
@@ -10,6 +10,7 @@ from .speculative import RoundInfo, SpecStats, SpeculativeEngine
 
 __all__ = [
     "Engine",
+    "EngineArgs",
     "KVLayout",
     "SamplingParams",
     "RequestOutput",

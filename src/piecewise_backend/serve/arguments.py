@@ -1,23 +1,34 @@
-"""The arguments of an engine's ``generate``, checked in one place for every engine.
+"""The arguments of the engines, checked in one place for every engine.
+
+:class:`EngineArgs` holds the constructor arguments every engine shares (``max_num_reqs``,
+``max_model_len``, ...), each checked by its own name when it is built, before an engine touches
+its model; :func:`takes_engine_args` gives an engine's ``__init__(..., args=None, **engine_args)``
+the signature its callers see (the fields as keyword-only parameters) and :func:`engine_args` turns
+the keywords a call got (or its ``args=EngineArgs(...)``) into one :class:`EngineArgs`. A new
+engine argument is one field of :class:`EngineArgs` (with its check in ``__post_init__``).
+:meth:`EngineArgs.check_model` checks a model against them (a parameter to take the caches' dtype
+and device from, an ``attention_backend`` that can serve that cache, :func:`check_attention_backend`).
 
 :class:`~piecewise_backend.serve.Engine`, :class:`~piecewise_backend.hf.HFEngine` and
 :class:`~piecewise_backend.spec.SpecEngine` take the same prompts, budgets and stop tokens; :func:`check_generate` turns them into plain lists of ints or raises a
 ``ValueError`` (a ``TypeError`` for a value of the wrong kind: text, a bare int, a set) that names
 the bad value and what is valid, before any request is admitted. A prompt may be a list or tuple
 of ints, a 1-D integer tensor or a numpy integer array; a float id is refused, never truncated.
-:func:`check_engine_args` checks the constructor arguments every engine shares, each by its own
-name, and :func:`check_attention_backend` the ``attention_backend``, before an engine touches its
-model. Imports neither transformers nor numpy.
+Imports neither transformers nor numpy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
 
 from ..attention.backends import attention_backends, describe, select_attention_backends
+from ..config import CompilationConfig
 from ..validation import is_int  # noqa: F401  (serve's modules import it from here)
 
 #: What a prompt may be, for the error messages.
@@ -125,31 +136,158 @@ def check_attention_backend(attention_backend: Any, *, device: Any, dtype: Any, 
         raise ValueError(f"{e}; valid for this cache: {valid}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """The constructor arguments every engine shares, each checked by its own name when built (a
+    ``ValueError`` naming the argument, the value and what is valid; ``num_blocks=0`` is refused, not
+    replaced by the default). Engines take them as keywords (or as ``args=EngineArgs(...)``); a new
+    one is a field here. ``attention_backend`` is checked against each model's cache by
+    :meth:`check_model`; the range of ``eos_token_id`` by :meth:`stop_tokens`, once the vocabulary
+    is known. HF engines take every field but ``eos_token_id`` (:data:`MODEL_EOS`)."""
+
+    max_num_reqs: int = 4  # requests a step runs at most
+    max_model_len: int = 128  # tokens a request holds at most
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None: room for max_num_reqs requests of max_model_len tokens
+    attention_backend: str = "auto"  # "auto" or a registered attention backend's name
+    lazy_capture: bool = False  # True: serve at once, capture_idle (and the steps' catch-up) capture later
+    max_num_batched_tokens: int | None = None  # tokens per step (None: the largest capture size)
+    graph_memory_budget: int | None = None  # bytes the engine's graphs may add to the graph pool
+    eos_token_id: int | Sequence[int] | None = None  # the default stop token(s) of generate, add_request (kept as a tuple)
+    step_capture_budget_s: float | None = None  # seconds a lazy engine's step may capture (None: 0.05 lazy, else 0)
+
+    def __post_init__(self) -> None:
+        for name, meaning in (
+            ("max_num_reqs", "requests a step runs at most"),
+            ("max_model_len", "tokens a request holds at most"),
+            ("block_size", "tokens per KV block"),
+        ):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive int ({meaning}), got {_show(value)}")
+            object.__setattr__(self, name, int(value))
+        n = self.num_blocks
+        if n is not None and (not is_int(n) or n < 1):
+            raise ValueError(f"num_blocks must be None (room for max_num_reqs requests of max_model_len tokens) or a "
+                             f"positive int, got {_show(n)}")
+        if self.lazy_capture is not True and self.lazy_capture is not False:
+            raise ValueError(f"lazy_capture must be a bool, got {_show(self.lazy_capture)}")
+        check_tokens_budget(self.max_num_batched_tokens)
+        g = self.graph_memory_budget
+        if g is not None and (not is_int(g) or g < 0):
+            raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {_show(g)}")
+        s = self.step_capture_budget_s
+        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Real) or not s >= 0 or s == float("inf")):
+            raise ValueError(f"step_capture_budget_s must be None (the default) or a finite number of seconds >= 0 "
+                             f"(0: never capture inside a step), got {_show(s)}")
+        eos = self.eos_token_id
+        if eos is not None:
+            eos_ids(eos)  # the kind of value here; its range once the vocabulary is known (stop_tokens)
+            object.__setattr__(self, "eos_token_id", int(eos) if is_int(eos) else tuple(int(t) for t in eos))
+        for name in ("num_blocks", "max_num_batched_tokens", "graph_memory_budget"):  # numpy ints as ints
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+
+    def stop_tokens(self, vocab_size: int) -> frozenset[int]:
+        """``eos_token_id`` as the set of stop tokens of an engine of ``vocab_size`` tokens; refuses an id
+        outside the vocabulary (it would never stop a request)."""
+        return eos_ids(self.eos_token_id, vocab_size=vocab_size)
+
+    def check_model(self, model: Any, role: str = "model") -> str:
+        """Refuse a model the engine cannot build caches for: no ``nn.Module``, already compiled, without
+        parameters (see :func:`first_parameter`), or whose cache ``attention_backend`` cannot serve
+        (:func:`check_attention_backend`); returns the backend chosen, in words."""
+        param = first_parameter(model, role)
+        return check_attention_backend(self.attention_backend, device=param.device, dtype=param.dtype,
+                                       block_size=self.block_size)
+
+
+#: The engine arguments a HF engine does not take: its default stop token is the model's
+#: ``generation_config.eos_token_id`` (as ``model.generate``'s); ``generate`` takes another.
+MODEL_EOS = ("eos_token_id",)
+
+
+def engine_keywords(exclude: Collection[str] = ()) -> tuple[str, ...]:
+    """The names of :class:`EngineArgs`' fields, in order, less ``exclude``."""
+    return tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name not in exclude)
+
+
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def takes_engine_args(exclude: Collection[str] = ()) -> Callable[[Init], Init]:
+    """Decorate an engine's ``__init__(self, ..., args=None, **engine_args)``: its signature (what
+    ``inspect.signature``, ``help`` and the docs show) lists :class:`EngineArgs`' fields but ``exclude``
+    as keyword-only parameters with their defaults, before ``args``."""
+
+    def decorate(init: Init) -> Init:
+        sig = inspect.signature(init)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name != "args"]
+        fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+        given = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=fields[name].default,
+                                   annotation=fields[name].type) for name in engine_keywords(exclude)]
+        init.__signature__ = sig.replace(parameters=[*own, *given, sig.parameters["args"]])  # type: ignore[attr-defined]
+        return init
+
+    return decorate
+
+
+def engine_args(
+    owner: str, args: EngineArgs | None, keywords: Mapping[str, Any], exclude: Collection[str] = (),
+) -> EngineArgs:
+    """The :class:`EngineArgs` of a call of ``owner`` (e.g. ``"HFEngine"``): ``args`` (default: every
+    field's default) with the ``keywords`` given beside it; a keyword that is no field, or one of
+    ``exclude``, is a ``TypeError`` as Python's own for an unexpected keyword."""
+    taken = engine_keywords(exclude)
+    for name in keywords:
+        if name not in taken:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
+    if args is None:
+        return EngineArgs(**keywords)
+    if not isinstance(args, EngineArgs):
+        raise TypeError(f"args must be a serve.EngineArgs (or give the engine arguments as keywords), got "
+                        f"{type(args).__name__}")
+    for name in exclude:
+        if getattr(args, name) != getattr(EngineArgs, name):
+            raise TypeError(f"{owner} takes no {name}: leave it at its default ({getattr(EngineArgs, name)!r}) in args")
+    return dataclasses.replace(args, **keywords) if keywords else args
+
+
 def check_engine_args(
     *, max_num_reqs: Any, max_model_len: Any, block_size: Any, num_blocks: Any, lazy_capture: Any,
     max_num_batched_tokens: Any, graph_memory_budget: Any, step_capture_budget_s: Any = None,
 ) -> None:
-    """The engines' shared constructor arguments, each checked by its own name before anything is
-    built (``num_blocks=0`` is refused, not replaced by the default)."""
-    for name, value, meaning in (
-        ("max_num_reqs", max_num_reqs, "requests a step runs at most"),
-        ("max_model_len", max_model_len, "tokens a request holds at most"),
-        ("block_size", block_size, "tokens per KV block"),
-    ):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be a positive int ({meaning}), got {_show(value)}")
-    if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
-        raise ValueError(f"num_blocks must be None (room for max_num_reqs requests of max_model_len tokens) or a "
-                         f"positive int, got {_show(num_blocks)}")
-    if lazy_capture is not True and lazy_capture is not False:
-        raise ValueError(f"lazy_capture must be a bool, got {_show(lazy_capture)}")
-    check_tokens_budget(max_num_batched_tokens)
-    if graph_memory_budget is not None and (not is_int(graph_memory_budget) or graph_memory_budget < 0):
-        raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {_show(graph_memory_budget)}")
-    s = step_capture_budget_s
-    if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Real) or not s >= 0 or s == float("inf")):
-        raise ValueError(f"step_capture_budget_s must be None (the default) or a finite number of seconds >= 0 "
-                         f"(0: never capture inside a step), got {_show(s)}")
+    """The checks of :class:`EngineArgs` for these arguments, each by its own name."""
+    EngineArgs(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+               lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
+               graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s)
+
+
+def check_config(config: Any, name: str = "config") -> None:
+    """A :class:`~piecewise_backend.CompilationConfig` (``name``: the argument's, in the error)."""
+    if not isinstance(config, CompilationConfig):
+        raise TypeError(f"{name} must be a piecewise_backend.CompilationConfig, got {type(config).__name__}")
+
+
+def check_vocab(vocab_size: Any) -> int:
+    """The logits' last dim: a positive int."""
+    if not is_int(vocab_size) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int (the logits' last dim), got {vocab_size!r}")
+    return int(vocab_size)
+
+
+def first_parameter(model: Any, role: str = "model") -> torch.Tensor:
+    """The parameter whose dtype and device the caches take; a clear error for a model without one."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"the {role} must be an uncompiled torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+        raise TypeError(f"the {role} is already compiled (torch.compile); pass the nn.Module itself: the engine "
+                        "compiles it with make_backend(config)")
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError(f"the {role} {type(model).__name__} has no parameters: the caches take the dtype and device "
+                         "of its first parameter")
+    return param
 
 
 def check_tokens_budget(value: Any) -> None:

@@ -25,9 +25,18 @@ from ..modes import CUDAGraphMode
 from ..runner import CaptureReport
 from ..runner.agreement import distributed
 from ..state.cache import StateSpec
-from .arguments import check_attention_backend, check_engine_args, check_generate, check_tokens_budget, eos_ids, is_int
+from .arguments import (
+    EngineArgs,
+    check_config,
+    check_generate,
+    check_tokens_budget,
+    check_vocab,
+    engine_args,
+    eos_ids,
+    takes_engine_args,
+)
 from .loop import RequestOutput, ServingLoop, StepExecutor, StepInfo
-from .model_runner import Decode, KVLayout, ModelRunner, first_parameter
+from .model_runner import Decode, KVLayout, ModelRunner
 from .sampling import SamplingParams, per_request
 from .scheduler import KVBlocks
 
@@ -52,6 +61,7 @@ class Engine:
     engine serves uncompiled until the first compile.
     """
 
+    @takes_engine_args()
     def __init__(
         self,
         model: torch.nn.Module,
@@ -60,64 +70,55 @@ class Engine:
         kv_layout: KVLayout,
         vocab_size: int,
         state_specs: Sequence[StateSpec] | None = None,
-        max_num_reqs: int = 4,
-        max_model_len: int = 128,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        attention_backend: str = "auto",
-        lazy_capture: bool = False,
-        max_num_batched_tokens: int | None = None,
-        graph_memory_budget: int | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        step_capture_budget_s: float | None = None,
+        args: EngineArgs | None = None,
+        **engine_kwargs: Any,
     ):
-        check_engine_args(
-            max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            lazy_capture=lazy_capture, max_num_batched_tokens=max_num_batched_tokens,
-            graph_memory_budget=graph_memory_budget, step_capture_budget_s=step_capture_budget_s,
-        )
+        """The engine arguments (``max_num_reqs`` ... ``step_capture_budget_s``: :class:`.arguments.EngineArgs`'
+        fields) come as keywords, or as ``args=EngineArgs(...)`` (keywords given beside it replace its fields)."""
+        args = engine_args("Engine", args, engine_kwargs)
         check_config(config)
         if not isinstance(kv_layout, KVLayout):
             raise TypeError(f"kv_layout must be a serve.KVLayout(num_layers, num_kv_heads, head_dim), got "
                             f"{type(kv_layout).__name__}")
-        check_vocab(vocab_size)
+        vocab_size = check_vocab(vocab_size)
         specs = list(state_specs or ())
         if any(not isinstance(s, StateSpec) for s in specs):
             raise TypeError("state_specs must be StateSpecs (piecewise_backend.state.StateSpec), one per state the "
                             "model's state layers keep")
-        param = first_parameter(model)
-        check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
-        self.vocab_size = int(vocab_size)
-        self.eos_token_id = eos_ids(eos_token_id, vocab_size=self.vocab_size)  # refused before anything is built
-        main = ModelRunner(
-            model, config, kv_layout=kv_layout, state_specs=specs, max_num_reqs=max_num_reqs,
-            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            attention_backend=attention_backend, lazy_capture=lazy_capture, graph_memory_budget=graph_memory_budget,
-        )
+        args.check_model(model)
+        eos = args.stop_tokens(vocab_size)  # refused before anything is built
+        main = ModelRunner(model, config, kv_layout=kv_layout, args=args, state_specs=specs)
         self.model = model
-        self.cache, self.states, self.runner, self.backend = main.cache, main.states, main.runner, main.backend
-        self.attention_backend = main.attention_backend
-        self._serve([main], Decode(main), main.cache, max_num_reqs, max_num_batched_tokens, main.states,
-                    step_capture_budget_s=step_capture_budget_s)
+        self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=eos)
 
-    def _serve(
-        self, runners: list[ModelRunner], executor: StepExecutor, blocks: KVBlocks, max_num_reqs: int,
-        max_num_batched_tokens: int | None, states: Any = None, lookahead: int = 0,
-        step_capture_budget_s: float | None = None,
+    def _start(
+        self, args: EngineArgs, model_runners: Sequence[ModelRunner], executor: StepExecutor, blocks: KVBlocks,
+        states: Any, *, vocab_size: int, eos_token_id: frozenset[int], lookahead: int = 0,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
-        """The loop over ``executor`` (every engine's last constructor step)."""
-        self._runners = runners
-        lazy = any(m.runner.lazy_capture for m in runners)
+        """Every engine's constructor ends here, with its arguments checked and its model runners built:
+        the serving loop over ``executor``, which plans ``blocks`` (and frees ``states``) for its requests.
+        ``max_num_batched_tokens``: the step's token budget when the engine chose one (default:
+        ``args``', else the largest capture size, else ``max_model_len``: a whole prompt)."""
+        #: the engine's arguments, checked (a :class:`~.arguments.EngineArgs`)
+        self.args = args
+        #: the :class:`~.model_runner.ModelRunner` of each model (a speculative engine: the target's, then the drafter's)
+        self.model_runners = list(model_runners)
+        main = self.model_runners[0]
+        self.runner, self.cache, self.states, self.backend = main.runner, main.cache, main.states, main.backend
+        self.attention_backend = main.attention_backend
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        lazy = any(m.runner.lazy_capture for m in self.model_runners)
+        budget_s = args.step_capture_budget_s
         #: Seconds a step of a lazy engine may spend capturing graphs traffic asked for, before it runs
         #: (``capture_idle`` within that slice; 0: never). Default: :data:`STEP_CAPTURE_BUDGET_S` with
         #: ``lazy_capture=True``, else 0.
-        self.step_capture_budget_s = float(
-            (STEP_CAPTURE_BUDGET_S if lazy else 0.0) if step_capture_budget_s is None else step_capture_budget_s
-        )
-        self.max_num_reqs = max_num_reqs
-        self.max_step_tokens = runners[0].runner.dispatcher.max_size
-        budget = max_num_batched_tokens or self.max_step_tokens or blocks.max_model_len  # NONE mode: a whole prompt
-        self._loop = ServingLoop(executor, blocks, self.vocab_size, max_num_reqs, budget, states, lookahead)
+        self.step_capture_budget_s = float((STEP_CAPTURE_BUDGET_S if lazy else 0.0) if budget_s is None else budget_s)
+        self.max_num_reqs, self.max_model_len = args.max_num_reqs, args.max_model_len
+        self.max_step_tokens = main.runner.dispatcher.max_size
+        budget = max_num_batched_tokens or args.max_num_batched_tokens or self.max_step_tokens or args.max_model_len
+        self._loop = ServingLoop(executor, blocks, vocab_size, args.max_num_reqs, budget, states, lookahead)
         self._loop.before_step = self._catch_up
         self._capture_credit = 0.0  # catch-up seconds accrued and not spent (see _catch_up)
 
@@ -135,7 +136,7 @@ class Engine:
         budget = self.step_capture_budget_s
         if budget <= 0 or distributed():  # ranks would capture different graphs (capture_idle refuses it)
             return
-        wanting = [m for m in self._runners if m.runner.demand]
+        wanting = [m for m in self.model_runners if m.runner.demand]
         if not wanting:
             self._capture_credit = 0.0
             return
@@ -178,7 +179,7 @@ class Engine:
         captured: list[tuple[CUDAGraphMode, BatchDescriptor]] = []
         deadline = time.perf_counter() + max_seconds
         with self._loop.lock, torch.inference_mode():
-            for m in self._runners:
+            for m in self.model_runners:
                 captured += m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
         return captured
 
@@ -186,7 +187,7 @@ class Engine:
         """Bytes :meth:`capture` will add to the graph pool, measured before capturing (with several
         models, their estimates summed: an upper bound, the later ones may reuse the pool)."""
         with torch.inference_mode():
-            return sum(m.runner.estimate_capture_memory() for m in self._runners)
+            return sum(m.runner.estimate_capture_memory() for m in self.model_runners)
 
     # ------------------------------------------------------------------ the online API
 
@@ -259,16 +260,6 @@ class Engine:
         params = per_request(sampling, len(args.prompts))
         with torch.inference_mode():
             return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step)
-
-
-def check_config(config: Any) -> None:
-    if not isinstance(config, CompilationConfig):
-        raise TypeError(f"config must be a piecewise_backend.CompilationConfig, got {type(config).__name__}")
-
-
-def check_vocab(vocab_size: Any) -> None:
-    if not is_int(vocab_size) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive int (the logits' last dim), got {vocab_size!r}")
 
 
 def _inference(results: Iterator[RequestOutput]) -> Iterator[RequestOutput]:

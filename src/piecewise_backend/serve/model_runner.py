@@ -23,7 +23,7 @@ from ..kv import cache as kv
 from ..modes import AttentionGraphSupport
 from ..runner import GraphRunner, StaticInput, StepResult
 from ..state.cache import StateCache, StateSpec
-from .arguments import is_int
+from .arguments import EngineArgs, first_parameter, is_int
 from .loop import Executed, chunk_ends
 from .sampling import noise_key, sample
 from .scheduler import StepPlan
@@ -49,8 +49,9 @@ class KVLayout:
             object.__setattr__(self, name, int(value))
 
 
-class Step(torch.nn.Module):
-    """``model(input_ids=(T,), position_ids=(T,))``: the protocol's call, the module an engine compiles."""
+class ProtocolStep(torch.nn.Module):
+    """``model(input_ids=(T,), position_ids=(T,))``: the protocol's call, the module an engine compiles
+    (not :class:`piecewise_backend.runner.Step`, the protocol of what runs a GraphRunner's wrapped model)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -79,20 +80,6 @@ def own_code(cls: type[torch.nn.Module]) -> type[torch.nn.Module]:
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
-def first_parameter(model: torch.nn.Module, role: str = "model") -> torch.Tensor:
-    """The parameter whose dtype and device the caches take; a clear error for a model without one."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"the {role} must be an uncompiled torch.nn.Module, got {type(model).__name__}")
-    if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-        raise TypeError(f"the {role} is already compiled (torch.compile); pass the nn.Module itself: the engine "
-                        "compiles it with make_backend(config)")
-    param = next(model.parameters(), None)
-    if param is None:
-        raise ValueError(f"the {role} {type(model).__name__} has no parameters: the caches take the dtype and device "
-                         "of its first parameter")
-    return param
-
-
 class ModelRunner:
     """One model on its KV cache, state cache and GraphRunner (see the module docstring)."""
 
@@ -102,31 +89,27 @@ class ModelRunner:
         config: CompilationConfig,
         *,
         kv_layout: KVLayout,
+        args: EngineArgs,
         state_specs: Sequence[StateSpec] = (),
-        max_num_reqs: int,
-        max_model_len: int,
-        block_size: int,
-        num_blocks: int | None,
-        attention_backend: str,
-        lazy_capture: bool = False,
-        graph_memory_budget: int | None = None,
         drafter: bool = False,
         uniform_decode_query_len: int = 1,
         attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
     ):
+        """``model`` (checked by the engine: :meth:`EngineArgs.check_model`) on caches sized by ``args``."""
         param = first_parameter(model)
         self.model = model
+        blocks = args.num_blocks or args.max_num_reqs * -(-args.max_model_len // args.block_size)
         self.cache = kv.PagedKVCache(
-            kv_layout.num_layers, kv_layout.num_kv_heads, kv_layout.head_dim, block_size=block_size,
-            max_model_len=max_model_len, num_blocks=num_blocks or max_num_reqs * -(-max_model_len // block_size),
-            dtype=param.dtype, device=param.device, attention_backend=attention_backend,
-            indexer_dim=kv_layout.indexer_dim,
+            kv_layout.num_layers, kv_layout.num_kv_heads, kv_layout.head_dim, block_size=args.block_size,
+            max_model_len=args.max_model_len, num_blocks=blocks, dtype=param.dtype, device=param.device,
+            attention_backend=args.attention_backend, indexer_dim=kv_layout.indexer_dim,
         )
         self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
         #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
-        self.states = StateCache(list(state_specs), num_slots=max_num_reqs, device=param.device) if state_specs else None
+        self.states = (StateCache(list(state_specs), num_slots=args.max_num_reqs, device=param.device)
+                       if state_specs else None)
         self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
-        step = own_code(Step)(model)
+        step = own_code(ProtocolStep)(model)
         compiled = torch.compile(step, backend=self.backend)
         inputs = [StaticInput("input_ids"), *self.cache.static_inputs()]
         support = min(attention_support, self.cache.attention_graph_support)
@@ -138,8 +121,9 @@ class ModelRunner:
             support = min(support, AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)
         self.runner = GraphRunner(
             compiled, config, inputs, model_kwargs=["input_ids", kv.POSITIONS], context_fn=context_fn,
-            max_num_reqs=max_num_reqs, device=param.device, attention_support=support,
-            attention_backend=self.attention_backend, lazy_capture=lazy_capture, graph_memory_budget=graph_memory_budget,
+            max_num_reqs=args.max_num_reqs, device=param.device, attention_support=support,
+            attention_backend=self.attention_backend, lazy_capture=args.lazy_capture,
+            graph_memory_budget=args.graph_memory_budget,
             uniform_decode_query_len=uniform_decode_query_len, drafter=drafter,
             eager_model=step,  # lazy: served uncompiled until capture_idle compiles
         )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,10 +37,10 @@ from ..kv.cache import PagedKVCache
 from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner import CaptureReport
 from ..state.cache import StateCache, StateSpec
-from .arguments import check_attention_backend, check_engine_args, check_tokens_budget, eos_ids, is_int
-from .engine import Engine, check_config, check_vocab
+from .arguments import EngineArgs, check_config, check_tokens_budget, check_vocab, engine_args, is_int, takes_engine_args
+from .engine import Engine
 from .loop import Executed, StepInfo, chunk_ends
-from .model_runner import KVLayout, ModelRunner, first_parameter
+from .model_runner import KVLayout, ModelRunner
 from .sampling import ACCEPT, DRAFT, RESAMPLE, TOKEN, SamplingParams, noise_key, probabilities, sample_from, uniform_noise
 from .scheduler import Request, StepPlan
 
@@ -77,6 +78,17 @@ class SpecStats:
     def tokens_per_target_step(self) -> float:
         """Tokens a request gains per target forward it takes part in (plain greedy decoding: 1)."""
         return self.emitted / self.request_steps if self.request_steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecModel:
+    """One model of a speculative engine as its :class:`~.model_runner.ModelRunner` takes it: the protocol
+    model (checked), its config, its cache layout and the specs of its state layers' states."""
+
+    model: torch.nn.Module
+    config: CompilationConfig
+    layout: KVLayout
+    state_specs: Sequence[StateSpec] = ()
 
 
 class CachesInStep:
@@ -134,6 +146,79 @@ class StatesInStep:
                 c.free(request)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """One round, laid out from the scheduler's chunks: which chunks are final (they reach their
+    request's last token, so they carry ``k`` drafts and are verified), the requests drafting (those
+    of final chunks, in step order), the target's layout (each chunk, plus ``k`` positions after a
+    final one), its input ids with the drafts' rows (``draft_rows``) left 0 to be filled on the
+    device, and whether every request has exactly ``k + 1`` query tokens (a verify-only step)."""
+
+    chunks: list[tuple[Request, int, int]]
+    final: list[bool]
+    drafting: list[Request]
+    layout: list[tuple[Hashable, int, int]]
+    host_ids: list[int]
+    draft_rows: list[int]
+    verify_only: bool
+
+    @classmethod
+    def of(cls, chunks: list[tuple[Request, int, int]], k: int) -> RoundPlan:
+        final = [start + count == r.length for r, start, count in chunks]
+        host: list[int] = []
+        draft_rows: list[int] = []
+        for (r, start, count), f in zip(chunks, final):
+            host += r.tokens(start, count)
+            if f:
+                draft_rows += range(len(host), len(host) + k)
+                host += [0] * k
+        return cls(
+            chunks, final, [r for (r, _, _), f in zip(chunks, final) if f],
+            [(r.slot, start, count + (k if f else 0)) for (r, start, count), f in zip(chunks, final)],
+            host, draft_rows, all(f and count == 1 for (_, _, count), f in zip(chunks, final)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """The drafter's part of a round: the ``k`` proposals of each drafting request ``(requests, k)`` on
+    the device, their distributions ``(requests, k, vocab)`` (None when every request is greedy), the
+    mode of each drafter step, and the drafting requests' states after its first step (None without
+    state layers: :meth:`ModelRunner.snapshot`)."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None
+    modes: tuple[CUDAGraphMode, ...]
+    saved: list | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The target's answer to a round's drafts, read back once: per drafting request (in step order),
+    its drafts, how many of them it accepts and the token it draws after them."""
+
+    drafts: list[list[int]]
+    accepted: list[int]
+    next_tokens: list[int]
+
+    def tokens(self, i: int) -> list[int]:
+        """The tokens drafting request ``i`` gains: its accepted drafts and the target's next one."""
+        return self.drafts[i][:self.accepted[i]] + [self.next_tokens[i]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingRound:
+    """What :meth:`Speculate.execute` leaves for :meth:`Speculate.kept` (which learns what the loop kept):
+    the target's step and every verified request with the number of drafts it accepted."""
+
+    mode: CUDAGraphMode
+    key: BatchDescriptor
+    tokens: int
+    verify_only: bool
+    drafter_modes: tuple[CUDAGraphMode, ...]
+    verified: tuple[tuple[Request, int], ...]
+
+
 class Speculate:
     """The speculative step (see the module docstring): drafts, one verifying target step, acceptance.
 
@@ -158,83 +243,35 @@ class Speculate:
         self.target, self.drafter, self.k = target, drafter, k
         self.stats = SpecStats()
         self.last: RoundInfo | None = None
-        self._pending: dict = {}
+        self._pending: PendingRound | None = None
 
     def execute(self, plan: StepPlan) -> Executed:
-        k = self.k
-        chunks = plan.chunks
-        final = [start + count == r.length for r, start, count in chunks]
-        drafting = [r for (r, _, _), f in zip(chunks, final) if f]
-        drafts, q, drafter_modes, saved = self._draft(chunks, final, drafting)
-        layout = [(r.slot, start, count + (k if f else 0)) for (r, start, count), f in zip(chunks, final)]
-        host: list[int] = []
-        draft_rows: list[int] = []
-        for (r, start, count), f in zip(chunks, final):
-            host += r.tokens(start, count)
-            if f:
-                draft_rows += range(len(host), len(host) + k)
-                host += [0] * k  # the drafts, filled on the device
-        ids = torch.tensor(host, dtype=torch.long, device=self.target.cache.device)
-        if drafting:
-            ids[torch.tensor(draft_rows, device=ids.device)] = drafts.flatten().to(ids.device)
-        verify_only = all(f and count == 1 for (_, _, count), f in zip(chunks, final))
-        verified_step = self.target.run(layout, ids, verify_only, commit=False)
-        logits, mode, key = verified_step.output, verified_step.mode, verified_step.descriptor
-        new: list[list[int]] = []
-        verified: list[tuple[Request, int]] = []
-        commit = []
-        if drafting:
-            ends = [end for end, f in zip(chunk_ends(layout), final) if f]
-            rows = torch.tensor([e - k + j for e in ends for j in range(k + 1)], device=logits.device)
-            tokens, accepted = self._accept(logits[rows].view(len(drafting), k + 1, -1), drafts, q, drafting)
-            read = torch.cat([drafts.flatten(), accepted, tokens]).tolist()  # the round's one read-back
-            n = len(drafting)
-            drafted = [read[i * k:(i + 1) * k] for i in range(n)]
-            accepted_list, last = read[n * k:n * k + n], read[n * k + n:]
-        d = 0
-        stateful_target = self.target.states is not None
-        for (r, start, count), f in zip(chunks, final):
-            if not f:  # a prompt chunk: K/V written, nothing to sample yet
-                r.computed = start + count
-                r.draft_computed = max(r.draft_computed, start + count)
-                commit.append(r.slot)
-                new.append([])
-                continue
-            a, length = accepted_list[d], r.length
-            if a == k or not stateful_target:
-                r.computed = length + a  # valid K/V: the sequence and the accepted drafts
-                commit.append(r.slot)
-            else:  # the states after the step hold rejected drafts: keep those from before it, recompute
-                r.computed = start
-            self.target.cache.truncate(r.slot, r.computed)
-            if saved is not None and a < k - 1:  # the drafter's states ran past the last accepted draft
-                self.drafter.restore([r.slot], [saved[d]])
-                r.draft_computed = length
-            else:
-                r.draft_computed = length + min(a, k - 1)  # it fed the sequence and drafts[:k - 1]
-            self.drafter.cache.truncate(r.slot, r.draft_computed)
-            new.append(drafted[d][:a] + [last[d]])
-            verified.append((r, a))
-            d += 1
-        self.target.commit(commit)
-        self._pending = dict(mode=mode, key=key, tokens=len(host), verify_only=verify_only,
-                             drafter_modes=tuple(drafter_modes), verified=verified)
-        return Executed(new, len(host), verify_only, mode)
+        """One round: the plan, the drafts, the target's verifying step, its verdict and the rollback of
+        what the verdict rejected."""
+        round_plan = RoundPlan.of(plan.chunks, self.k)
+        drafts = self._draft(round_plan)
+        ids = torch.tensor(round_plan.host_ids, dtype=torch.long, device=self.target.cache.device)
+        if round_plan.drafting:
+            ids[torch.tensor(round_plan.draft_rows, device=ids.device)] = drafts.tokens.flatten().to(ids.device)
+        step = self.target.run(round_plan.layout, ids, round_plan.verify_only, commit=False)
+        verdict = self._verdict(round_plan, drafts, step.output) if round_plan.drafting else None
+        new, verified = self._roll_back(round_plan, verdict, drafts.saved)
+        num_tokens = len(round_plan.host_ids)
+        self._pending = PendingRound(step.mode, step.descriptor, num_tokens, round_plan.verify_only, drafts.modes,
+                                     tuple(verified))
+        return Executed(new, num_tokens, round_plan.verify_only, step.mode)
 
-    def _draft(
-        self, chunks: list[tuple[Request, int, int]], final: list[bool], drafting: list[Request],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[CUDAGraphMode], list | None]:
-        """The drafter's steps: each final chunk's k proposals ``(requests, k)`` on the device, their
-        distributions ``(requests, k, vocab)`` (None when every request is greedy), the mode of each
-        step, and the drafting requests' states after the first step (None without state layers)."""
-        k = self.k
+    def _draft(self, round_plan: RoundPlan) -> Drafts:
+        """The drafter's steps: the first catches up on what it has not cached of each scheduled chunk and
+        proposes each drafting request's first draft; ``k - 1`` more propose one token each."""
+        k, chunks, drafting = self.k, round_plan.chunks, round_plan.drafting
         feed = [(r, start + count - r.draft_computed) for r, start, count in chunks]
         layout = [(r.slot, r.draft_computed, n) for r, n in feed if n > 0]
         tokens = [t for r, n in feed if n > 0 for t in r.tokens(r.draft_computed, n)]
         first = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout))
         logits, modes = first.output, [first.mode]
         if not drafting:
-            return torch.empty(0, k, dtype=torch.long), None, modes, None
+            return Drafts(torch.empty(0, k, dtype=torch.long), None, tuple(modes), None)
         ends = {slot: end for (slot, _, _), end in zip(layout, chunk_ends(layout))}
         params = [r.sampling for r in drafting]
         sampled = any(not p.greedy for p in params)
@@ -255,7 +292,57 @@ class Speculate:
                 drafts.append(rows.argmax(-1))
             if j == 0:
                 saved = self.drafter.snapshot([r.slot for r in drafting])
-        return torch.stack(drafts, 1), (torch.stack(dists, 1) if sampled else None), modes, saved
+        return Drafts(torch.stack(drafts, 1), torch.stack(dists, 1) if sampled else None, tuple(modes), saved)
+
+    def _verdict(self, round_plan: RoundPlan, drafts: Drafts, logits: torch.Tensor) -> Verdict:
+        """Acceptance over the target's ``logits`` (every token's) at each drafting request's last
+        sequence token and its drafts, read back in one transfer."""
+        k, n = self.k, len(round_plan.drafting)
+        ends = [end for end, f in zip(chunk_ends(round_plan.layout), round_plan.final) if f]
+        rows = torch.tensor([e - k + j for e in ends for j in range(k + 1)], device=logits.device)
+        tokens, accepted = self._accept(logits[rows].view(n, k + 1, -1), drafts.tokens, drafts.q, round_plan.drafting)
+        read = torch.cat([drafts.tokens.flatten(), accepted, tokens]).tolist()  # the round's one read-back
+        return Verdict([read[i * k:(i + 1) * k] for i in range(n)], read[n * k:n * k + n], read[n * k + n:])
+
+    def _roll_back(
+        self, round_plan: RoundPlan, verdict: Verdict | None, saved: list | None,
+    ) -> tuple[list[list[int]], list[tuple[Request, int]]]:
+        """Keep what the verdict accepted and drop the rest: each request's valid K/V in both caches
+        (``computed``, ``draft_computed``), the target's states committed only for requests without a
+        rejected draft, the drafter's put back from ``saved`` where they ran past the last accepted draft.
+        Returns the tokens each chunk gains and every verified request with its accepted count."""
+        k = self.k
+        new: list[list[int]] = []
+        verified: list[tuple[Request, int]] = []
+        commit = []
+        stateful_target = self.target.states is not None
+        d = 0  # the verdict's index of the next drafting request
+        for (r, start, count), f in zip(round_plan.chunks, round_plan.final):
+            if not f:  # a prompt chunk: K/V written, nothing to sample yet
+                r.computed = start + count
+                r.draft_computed = max(r.draft_computed, start + count)
+                commit.append(r.slot)
+                new.append([])
+                continue
+            assert verdict is not None  # a final chunk drafts, so the round has a verdict
+            a, length = verdict.accepted[d], r.length
+            if a == k or not stateful_target:
+                r.computed = length + a  # valid K/V: the sequence and the accepted drafts
+                commit.append(r.slot)
+            else:  # the states after the step hold rejected drafts: keep those from before it, recompute
+                r.computed = start
+            self.target.cache.truncate(r.slot, r.computed)
+            if saved is not None and a < k - 1:  # the drafter's states ran past the last accepted draft
+                self.drafter.restore([r.slot], [saved[d]])
+                r.draft_computed = length
+            else:
+                r.draft_computed = length + min(a, k - 1)  # it fed the sequence and drafts[:k - 1]
+            self.drafter.cache.truncate(r.slot, r.draft_computed)
+            new.append(verdict.tokens(d))
+            verified.append((r, a))
+            d += 1
+        self.target.commit(commit)
+        return new, verified
 
     def _accept(
         self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, requests: list[Request],
@@ -291,18 +378,19 @@ class Speculate:
 
     def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None:
         p = self._pending
+        if p is None:
+            raise RuntimeError("Speculate.kept: no round was executed")
         by_request = {id(r): n for (r, _, _), n in zip(plan.chunks, kept)}
-        verified = p["verified"]
         s = self.stats
         s.rounds += 1
-        s.request_steps += len(verified)
-        s.proposed += self.k * len(verified)
-        s.accepted += sum(a for _, a in verified)
-        emitted = tuple(by_request[id(r)] for r, _ in verified)
+        s.request_steps += len(p.verified)
+        s.proposed += self.k * len(p.verified)
+        s.accepted += sum(a for _, a in p.verified)
+        emitted = tuple(by_request[id(r)] for r, _ in p.verified)
         s.emitted += sum(emitted)
         self.last = RoundInfo(
-            s.rounds - 1, tuple(r.tag for r, _ in verified), p["mode"], p["key"], p["tokens"], p["verify_only"],
-            p["drafter_modes"], tuple(a for _, a in verified), emitted,
+            s.rounds - 1, tuple(r.tag for r, _ in p.verified), p.mode, p.key, p.tokens, p.verify_only,
+            p.drafter_modes, tuple(a for _, a in p.verified), emitted,
         )
 
 
@@ -320,6 +408,7 @@ class SpeculativeEngine(Engine):
     token per request). ``lazy_capture`` and ``graph_memory_budget`` apply to each runner.
     """
 
+    @takes_engine_args()
     def __init__(
         self,
         target: torch.nn.Module,
@@ -334,58 +423,53 @@ class SpeculativeEngine(Engine):
         drafter_state_specs: Sequence[StateSpec] | None = None,
         drafter_config: CompilationConfig | None = None,
         target_attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
-        max_num_reqs: int = 4,
-        max_model_len: int = 128,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        attention_backend: str = "auto",
-        lazy_capture: bool = False,
-        max_num_batched_tokens: int | None = None,
-        graph_memory_budget: int | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        step_capture_budget_s: float | None = None,
+        args: EngineArgs | None = None,
+        **engine_kwargs: Any,
     ):
-        k = check_speculative_args(
-            num_speculative_tokens, config, drafter_config, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
-            block_size=block_size, num_blocks=num_blocks, lazy_capture=lazy_capture,
-            max_num_batched_tokens=max_num_batched_tokens, graph_memory_budget=graph_memory_budget,
-            step_capture_budget_s=step_capture_budget_s,
-        )
+        args = engine_args("SpeculativeEngine", args, engine_kwargs)
+        k = check_speculative_args(num_speculative_tokens, config, drafter_config)
         for layout in (target_layout, drafter_layout):
             if not isinstance(layout, KVLayout):
                 raise TypeError(f"target_layout and drafter_layout must be serve.KVLayouts, got {type(layout).__name__}")
-        check_vocab(vocab_size)
-        for role, m in (("target", target), ("drafter", drafter)):
-            param = first_parameter(m, role)
-            check_attention_backend(attention_backend, device=param.device, dtype=param.dtype, block_size=block_size)
+        vocab_size = check_vocab(vocab_size)
+        args.check_model(target, "target")
+        args.check_model(drafter, "drafter")
+        self._start_speculative(
+            args, k, SpecModel(target, config, target_layout, target_state_specs or ()),
+            SpecModel(drafter, drafter_config or config, drafter_layout, drafter_state_specs or ()),
+            target_attention_support, vocab_size=vocab_size, eos_token_id=args.stop_tokens(vocab_size),
+        )
+
+    def _start_speculative(
+        self, args: EngineArgs, k: int, target: SpecModel, drafter: SpecModel,
+        target_attention_support: AttentionGraphSupport, *, vocab_size: int, eos_token_id: frozenset[int],
+    ) -> None:
+        """Build both model runners (the caller checked the models and the arguments) and start serving them
+        (:meth:`Engine._start`)."""
         self.k = k
-        self.vocab_size = int(vocab_size)
-        self.eos_token_id = eos_ids(eos_token_id, vocab_size=self.vocab_size)
-        verify = sorted({r * (k + 1) for r in range(1, max_num_reqs + 1)} | set(config.sizes))
+        config = target.config
+        verify = sorted({r * (k + 1) for r in range(1, args.max_num_reqs + 1)} | set(config.sizes))
         if not config.max_capture_size_derived:
             verify = [s for s in verify if s <= config.max_capture_size]
         target_config = config.replace(capture_sizes=verify) if config.cudagraph_mode != CUDAGraphMode.NONE else config
-        common = dict(max_num_reqs=max_num_reqs, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-                      attention_backend=attention_backend, lazy_capture=lazy_capture,
-                      graph_memory_budget=graph_memory_budget)
-        self.target = ModelRunner(target, target_config, kv_layout=target_layout, uniform_decode_query_len=k + 1,
-                                  attention_support=target_attention_support, state_specs=target_state_specs or (),
-                                  **common)
-        self.drafter = ModelRunner(drafter, drafter_config or config, kv_layout=drafter_layout, drafter=True,
-                                   state_specs=drafter_state_specs or (), **common)
-        chosen = self.target.attention_backend, self.drafter.attention_backend
-        #: the caches' attention backend(s) in words, as ``Engine.attention_backend`` (both's, when they differ)
-        self.attention_backend = chosen[0] if chosen[0] == chosen[1] else f"target: {chosen[0]}; drafter: {chosen[1]}"
-        self.max_model_len = max_model_len
+        #: the target's :class:`~.model_runner.ModelRunner` (verifies) and the drafter's (proposes)
+        self.target = ModelRunner(target.model, target_config, kv_layout=target.layout, args=args,
+                                  state_specs=target.state_specs, uniform_decode_query_len=k + 1,
+                                  attention_support=target_attention_support)
+        self.drafter = ModelRunner(drafter.model, drafter.config, kv_layout=drafter.layout, args=args,
+                                   state_specs=drafter.state_specs, drafter=True)
         self._speculate = Speculate(self.target, self.drafter, k)
-        budget = max_num_batched_tokens or self.target.runner.dispatcher.max_size or max_num_reqs * (k + 1)
+        budget = args.max_num_batched_tokens or self.target.runner.dispatcher.max_size or args.max_num_reqs * (k + 1)
         if budget < k + 1:
             raise ValueError(f"max_num_batched_tokens={budget} leaves no room for a request's token and its "
                              f"{k} drafts: give at least num_speculative_tokens + 1 = {k + 1}")
         states = StatesInStep([self.target.states, self.drafter.states])
-        self._serve([self.target, self.drafter], self._speculate, CachesInStep([self.target.cache, self.drafter.cache]),
-                    max_num_reqs, budget, states if states.caches else None, lookahead=k,
-                    step_capture_budget_s=step_capture_budget_s)
+        self._start(args, [self.target, self.drafter], self._speculate,
+                    CachesInStep([self.target.cache, self.drafter.cache]), states if states.caches else None,
+                    vocab_size=vocab_size, eos_token_id=eos_token_id, lookahead=k, max_num_batched_tokens=budget)
+        chosen = self.target.attention_backend, self.drafter.attention_backend
+        #: the caches' attention backend(s) in words, as ``Engine.attention_backend`` (both's, when they differ)
+        self.attention_backend = chosen[0] if chosen[0] == chosen[1] else f"target: {chosen[0]}; drafter: {chosen[1]}"
 
     def capture(self, progress: bool = False) -> CaptureReport:
         """Capture both runners before serving (target first; all graphs share one pool): one report
@@ -425,14 +509,10 @@ class SpeculativeEngine(Engine):
             return {r.tag: (r.computed, r.draft_computed) for r in self._loop.scheduler.running}
 
     def generate(  # type: ignore[override]
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int | Sequence[int],
-        *,
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
         eos_token_id: int | Sequence[int] | None = None,
         sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
-        on_token: Callable[[int, int], None] | None = None,
-        on_round: Callable[[RoundInfo], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None, on_round: Callable[[RoundInfo], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
     ) -> list[list[int]]:
         """Completions of ``prompts``: greedy ones equal to the target's own greedy decoding, sampled
@@ -452,15 +532,12 @@ class SpeculativeEngine(Engine):
                                 on_token=on_token, on_step=step)
 
 
-def check_speculative_args(
-    num_speculative_tokens: object, config: object, drafter_config: object, **engine_args: object
-) -> int:
-    """The speculative engine's arguments, before anything is built; returns k."""
+def check_speculative_args(num_speculative_tokens: object, config: object, drafter_config: object) -> int:
+    """The speculative engines' own arguments, before anything is built; returns k."""
     k = num_speculative_tokens
     if not is_int(k) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
-    check_engine_args(**engine_args)  # type: ignore[arg-type]
     check_config(config)
     if drafter_config is not None:
-        check_config(drafter_config)
+        check_config(drafter_config, "drafter_config")
     return int(k)  # type: ignore[arg-type]
