@@ -314,15 +314,19 @@ class PagedKVCache:
             raise ValueError(f"stage_step: {len(tokens)} token ids for a step of {n} tokens")
         b, width, bs = len(chunks), self.max_blocks_per_req, self.block_size
         host, views = self._stage.layout(n, b, width)
-        if tokens is not None:
-            host[:n] = tokens
         rows = [self._rows[c[0]] for c in chunks]
-        if decode:  # one token per request: scalars, no per-chunk arrays
-            host[n:2 * n] = [start for _, start, _ in chunks]
+        if decode:  # one token per request: every per-token input in one write, from Python ints
             tables = self.tables
-            host[2 * n:3 * n] = [tables[r][p // bs] * bs + p % bs for r, p, _ in chunks]
-            host[3 * n:4 * n] = self._stage.arange[:n]
+            flat = [start for _, start, _ in chunks]
+            flat += [tables[r][p // bs] * bs + p % bs for r, p, _ in chunks]
+            flat += range(n)
+            if tokens is None:
+                host[n:4 * n] = flat
+            else:
+                host[:4 * n] = [*tokens, *flat]
         else:
+            if tokens is not None:
+                host[:n] = tokens
             at = 0
             for row, (request, start, count) in enumerate(chunks):
                 positions = np.arange(start, start + count, dtype=np.int64)
@@ -330,7 +334,10 @@ class PagedKVCache:
                 host[2 * n + at:2 * n + at + count] = self._mirror[rows[row], positions // bs] * bs + positions % bs
                 host[3 * n + at:3 * n + at + count] = row
                 at += count
-        np.take(self._mirror, rows, axis=0, out=host[4 * n:4 * n + b * width].reshape(b, width))
+        if b == 1:
+            host[4 * n:4 * n + width] = self._mirror[rows[0]]
+        else:
+            self._mirror.take(rows, axis=0, out=host[4 * n:4 * n + b * width].reshape(b, width))
         self._stage.to_device(4 * n + b * width)
         ids, positions, slots, index, tables = views
         return (ids if tokens is not None else None), {
@@ -357,7 +364,6 @@ class _Stage:
     def __init__(self, device: torch.device):
         self.device = device
         self.size = 0
-        self.arange = np.arange(0, dtype=np.int64)
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._grow(1024)
 
@@ -376,8 +382,6 @@ class _Stage:
             used = 4 * n + b * width
             if used > self.size:
                 self._grow(max(used, 2 * self.size))
-            if n > len(self.arange):
-                self.arange = np.arange(max(n, 2 * len(self.arange)), dtype=np.int64)
             if len(self._views) > 1024:  # bounded: steps have at most max_num_batched_tokens tokens
                 self._views.clear()
             t = self.target
