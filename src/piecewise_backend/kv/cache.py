@@ -369,9 +369,11 @@ class _Stage:
 
     def _grow(self, size: int) -> None:
         pin = self.device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+        with torch.inference_mode(False):  # normal tensors wherever the buffer grows: one kind for Dynamo, copies anywhere
+            self.host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+            target = self.host if self.device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=self.device)
+        self.target = target
         self.array = self.host.numpy()  # shares the memory: numpy writes Python ints in bulk, cheaply
-        self.target = self.host if self.device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=self.device)
         self.size = size
         self._views.clear()
 
