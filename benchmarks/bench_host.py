@@ -37,8 +37,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+if __package__ in (None, ""):  # run as a script: this tree's benchmarks and src/ (as run.py does)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
 import torch
 
