@@ -236,6 +236,56 @@ def test_step_inputs_layout():
         cache.step_inputs([])
 
 
+def expected_inputs(cache: kv.PagedKVCache, chunks) -> dict[str, list]:
+    """What a step's metadata must hold, from the cache's block tables (lists) alone."""
+    width = cache.max_blocks_per_req
+    return {
+        kv.POSITIONS: [p for _, s, n in chunks for p in range(s, s + n)],
+        kv.SLOT_MAPPING: [cache.slot(r, p) for r, s, n in chunks for p in range(s, s + n)],
+        kv.REQUEST_INDEX: [i for i, (_, _, n) in enumerate(chunks) for _ in range(n)],
+        kv.BLOCK_TABLES: [cache.tables[r] + [0] * (width - len(cache.tables[r])) for r, _, _ in chunks],
+    }
+
+
+def test_stage_step_writes_every_layout_into_one_buffer_the_next_step_reuses():
+    """Decode steps and mixed steps staged into the cache's buffer hold what the block tables say, through
+    truncation, frees and a freed table row taken by a new request; step_inputs' tensors are the caller's own."""
+    cache = make_cache(num_blocks=32, max_model_len=32)
+    fragment(cache)
+    steps = [
+        [("a", 0, 5), ("b", 0, 2)],  # prefill chunks (b's two tokens)
+        [("a", 5, 1), ("b", 2, 1)],  # a decode step crossing into a's second block
+        [("b", 3, 6), ("a", 6, 1), ("c", 0, 9)],  # mixed, a new request
+    ]
+    for chunks in steps:
+        tokens = list(range(100, 100 + sum(n for _, _, n in chunks)))
+        ids, meta = cache.stage_step(chunks, tokens)
+        assert ids.tolist() == tokens
+        assert {k: t.tolist() for k, t in meta.items()} == expected_inputs(cache, chunks)
+    again_ids, again = cache.stage_step([("a", 7, 1), ("c", 9, 1), ("b", 9, 1)])
+    assert again_ids is None and {k: t.tolist() for k, t in again.items()} == expected_inputs(
+        cache, [("a", 7, 1), ("c", 9, 1), ("b", 9, 1)])
+    base = again[kv.POSITIONS].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in again.values())  # one buffer, one copy to a device
+    cache.truncate("c", 3)  # c keeps one block: its mirrored row must be zero past it
+    cache.free("a")
+    cache.reserve("d", 4)  # may take a's table row: no stale block of a's in its padding
+    chunks = [("c", 3, 1), ("d", 0, 4), ("b", 10, 1)]
+    fresh, want = cache.step_inputs(chunks), expected_inputs(cache, chunks)
+    assert {k: t.tolist() for k, t in fresh.items()} == want
+    cache.stage_step([("b", 11, 1), ("c", 4, 1), ("d", 4, 1)])  # overwrites the staging buffer
+    assert {k: t.tolist() for k, t in fresh.items()} == want  # step_inputs' tensors are copies
+    with pytest.raises(ValueError, match="stage_step: 2 token ids for a step of 1 tokens"):
+        cache.stage_step([("b", 11, 1)], [1, 2])
+
+
+def test_stage_step_grows_its_buffer_and_mirror_for_many_requests_and_tokens():
+    cache = make_cache(num_blocks=200, max_model_len=32)
+    chunks = [(("r", i), 0, 29) for i in range(20)]  # 20 table rows, 580 tokens: past the first sizes
+    ids, meta = cache.stage_step(chunks, [7] * 580)
+    assert ids.tolist() == [7] * 580 and {k: t.tolist() for k, t in meta.items()} == expected_inputs(cache, chunks)
+
+
 @pytest.mark.parametrize("window", [-1, 3])
 def test_paged_attention_matches_sdpa_on_ragged_chunked_batches(window):
     """Two steps of a random ragged batch (some prompts split across steps) vs SDPA per request."""

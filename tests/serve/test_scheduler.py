@@ -108,3 +108,23 @@ def test_a_planned_chunk_of_the_request_preempted_later_in_the_plan_is_taken_bac
     plan = s.schedule()
     assert [(r.order, st, c) for r, st, c in plan.chunks] == [(0, 4, 8)] and plan.preempted == [new]
     assert s.cache.tables == {old.slot: s.cache.tables[old.slot]} and len(s.cache.tables[old.slot]) == 3
+
+
+def test_request_tokens_read_the_prompt_then_the_output_without_joining_them():
+    r = request(0, 4)
+    r.output += [10, 11, 12]
+    whole = r.prompt + r.output
+    for start in range(len(whole)):
+        assert r.token(start) == whole[start]
+        for count in range(1, len(whole) - start + 2):  # past the end: cut, as a slice
+            assert r.tokens(start, count) == whole[start:start + count]
+
+
+def test_a_decode_step_that_crosses_into_a_new_block_reserves_it():
+    """A request in decode holds its blocks (nothing to reserve) until its next token starts a block."""
+    s = make(num_blocks=16, block=4)
+    r = request(0, 3)
+    s.add(r)
+    assert run(s) == [(0, 0, 3)] and len(s.cache.tables[0]) == 1
+    assert run(s) == [(0, 3, 1)] and len(s.cache.tables[0]) == 1  # position 3: the first block's last slot
+    assert run(s) == [(0, 4, 1)] and len(s.cache.tables[0]) == 2

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..attention.backends import (
@@ -125,6 +126,12 @@ class PagedKVCache:
         ]
         self.tables: dict[Hashable, list[int]] = {}
         self._device = torch.device(device)
+        # A host mirror of the block tables, one zero-padded row per request with a table: a step's
+        # block tables are one gather of its requests' rows, not a nested list turned into a tensor.
+        self._rows: dict[Hashable, int] = {}
+        self._free_rows: list[int] = []
+        self._mirror = np.zeros((0, self.max_blocks_per_req), dtype=np.int64)
+        self._stage = _Stage(self._device)
         #: The attention backends the op runs for this cache, in order (see :mod:`.attention`).
         self.attention_backends = select_attention_backends(attention_backend, device, block_size, dtype)
 
@@ -152,6 +159,8 @@ class PagedKVCache:
 
         All or nothing: when blocks run out nothing is allocated and the table is left as it was.
         """
+        if request in self.tables and self._missing(request, num_tokens) == 0:  # a decode step's usual case
+            return
         self._reserve_all([(request, num_tokens)])
 
     @property
@@ -174,11 +183,16 @@ class PagedKVCache:
         return self._missing(request, num_tokens)
 
     def _missing(self, request: Hashable, num_tokens: int) -> int:
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise ValueError(f"request {request!r}: num_tokens must be an int >= 0, got {num_tokens!r}")
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"request {request!r} needs {num_tokens} tokens, more than max_model_len={self.max_model_len}")
-        return max(0, math.ceil(num_tokens / self.block_size) - len(self.tables.get(request, ())))
+        if type(num_tokens) is not int or not 0 <= num_tokens <= self.max_model_len:  # one test on the hot path
+            if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+                raise ValueError(f"request {request!r}: num_tokens must be an int >= 0, got {num_tokens!r}")
+            if num_tokens > self.max_model_len:
+                raise ValueError(
+                    f"request {request!r} needs {num_tokens} tokens, more than max_model_len={self.max_model_len}"
+                )
+        table = self.tables.get(request)
+        missing = -(-num_tokens // self.block_size) - (0 if table is None else len(table))
+        return missing if missing > 0 else 0
 
     def _reserve_all(self, needs: Sequence[tuple[Hashable, int]]) -> None:
         """Reserve every ``(request, num_tokens)`` or, raising, none (checked before allocating)."""
@@ -190,13 +204,35 @@ class PagedKVCache:
                 f"{self.allocator.num_blocks} free; nothing was reserved"
             )
         for (request, _), m in zip(needs, missing):
-            self.tables.setdefault(request, []).extend(self.allocator.allocate(m))
+            table = self.tables.get(request)
+            if table is None:
+                table = self.tables[request] = []
+                self._rows[request] = self._new_row()
+            if m:
+                blocks = self.allocator.allocate(m)
+                self._mirror[self._rows[request], len(table):len(table) + m] = blocks
+                table.extend(blocks)
+
+    def _new_row(self) -> int:
+        if not self._free_rows:  # grow the mirror (doubling): rows stay where they are
+            old = self._mirror.shape[0]
+            grown = np.zeros((max(8, 2 * old), self.max_blocks_per_req), dtype=np.int64)
+            grown[:old] = self._mirror
+            self._mirror = grown
+            self._free_rows.extend(range(grown.shape[0] - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _release_row(self, request: Hashable) -> None:
+        row = self._rows.pop(request)
+        self._mirror[row] = 0
+        self._free_rows.append(row)
 
     def free(self, request: Hashable) -> None:
         """Return ``request``'s blocks; KeyError naming the live requests when it has none."""
         if request not in self.tables:
             raise KeyError(f"request {request!r} holds no KV blocks; live requests: {list(self.tables)}")
         self.allocator.free(self.tables.pop(request))
+        self._release_row(request)
 
     def truncate(self, request: Hashable, num_tokens: int) -> None:
         """Keep ``request``'s first ``num_tokens`` tokens: free the blocks past them (rollback).
@@ -216,6 +252,7 @@ class PagedKVCache:
             )
         keep = math.ceil(num_tokens / self.block_size)
         self.allocator.free(table[keep:])
+        self._mirror[self._rows[request], keep:len(table)] = 0
         del table[keep:]
 
     def slot(self, request: Hashable, position: int) -> int:
@@ -241,32 +278,70 @@ class PagedKVCache:
         """Metadata of one step from ``(request, first position, number of tokens)`` per scheduled request.
 
         Tokens are laid out request after request, in ``chunks`` order; blocks are reserved as needed,
-        for every chunk or (when blocks run out, or a chunk is invalid) for none.
+        for every chunk or (when blocks run out, or a chunk is invalid) for none. The tensors are the
+        caller's own (:meth:`stage_step` returns views a later step overwrites).
         """
-        requests = [c[0] for c in chunks]
-        if not requests or len(set(requests)) != len(requests):
-            raise ValueError(f"a step needs one chunk per scheduled request, at least one; got requests {requests}")
+        _, views = self.stage_step(chunks)
+        return {name: t.clone() for name, t in views.items()}
+
+    def stage_step(
+        self, chunks: Sequence[tuple[Hashable, int, int]], tokens: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """:meth:`step_inputs` written into this cache's staging buffer: ``(input ids, metadata)``, views
+        valid until the next call (a runner copies them into its own buffers); the ids are ``tokens``
+        (one per token of the step) as a long tensor, None without ``tokens``.
+
+        The serving hot path: one host buffer (pinned on CUDA, then one copy to the device) instead of
+        a tensor built from Python lists per input, and the block tables gathered from a host mirror.
+        """
+        if not chunks:
+            raise ValueError("a step needs one chunk per scheduled request, at least one; got requests []")
+        decode = True
+        needs = []
         for request, start, count in chunks:
             if start < 0 or count < 1:
                 raise ValueError(f"request {request!r}: need start >= 0 and count >= 1, got start={start}, count={count}")
-        self._reserve_all([(request, start + count) for request, start, count in chunks])  # all or nothing
-        positions: list[int] = []
-        slots: list[int] = []
-        request_index: list[int] = []
-        rows: list[list[int]] = []
-        for row, (request, start, count) in enumerate(chunks):
-            positions += range(start, start + count)
-            slots += (self.slot(request, p) for p in range(start, start + count))
-            request_index += [row] * count
-            table = self.tables[request]
-            rows.append(table + [0] * (self.max_blocks_per_req - len(table)))
-        # One host-to-device tensor for the three per-token inputs and one for the tables: each torch.tensor
-        # call costs microseconds, and a step's host time is a decode step's time at small batches.
-        n = len(positions)
-        flat = torch.tensor(positions + slots + request_index, dtype=torch.long, device=self.device)
-        return {
-            POSITIONS: flat[:n], SLOT_MAPPING: flat[n:2 * n], REQUEST_INDEX: flat[2 * n:],
-            BLOCK_TABLES: torch.tensor(rows, dtype=torch.long, device=self.device),
+            if count != 1:
+                decode = False
+            needs.append((request, start + count))
+        if len({c[0] for c in chunks}) != len(chunks):
+            requests = [c[0] for c in chunks]
+            raise ValueError(f"a step needs one chunk per scheduled request, at least one; got requests {requests}")
+        if any(self._missing(r, n) for r, n in needs):  # the scheduler reserved them already: only eager use gets here
+            self._reserve_all(needs)  # all or nothing
+        n = len(chunks) if decode else sum(c[2] for c in chunks)
+        if tokens is not None and len(tokens) != n:
+            raise ValueError(f"stage_step: {len(tokens)} token ids for a step of {n} tokens")
+        b, width, bs = len(chunks), self.max_blocks_per_req, self.block_size
+        host, views = self._stage.layout(n, b, width)
+        rows = [self._rows[c[0]] for c in chunks]
+        if decode:  # one token per request: every per-token input in one write, from Python ints
+            tables = self.tables
+            flat = [start for _, start, _ in chunks]
+            flat += [tables[r][p // bs] * bs + p % bs for r, p, _ in chunks]
+            flat += range(n)
+            if tokens is None:
+                host[n:4 * n] = flat
+            else:
+                host[:4 * n] = [*tokens, *flat]
+        else:
+            if tokens is not None:
+                host[:n] = tokens
+            at = 0
+            for row, (request, start, count) in enumerate(chunks):
+                positions = np.arange(start, start + count, dtype=np.int64)
+                host[n + at:n + at + count] = positions
+                host[2 * n + at:2 * n + at + count] = self._mirror[rows[row], positions // bs] * bs + positions % bs
+                host[3 * n + at:3 * n + at + count] = row
+                at += count
+        if b == 1:
+            host[4 * n:4 * n + width] = self._mirror[rows[0]]
+        else:
+            self._mirror.take(rows, axis=0, out=host[4 * n:4 * n + b * width].reshape(b, width))
+        self._stage.to_device(4 * n + b * width)
+        ids, positions, slots, index, tables = views
+        return (ids if tokens is not None else None), {
+            POSITIONS: positions, SLOT_MAPPING: slots, REQUEST_INDEX: index, BLOCK_TABLES: tables,
         }
 
     def metadata(self, views: Mapping[str, torch.Tensor]) -> PagedAttentionMetadata:
@@ -279,3 +354,46 @@ class PagedKVCache:
     def context_fn(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """A GraphRunner ``context_fn``: the step's forward-context attributes."""
         return {"attn_metadata": self.metadata(views)}
+
+
+class _Stage:
+    """A cache's staging buffer for one step's host inputs: ids, positions, slots, request rows and block
+    tables, laid out one after the other in one int64 buffer (pinned on CUDA, with a device twin that
+    one copy fills), and the tensor views of each layout, made once per ``(tokens, requests)``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.size = 0
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._grow(1024)
+
+    def _grow(self, size: int) -> None:
+        pin = self.device.type == "cuda"
+        with torch.inference_mode(False):  # normal tensors wherever the buffer grows: one kind for Dynamo, copies anywhere
+            self.host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+            target = self.host if self.device.type == "cpu" else torch.zeros(size, dtype=torch.long, device=self.device)
+        self.target = target
+        self.array = self.host.numpy()  # shares the memory: numpy writes Python ints in bulk, cheaply
+        self.size = size
+        self._views.clear()
+
+    def layout(self, n: int, b: int, width: int) -> tuple[np.ndarray, tuple[torch.Tensor, ...]]:
+        """The host array to write a step of ``n`` tokens and ``b`` requests into, and its tensor views."""
+        views = self._views.get((n, b))
+        if views is None:
+            used = 4 * n + b * width
+            if used > self.size:
+                self._grow(max(used, 2 * self.size))
+            if len(self._views) > 1024:  # bounded: steps have at most max_num_batched_tokens tokens
+                self._views.clear()
+            t = self.target
+            views = self._views[(n, b)] = (
+                t[:n], t[n:2 * n], t[2 * n:3 * n], t[3 * n:4 * n], t[4 * n:used].view(b, width),
+            )
+        return self.array, views
+
+    def to_device(self, used: int) -> None:
+        """Copy what the step wrote to the device twin (nothing to do on the CPU). A blocking copy: the
+        host buffer is written again by the next step, which must not race a copy still in flight."""
+        if self.target is not self.host:
+            self.target[:used].copy_(self.host[:used])

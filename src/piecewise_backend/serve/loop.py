@@ -245,9 +245,9 @@ class ServingLoop:
                 for i, p in enumerate(prompts):
                     requests.append(self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i))
                 while any(r.finish_reason is None for r in requests):
-                    info = self.advance()
+                    info = self.advance(report=on_step is not None)
                     if on_step is not None:
-                        on_step(info)
+                        on_step(info)  # type: ignore[arg-type]
             finally:  # an error mid-way must not leak the blocks of this call's requests
                 for r in requests:
                     if r.finish_reason is None:
@@ -261,7 +261,9 @@ class ServingLoop:
         cancelled) since the last call."""
         with self.lock:
             if self.scheduler.has_unfinished():
-                self.advance()
+                self.advance(report=False)
+            if not self._done:
+                return []
             done = list(self._done)
             self._done.clear()
             return done
@@ -275,8 +277,9 @@ class ServingLoop:
                 if not self.scheduler.has_unfinished() and not self._done:
                     return
 
-    def advance(self) -> StepInfo:
-        """Plan and run one step; finished requests go to the results queue. Holds the lock."""
+    def advance(self, report: bool = True) -> StepInfo | None:
+        """Plan and run one step; finished requests go to the results queue. Holds the lock.
+        Returns what it ran (None with ``report=False``: :meth:`step` has no one to tell)."""
         with self.lock:
             if self.before_step is not None:
                 self.before_step()
@@ -291,8 +294,8 @@ class ServingLoop:
             self.executor.kept(plan, executed, kept)
             info = StepInfo(
                 self.steps, executed.num_tokens, len(plan.chunks), executed.uniform_decode, executed.mode,
-                tuple(r.request_id for r in plan.preempted), tuple(kept),
-            )
+                tuple([r.request_id for r in plan.preempted]), tuple(kept),
+            ) if report else None
             self.steps += 1
             if error is not None:
                 raise error

@@ -136,17 +136,17 @@ class ModelRunner:
         (ids, or a device tensor of them); what the GraphRunner did, its ``output`` the logits of every
         token. They live in graph memory: read them before any other replay. ``commit=False`` leaves the state layers' states as they were
         before the step (the copies it wrote become current only through :meth:`commit`)."""
-        meta = self.cache.step_inputs(layout)
-        if self.states is not None:  # a new (or preempted) request gets a zeroed slot
-            meta.update(self.states.step_inputs(layout))
         if isinstance(tokens, torch.Tensor):
+            _, meta = self.cache.stage_step(layout)
             ids = tokens.to(device=self.cache.device, dtype=torch.long)
         else:
-            ids = torch.tensor(list(tokens), dtype=torch.long, device=self.cache.device)
+            ids, meta = self.cache.stage_step(layout, tokens)  # views of the cache's staging buffer
+        if self.states is not None:  # a new (or preempted) request gets a zeroed slot
+            meta.update(self.states.step_inputs(layout))
         result = self.runner.run_step(
             uniform_decode=uniform, num_reqs=len(layout) if uniform else None, input_ids=ids, **meta
         )
-        if commit:
+        if commit and self.states is not None:
             self.commit([slot for slot, _, _ in layout])
         return result
 
@@ -179,24 +179,30 @@ class Decode:
     def execute(self, plan: StepPlan) -> Executed:
         chunks = plan.chunks
         layout = [(r.slot, start, count) for r, start, count in chunks]
-        tokens = [t for r, start, count in chunks for t in r.tokens(start, count)]
         decode = all(count == 1 for _, _, count in chunks)  # one query token per request: FULL-graph shaped
+        if decode:
+            tokens = [r.token(start) for r, start, _ in chunks]
+        else:
+            tokens = [t for r, start, count in chunks for t in r.tokens(start, count)]
         result = self.model.run(layout, tokens, decode)
         logits = result.output
         new: list[list[int]] = [[] for _ in chunks]
-        emit = [(i, r, end) for i, ((r, start, count), end) in enumerate(zip(chunks, chunk_ends(chunks)))
-                if start + count == r.length]
+        emit = [i for i, (r, start, count) in enumerate(chunks) if start + count == r.length]
         for r, start, count in chunks:
             r.computed = start + count
         if emit:
-            ends = [end for _, _, end in emit]
-            if len(ends) == logits.shape[0]:  # every token ends its sequence (a decode step): every row, in order
+            emitting = [chunks[i][0] for i in emit]
+            if len(emit) == logits.shape[0]:  # every token ends its sequence (a decode step): every row, in order
                 rows = logits
             else:
-                rows = logits.index_select(0, torch.tensor(ends, device=logits.device))
-            keys = [noise_key(r.seed, r.length) for _, r, _ in emit]  # the new token's position
-            drawn = sample(rows, [r.sampling for _, r, _ in emit], keys).tolist()  # read before any other replay
-            for (i, _, _), token in zip(emit, drawn):
+                ends = chunk_ends(chunks)
+                rows = logits.index_select(0, torch.tensor([ends[i] for i in emit], device=logits.device))
+            if all(r.greedy for r in emitting):  # argmax: no noise keys, no per-row parameters
+                drawn = rows.argmax(-1).tolist()  # read before any other replay
+            else:
+                keys = [noise_key(r.seed, r.length) for r in emitting]  # the new token's position
+                drawn = sample(rows, [r.sampling for r in emitting], keys).tolist()
+            for i, token in zip(emit, drawn):
                 new[i] = [token]
         return Executed(new, len(tokens), decode, result.mode)
 

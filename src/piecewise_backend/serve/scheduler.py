@@ -83,9 +83,13 @@ class Request:
     tag: Hashable = None  # what its callbacks and reports call it: the request id, or generate's prompt index
     draft_computed: int = 0  # tokens whose K/V a drafter's cache holds (speculative decoding)
 
+    #: its sampling is argmax (``sampling.greedy``), kept as a field: a step reads it per request
+    greedy: bool = dataclasses.field(init=False, default=True)
+
     def __post_init__(self) -> None:
         if self.tag is None:
             self.tag = self.request_id
+        self.greedy = self.sampling.greedy
 
     @property
     def slot(self) -> int:
@@ -100,7 +104,14 @@ class Request:
         p = len(self.prompt)
         if start + count <= p:
             return self.prompt[start:start + count]
-        return (self.prompt + self.output)[start:start + count]
+        if start >= p:
+            return self.output[start - p:start - p + count]
+        return self.prompt[start:] + self.output[:start + count - p]
+
+    def token(self, position: int) -> int:
+        """The token at ``position`` of the prompt followed by the output."""
+        p = len(self.prompt)
+        return self.prompt[position] if position < p else self.output[position - p]
 
 
 @dataclasses.dataclass
@@ -177,32 +188,38 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step (reserving its blocks); an empty plan when nothing can run."""
         budget = self.max_num_batched_tokens
+        cache = self.cache
         chunks: list[tuple[Request, int, int]] = []
         preempted: list[Request] = []
-        decoding = [r for r in self.running if r.length - r.computed == 1]
-        prefilling = [r for r in self.running if r.length - r.computed > 1]
-        for request in decoding + prefilling:
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            (decoding if r.length - r.computed == 1 else prefilling).append(r)
+        for request in decoding + prefilling if prefilling else decoding:
             if budget == 0:
                 break
-            if request not in self.running:  # preempted while planning this step
+            if preempted and request not in self.running:  # preempted while planning this step
                 continue
             count, extra = self._chunk(request, budget)
             if count == 0:
                 continue
-            while self.cache.blocks_needed(request.slot, request.computed + count + extra) > self.cache.num_free_blocks:
-                victim = max(self.running, key=lambda r: r.order)
-                planned = next((c for c in chunks if c[0] is victim), None)
-                if planned is not None:  # give its chunk's tokens back to the budget
-                    chunks.remove(planned)
-                    budget += planned[2] + self._extra(planned[0], planned[1], planned[2])
-                    count, extra = self._chunk(request, budget)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if request in preempted:
-                continue
-            self.cache.reserve(request.slot, request.computed + count + extra)
+            needed = cache.blocks_needed(request.slot, request.computed + count + extra)
+            if needed:  # else it holds its blocks already (most decode steps): nothing to reserve
+                while needed > cache.num_free_blocks:
+                    victim = max(self.running, key=lambda r: r.order)
+                    planned = next((c for c in chunks if c[0] is victim), None)
+                    if planned is not None:  # give its chunk's tokens back to the budget
+                        chunks.remove(planned)
+                        budget += planned[2] + self._extra(planned[0], planned[1], planned[2])
+                        count, extra = self._chunk(request, budget)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                    needed = cache.blocks_needed(request.slot, request.computed + count + extra)
+                if request in preempted:
+                    continue
+                cache.reserve(request.slot, request.computed + count + extra)
             chunks.append((request, request.computed, count))
             budget -= count + extra
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_reqs:
