@@ -91,20 +91,20 @@ def decoding(engine: serve.Engine, batch: int) -> Iterator[None]:
 
 
 def runner_call(engine: serve.Engine, batch: int) -> dict:
-    """The keyword arguments the engine passes ``GraphRunner.run`` in a decode step at ``batch``."""
+    """The keyword arguments the engine passes ``GraphRunner.run_step`` in a decode step at ``batch``."""
     runner, seen = engine.runner, []
-    real = runner.run
+    real = runner.run_step
 
     def record(**kw):
         seen.append(kw)
         return real(**kw)
 
     with decoding(engine, batch):
-        runner.run = record  # type: ignore[method-assign]
+        runner.run_step = record  # type: ignore[method-assign]
         try:
             engine.step()
         finally:
-            del runner.run
+            del runner.run_step
     assert runner.last_mode == M.FULL and seen[-1]["uniform_decode"], "the timed step is not a FULL decode step"
     return seen[-1]
 
