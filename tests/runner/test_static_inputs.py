@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-from piecewise_backend.runner.static_inputs import check_plain, eager_tensor, fill
+from piecewise_backend.runner.batch_checks import check_plain
+from piecewise_backend.runner.buffers import eager_tensor, fill
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ class _StepMeta:
 def test_context_print_passes_the_captured_tensors_and_refuses_any_change_the_exact_check_refuses():
     """ContextPrint's fast check (identity, address, shape, strides, dtype over the same structure) agrees with
     context_tensors' path-by-path comparison: every change that one refuses is refused, the same tensors pass."""
-    from piecewise_backend.runner.static_inputs import ContextPrint
+    from piecewise_backend.runner.full_context import ContextPrint
 
     table, k0, k1 = torch.zeros(4, 4), torch.zeros(2, 3), torch.zeros(2, 3)
     caches = [k0, k1]

@@ -50,7 +50,6 @@ from ..observability import logger
 from ..platforms.registry import config_platform_name, get_platform, warmup_scope
 from . import agreement as _parallel
 from .buffers import StepBuffers
-from .dispatcher import CudagraphDispatcher
 from .orchestration import capture_one
 from .step import Step
 
@@ -104,19 +103,21 @@ class LazyCapture:
     # ------------------------------------------------------------------ the step path
 
     def route(
-        self, dispatcher: CudagraphDispatcher, mode: CUDAGraphMode, desc: BatchDescriptor, n: int
+        self, mode: CUDAGraphMode, desc: BatchDescriptor, n: int
     ) -> tuple[CUDAGraphMode, BatchDescriptor, Key | None]:
-        """What a step dispatched to ``(mode, desc)`` runs: the graph when captured, else a PIECEWISE
-        graph of its size (for a FULL key), else eagerly; the third item is the key it wanted (None: captured)."""
+        """What a step of ``n`` tokens dispatched to ``(mode, desc)`` runs: the graph when captured, else the
+        PIECEWISE graph of its size (for a FULL key) when that one is captured, else eagerly; the third item
+        is the key it wanted (None: captured). Only dispatcher keys are ever captured, so a captured relaxed
+        key is the one the dispatcher would answer for a mixed batch of that size."""
         key = (mode, desc)
         if key in self.captured:
             return mode, desc, None
         self.demand.setdefault(key, Demand()).steps += 1
         if mode == _FULL:
-            relaxed = dispatcher.piecewise_key(desc.num_tokens)
-            if relaxed is not None and (_PIECEWISE, relaxed) in self.captured:
+            relaxed = BatchDescriptor(desc.num_tokens)
+            if (_PIECEWISE, relaxed) in self.captured:
                 return _PIECEWISE, relaxed, None
-        return _NONE, dispatcher.eager_key(n), key
+        return _NONE, BatchDescriptor(n), key
 
     def note_eager(self, key: Key, seconds: float) -> None:
         demand = self.demand[key]

@@ -20,7 +20,7 @@ from ..modes import CUDAGraphMode
 from ..ubatch.wrapper import UBatchSlice, UBatchWrapper
 from .assembly import drop_graph
 from .buffers import StepBuffers
-from .static_inputs import ContextPrint, check_captured_context, context_tensors
+from .full_context import ContextPrint, check_captured_context, context_tensors
 from .ubatch_step import HalfLayout, capture_layout, half_views
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -70,7 +70,7 @@ class ModelStep:
     call's views (per half when micro-batched).
 
     On a FULL call it checks that ``context_fn`` returned the tensors the graph captured: a FULL replay
-    reads those and would silently ignore new ones (:func:`~.static_inputs.check_captured_context`).
+    reads those and would silently ignore new ones (:func:`~.full_context.check_captured_context`).
 
     ``eager_model`` (the same model, uncompiled): plain steps (mode NONE, not a warm-up or a capture,
     not micro-batched) call it instead of ``model`` until a call of ``model`` has run once, so a lazy
@@ -166,7 +166,7 @@ class ModelStep:
         return None
 
     def _guard_step(self, desc: BatchDescriptor, attrs: Mapping[str, Any], entries: dict | None) -> Callable[[], Any] | None:
-        """:meth:`_guard` of a plain step: its context is checked by a :class:`~.static_inputs.ContextPrint`
+        """:meth:`_guard` of a plain step: its context is checked by a :class:`~.full_context.ContextPrint`
         made when the graph was captured (the hot path: every FULL replay)."""
         if entries is None:
             return None
