@@ -1,6 +1,6 @@
 """What a GraphRunner accepts: its declared inputs (checked once, at construction) and each step's batch.
 
-``GraphRunner.run`` is a public edge, so every step is checked here, in one pass (:meth:`BatchChecks.check`):
+``GraphRunner.run`` is a public edge, so every step is checked here, in one pass (:meth:`BatchChecks.check_step`):
 the input names, each tensor's type, rank and kind (floating or not), the token and request counts the
 inputs agree on, ``num_reqs``, ``query_lens`` (micro-batching), the step's ``context`` (no opaque
 objects when graphs may replay) and, under ``debug_checks``, the request rows of ``request_row`` inputs.
@@ -109,7 +109,7 @@ class BatchChecks:
         # per name: (trailing shape, floating, per token), what the hot loop reads
         self._rules = {name: (s.shape, s.dtype.is_floating_point, s.per == "token") for name, s in self.specs.items()}
 
-    def check(
+    def check_step(
         self, batch: dict[str, Any], num_reqs: Any, context: Any, query_lens: Any,
     ) -> tuple[int, int | None, int | None, bool, bool, dict, list[int] | None]:
         """``(tokens, request rows, num_reqs, fit, exact, context, query_lens)`` of a valid step, or a clear

@@ -113,7 +113,7 @@ class GraphRunner:
         validate_capture_coverage(wrapped, self.dispatcher)
         self.device = torch.device(device) if device is not None else _model_device(model)
         #: The persistent input buffers and the views a step reads (``.buffers`` is its dict of tensors).
-        self.step_buffers = StepBuffers(
+        self.step_buffers: StepBuffers = StepBuffers(
             inputs, tokens=self.dispatcher.max_size, max_num_reqs=max_num_reqs, device=self.device
         )
         #: The step function: the wrapped model run once on laid-out views (steps, warm-ups, captures).
@@ -124,7 +124,7 @@ class GraphRunner:
             eager_model=eager_model if lazy_capture is True and modes.mode != _NONE else None,
         )
         #: Every check of a step's arguments (:mod:`.batch_checks`).
-        self.checks = BatchChecks(
+        self.checks: BatchChecks = BatchChecks(
             self.step_buffers.specs, max_num_reqs=max_num_reqs, replays=modes.mode != _NONE,
             ubatching=self._ubatching, debug_checks=self.config.debug_checks,
         )
@@ -216,9 +216,7 @@ class GraphRunner:
     ) -> Any:
         """Run one step; returns outputs sliced to the real token count (:meth:`run_step` without the
         record: :attr:`last_mode` and :attr:`last_ubatched` say what the latest step ran)."""
-        return self.run_step(
-            uniform_decode=uniform_decode, num_reqs=num_reqs, context=context, query_lens=query_lens, **batch
-        ).output
+        return self._run(batch, uniform_decode, num_reqs, context, query_lens).output
 
     def run_step(
         self, *, uniform_decode: bool = False, num_reqs: int | None = None, context: dict | None = None,
@@ -236,7 +234,14 @@ class GraphRunner:
         never saw it at capture, so only eager code reads it (breaks of PIECEWISE steps,
         NONE steps): on a FULL step its tensors must be views of this runner's buffers.
         """
-        n, reqs, num_reqs, fit, exact, context, lens = self.checks.check(batch, num_reqs, context, query_lens)
+        return self._run(batch, uniform_decode, num_reqs, context, query_lens)
+
+    def _run(
+        self, batch: dict[str, Any], uniform_decode: bool, num_reqs: int | None, context: dict | None,
+        query_lens: Sequence[int] | None,
+    ) -> StepResult:
+        """:meth:`run_step` with its inputs in a dict (``run`` passes them on without re-packing keywords)."""
+        n, reqs, num_reqs, fit, exact, context, lens = self.checks.check_step(batch, num_reqs, context, query_lens)
         agreed = None  # micro-batching: what every rank runs this step
         total, dispatch_reqs = n, num_reqs
         if self._ubatching:
@@ -257,10 +262,9 @@ class GraphRunner:
         if mode is _FULL and context:
             check_full_context(context, self.step_buffers.storages)
         may_capture = False if self.capture_closed or self._route_lazily else None
-        buffers, step = self.step_buffers, self.step
         if agreed is not None and agreed.ubatch:
             mode, desc, out = _ubatch.run_halves(
-                step, buffers, self.checks, batch, agreed, mode, desc, n, num_reqs,
+                self.step, self.step_buffers, self.checks, batch, agreed, mode, desc, n, num_reqs,
                 self.dispatcher.uniform_decode_query_len, context, may_capture,
             )
             self.last_mode, self.last_ubatched = mode, True
@@ -270,19 +274,19 @@ class GraphRunner:
             _parallel.check_same_step(mode, desc)  # ranks running different graphs would pair collectives wrongly
         if mode is not _NONE:
             padded = desc.num_tokens
-            buffers.fill(batch, padded, (n, reqs) if exact else None)
-            out = step(buffers.step_views(padded), mode, desc, context=context, may_capture=may_capture)
+            self.step_buffers.fill(batch, padded, (n, reqs) if exact else None)
+            out = self.step(self.step_buffers.step_views(padded), mode, desc, context=context, may_capture=may_capture)
         elif wanted is None:
             padded = total  # above n only when another rank's step is larger (micro-batching)
-            out = step(buffers.eager_views(batch, total), mode, desc, context=context, may_capture=may_capture)
+            out = self.step(self.step_buffers.eager_views(batch, total), mode, desc, context=context, may_capture=may_capture)
         else:
             # A step a graph will serve later runs on the buffers' first rows, marked as the capture's warm-ups
             # mark them: Dynamo traces the one graph those use, not one per size (nor another for inference
             # tensors), so neither later steps nor capture_idle compile again.
             padded = total
-            views = buffers.lazy_views(batch, total, mark=not step.needs_compile)  # the uncompiled model: no marks
+            views = self.step_buffers.lazy_views(batch, total, mark=not self.step.needs_compile)  # uncompiled: no marks
             began = time.perf_counter()
-            out = step(views, mode, desc, context=context, may_capture=may_capture)
+            out = self.step(views, mode, desc, context=context, may_capture=may_capture)
             self.lazy.note_eager(wanted, time.perf_counter() - began)
         if padded == n:
             return StepResult(out, mode, desc, False)  # what the model returned (an eager step: as an eager call)

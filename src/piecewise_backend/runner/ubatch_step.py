@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
+from .batch_checks import BatchChecks
 from .buffers import StepBuffers
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -214,7 +215,7 @@ def unsplit(o: Any, cut: int, n: int, halves: HalfLayout) -> Any:
 
 
 def run_halves(
-    step: Callable[..., Any], buffers: StepBuffers, checks: Any, batch: Mapping[str, torch.Tensor], agreed: Agreement,
+    step: Callable[..., Any], buffers: StepBuffers, checks: BatchChecks, batch: Mapping[str, torch.Tensor], agreed: Agreement,
     mode: CUDAGraphMode, desc: BatchDescriptor, n: int, num_reqs: int | None, q: int, context: dict,
     may_capture: bool | None,
 ) -> tuple[CUDAGraphMode, BatchDescriptor, Any]:
