@@ -13,6 +13,7 @@ import piecewise_backend as pb
 from piecewise_backend.capture.memory import fresh_pool
 from piecewise_backend.platforms import get_platform
 from piecewise_backend.runner import lazy as lazy_policy
+from piecewise_backend.runner import orchestration
 from pbtest.helpers import SIM, make_model, token_ids
 
 M = pb.CUDAGraphMode
@@ -93,13 +94,14 @@ def test_capture_idle_starts_no_capture_predicted_past_the_time_left(monkeypatch
     for n in (7, 3, 2):
         step(runner, n)
     clock = FakeClock()
-    real = lazy_policy.capture_one
+    real = orchestration.capture_one
 
     def slow(*args):
-        real(*args)
+        phases = real(*args)
         clock.now += 1.0
+        return phases
 
-    monkeypatch.setattr(lazy_policy, "capture_one", slow)
+    monkeypatch.setattr(orchestration, "capture_one", slow)
     with torch.no_grad():
         assert runner.capture_idle(2.5, clock=clock) == [(M.PIECEWISE, BD(8)), (M.PIECEWISE, BD(4))]
         assert runner.capture_idle(0.5, clock=clock) == []  # predicted 1 s > 0.5 s

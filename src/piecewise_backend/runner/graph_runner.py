@@ -12,7 +12,6 @@ capture is closed) and the one step path of :meth:`GraphRunner.run`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,7 +19,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from ..capture.memory import graphs_created
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import AttentionGraphSupport, CUDAGraphMode
@@ -32,9 +30,9 @@ from .batch_checks import BatchChecks, check_runner_args
 from .buffers import StepBuffers
 from .dispatcher import CudagraphDispatcher
 from .full_context import check_full_context
-from .lazy import Key, LazyCapture, capture_within
+from .lazy import Key, LazyCapture
 from .mode_policy import runner_modes
-from .orchestration import CaptureReport, capture_all, estimate_memory
+from .orchestration import CaptureBudget, CaptureReport, capture_keys, estimate_memory
 from .static_inputs import StaticInput
 from .step import ContextFn, ModelStep
 
@@ -311,29 +309,14 @@ class GraphRunner:
         With a ``graph_memory_budget`` the descriptors are captured by the lazy policy (no
         time limit): none predicted past the budget, and those left out run eagerly.
         """
-        plan = self.dispatcher.capture_descriptors()
-        if self._budget is None:
-            # growth: only the total, not per capture
-            self.report = capture_all(
-                self.step_buffers, self.step, self.config, plan, progress=progress,
-                on_capture=lambda mode, desc, seconds: self.lazy.note_capture(mode, desc, seconds, None),
-            )
-            logger.info(
-                "captured %d graphs in %.2f s (%s); attention: %s", self.report.graphs, self.report.seconds,
-                self.report.stats, self.attention_backend or "the model's own",
-            )
-        else:
-            keys = [(mode, d) for mode, descs in plan for d in descs]
-            began, segments = time.perf_counter(), graphs_created()
-            before = self.lazy.grown
-            captured = capture_within(
-                self.step_buffers, self.step, self.config, self.lazy, keys, math.inf, self._budget
-            )
-            self.report = CaptureReport(
-                len(captured), time.perf_counter() - began,
-                f"{len(captured)} of {len(keys)} descriptors within graph_memory_budget={self._budget}",
-                self.lazy.grown - before, graphs_created() - segments,
-            )
+        keys = [(mode, d) for mode, descs in self.dispatcher.capture_descriptors() for d in descs]
+        budget = CaptureBudget(memory=self._budget, startup=self._budget is None)
+        _, self.report = capture_keys(self.step_buffers, self.step, self.config, self.lazy, keys, budget,
+                                      progress=progress if budget.startup else False)
+        logger.info(
+            "captured %d graphs in %.2f s (%s); attention: %s", self.report.graphs, self.report.seconds,
+            self.report.stats, self.attention_backend or "the model's own",
+        )
         self.capture_closed = disable_after
         return self.report
 
@@ -345,10 +328,10 @@ class GraphRunner:
         steps, on the thread that runs them."""
         if not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool) or not max_seconds >= 0:
             raise ValueError(f"capture_idle: max_seconds must be a number of seconds >= 0, got {max_seconds!r}")
-        return capture_within(
-            self.step_buffers, self.step, self.config, self.lazy, list(self.lazy.demand), float(max_seconds),
-            self._budget, clock,
-        )
+        budget = CaptureBudget(seconds=float(max_seconds), memory=self._budget)
+        captured, _ = capture_keys(self.step_buffers, self.step, self.config, self.lazy, list(self.lazy.demand),
+                                   budget, clock=clock)
+        return captured
 
     def estimate_capture_memory(self) -> int:
         """Bytes :meth:`capture` will add to the graph pool, measured before capturing: the
