@@ -1,12 +1,16 @@
 """GraphRunner: the engine-facing object that pads, dispatches, captures and replays.
 
-Its parts, each a module of its own: :class:`~.buffers.StepBuffers` owns one persistent buffer
-per input and the views of them a step reads (every step copies its batch there, so graphs always
-read the addresses they captured); :class:`~.step.ModelStep` runs the wrapped model once on such
-views, plain or micro-batched, for a step as for a warm-up or a capture; capture planning
-(:mod:`.orchestration`, :mod:`.lazy`) takes those two, not the runner; :mod:`.ubatch_step` splits a
+Its parts, each a module of its own: :mod:`.mode_policy` resolves the mode it runs and says each
+downgrade; :class:`~.batch_checks.BatchChecks` checks every step's arguments in one pass (the runner
+trusts them after it); :class:`~.buffers.StepBuffers` owns one persistent buffer per input and the
+views of them a step reads (every step copies its batch there, so graphs always read the addresses
+they captured); :class:`~.step.ModelStep` runs the wrapped model once on such views, plain or
+micro-batched, for a step as for a warm-up or a capture, checking a FULL step's context
+(:mod:`.full_context`); the one capture loop (:func:`~.orchestration.capture_keys`, with
+:class:`~.lazy.LazyCapture` as its policy) takes those two, not the runner; :mod:`.ubatch_step` splits a
 step in halves. The runner holds the state a step consults (dispatcher, lazy demand, whether
-capture is closed) and the one step path of :meth:`GraphRunner.run`.
+capture is closed) and the one step path of :meth:`GraphRunner.run_step` (:meth:`GraphRunner.run`
+returns its output).
 """
 
 from __future__ import annotations
@@ -96,7 +100,9 @@ class GraphRunner:
             config = CompilationConfig()
         elif not isinstance(config, CompilationConfig):
             raise TypeError(f"GraphRunner config must be a CompilationConfig or None, got {type(config).__name__}")
-        inputs, args, kwargs = check_runner_args(inputs, model_args, model_kwargs, max_num_reqs, context_fn, eager_model)
+        inputs, args, kwargs = check_runner_args(
+            inputs, model_args, model_kwargs, max_num_reqs, context_fn, eager_model
+        )
         modes = runner_modes(config, attention_support=attention_support, attention_split=attention_split,
                              uniform_decode_query_len=uniform_decode_query_len, drafter=drafter)
         #: Each way this runner falls short of ``config`` (a mode lowered, a feature dropped), in words;
@@ -248,15 +254,7 @@ class GraphRunner:
                                         num_reqs, fit, self.steps)
             total, uniform_decode, fit = agreed.num_tokens, agreed.uniform, agreed.fit  # the largest rank's step
             dispatch_reqs = num_reqs if total == n else None
-        mode, desc = self.dispatcher.dispatch(
-            total, uniform_decode=uniform_decode, num_reqs=dispatch_reqs, disable_full=self.drafter
-        )
-        if mode is not _NONE and not fit:  # one rank's inputs are too wide for the buffers: all eagerly
-            logger.debug("step of %d tokens does not fit the static buffers: running eagerly", total)
-            mode, desc = _NONE, BatchDescriptor(total)
-        wanted = None  # lazy capture: the key this step wanted and has no graph of
-        if self._route_lazily and mode is not _NONE:
-            mode, desc, wanted = self.lazy.route(mode, desc, total)
+        mode, desc, wanted = self._route(total, uniform_decode, dispatch_reqs, fit)
         if mode is _FULL and context:
             check_full_context(context, self.step_buffers.storages)
         may_capture = False if self.capture_closed or self._route_lazily else None
@@ -276,7 +274,8 @@ class GraphRunner:
             out = self.step(self.step_buffers.step_views(padded), mode, desc, context=context, may_capture=may_capture)
         elif wanted is None:
             padded = total  # above n only when another rank's step is larger (micro-batching)
-            out = self.step(self.step_buffers.eager_views(batch, total), mode, desc, context=context, may_capture=may_capture)
+            views = self.step_buffers.eager_views(batch, total)
+            out = self.step(views, mode, desc, context=context, may_capture=may_capture)
         else:
             # A step a graph will serve later runs on the buffers' first rows, marked as the capture's warm-ups
             # mark them: Dynamo traces the one graph those use, not one per size (nor another for inference
@@ -292,6 +291,21 @@ class GraphRunner:
             return StepResult(_unpad(out, n, padded), mode, desc, False)
         return StepResult(tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out), mode,
                           desc, False)
+
+    def _route(
+        self, total: int, uniform_decode: bool, num_reqs: int | None, fit: bool
+    ) -> tuple[CUDAGraphMode, BatchDescriptor, Key | None]:
+        """The mode and descriptor a step of ``total`` tokens runs under, and (lazy capture) the key it wanted
+        and has no graph of: the dispatcher's answer, eager when the inputs do not fit the buffers."""
+        mode, desc = self.dispatcher.dispatch(
+            total, uniform_decode=uniform_decode, num_reqs=num_reqs, disable_full=self.drafter
+        )
+        if mode is not _NONE and not fit:  # one rank's inputs are too wide for the buffers: all eagerly
+            logger.debug("step of %d tokens does not fit the static buffers: running eagerly", total)
+            return _NONE, BatchDescriptor(total), None
+        if self._route_lazily and mode is not _NONE:
+            return self.lazy.route(mode, desc, total)
+        return mode, desc, None
 
     def clear_graphs(self) -> None:
         """Drop every graph of this runner's model; :meth:`capture` can capture them again."""

@@ -98,7 +98,8 @@ def runner_modes(
             f"platform {config.platform!r} finds no GPU: cudagraph_mode {config.cudagraph_mode.name} -> NONE"
         )
     mode = resolve_cudagraph_mode(
-        effective, attention_support, attention_split=attention_split, uniform_decode_query_len=uniform_decode_query_len,
+        effective, attention_support, attention_split=attention_split,
+        uniform_decode_query_len=uniform_decode_query_len,
     )
     if mode != effective:
         downgrades.append(

@@ -167,7 +167,8 @@ class ModelStep:
         m = self.model
         if m is not self._kind_of:
             self._kind_of = m
-            self._full_kind = isinstance(m, UBatchWrapper) or isinstance(m, CUDAGraphWrapper) and m.runtime_mode == _FULL
+            full = isinstance(m, CUDAGraphWrapper) and m.runtime_mode == _FULL
+            self._full_kind = isinstance(m, UBatchWrapper) or full
         return m.entries if self._full_kind else None
 
     def _guard_step(self, desc: BatchDescriptor, attrs: Mapping[str, Any]) -> Callable[[], Any] | None:

@@ -215,14 +215,16 @@ def unsplit(o: Any, cut: int, n: int, halves: HalfLayout) -> Any:
 
 
 def run_halves(
-    step: Callable[..., Any], buffers: StepBuffers, checks: BatchChecks, batch: Mapping[str, torch.Tensor], agreed: Agreement,
+    step: Callable[..., Any], buffers: StepBuffers, checks: BatchChecks, batch: Mapping[str, torch.Tensor],
+    agreed: Agreement,
     mode: CUDAGraphMode, desc: BatchDescriptor, n: int, num_reqs: int | None, q: int, context: dict,
     may_capture: bool | None,
 ) -> tuple[CUDAGraphMode, BatchDescriptor, Any]:
     """The rest of a GraphRunner step that every rank micro-batches: plan it (:func:`plan`), lay its halves out
     (:func:`layout`) and run them in one call of ``step`` (a :class:`~.step.Step`); returns the mode and
-    descriptor it ran under (``q``: the uniform decode query length) and this rank's rows of the output, in token order. ``checks`` (the runner's
-    :class:`~.batch_checks.BatchChecks`) checks each half's request rows under ``debug_checks``."""
+    descriptor it ran under (``q``: the uniform decode query length) and this rank's rows of the output, in
+    token order. ``checks`` (the runner's :class:`~.batch_checks.BatchChecks`) checks each half's request
+    rows under ``debug_checks``."""
     mode, agreed, halves = plan(agreed, mode, desc, n, q, buffers)
     if checks.debug_checks:
         checks.check_halves(batch, agreed.split, n, num_reqs)
