@@ -773,7 +773,7 @@ def test_host_read_outside_splitting_ops_keeps_its_fix_and_gains_the_mode_and_ke
 def test_a_context_tensor_seen_in_another_layout_is_not_the_captured_one():
     """Same memory, shape and dtype but other strides (a transposed view): a FULL graph would read it in the
     captured layout, so the replay check refuses it."""
-    from piecewise_backend.runner.static_inputs import check_captured_context, context_tensors
+    from piecewise_backend.runner.full_context import check_captured_context, context_tensors
 
     t = torch.zeros(4, 4)
     captured = context_tensors({"meta": {"table": t}})

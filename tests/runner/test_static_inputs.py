@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-from piecewise_backend.runner.static_inputs import check_plain, eager_tensor, fill
+from piecewise_backend.runner.batch_checks import check_plain
+from piecewise_backend.runner.buffers import eager_tensor, fill
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ class _StepMeta:
 def test_context_print_passes_the_captured_tensors_and_refuses_any_change_the_exact_check_refuses():
     """ContextPrint's fast check (identity, address, shape, strides, dtype over the same structure) agrees with
     context_tensors' path-by-path comparison: every change that one refuses is refused, the same tensors pass."""
-    from piecewise_backend.runner.static_inputs import ContextPrint
+    from piecewise_backend.runner.full_context import ContextPrint
 
     table, k0, k1 = torch.zeros(4, 4), torch.zeros(2, 3), torch.zeros(2, 3)
     caches = [k0, k1]
@@ -100,3 +101,24 @@ def test_context_print_passes_the_captured_tensors_and_refuses_any_change_the_ex
     k0.resize_(1, 3)  # the captured object itself, resized in place: its shape changed
     with pytest.raises(ValueError, match=r"caches\[0\].*\[2, 3\].*now: .*\[1, 3\]"):
         p.check(attrs(), "d")
+
+
+def test_same_context_is_straight_line_code_over_the_captured_structure():
+    """The generated fast check: True only for the captured structure and tensors; anything else goes to the
+    exact comparison (a False is never an error by itself)."""
+    from piecewise_backend.runner.full_context import same_context
+
+    t, k = torch.zeros(2, 3), torch.zeros(4)
+    same = same_context({"meta": _StepMeta(t, [k]), "n": 3})
+    assert same({"meta": _StepMeta(t, [k]), "n": 4})  # new containers, the same tensors; a leaf's value is no structure
+    assert same({"meta": _StepMeta(t[:], [k]), "n": 3})  # another view object of the same memory and layout
+    for other in (
+        {"meta": _StepMeta(t, [k]), "n": 4.0},  # a leaf's type changed
+        {"meta": _StepMeta(t, [k, k]), "n": 3},  # a length
+        {"meta": _StepMeta(t.t(), [k]), "n": 3},  # a layout
+        {"meta": _StepMeta(t, [k.view(torch.int32)]), "n": 3},  # a dtype
+        {"meta": _StepMeta(t, (k,)), "n": 3},  # a container type
+        {"n": 3, "meta": _StepMeta(t, [k])},  # the keys' order
+        {"meta": {"table": t, "caches": [k]}, "n": 3},  # a dict for the dataclass
+    ):
+        assert not same(other), other

@@ -97,7 +97,7 @@ def test_capture_one_warms_up_then_captures_with_the_step_and_its_micro_batched_
 
 
 def test_capture_planning_needs_only_buffers_a_step_and_a_config():
-    """capture_all, estimate_memory and capture_within run a real capture without any GraphRunner."""
+    """capture_keys (up front and within a budget) and estimate_memory run a real capture without any GraphRunner."""
     config = SIM.replace(cudagraph_mode="PIECEWISE", capture_sizes=[4, 8])
     model = pb.wrap_model(TwoBreakModel(), config)
     inputs = [pb.StaticInput("x", shape=(8,), dtype=torch.float32)]
@@ -106,10 +106,12 @@ def test_capture_planning_needs_only_buffers_a_step_and_a_config():
     plan = [(M.PIECEWISE, [BD(8), BD(4)])]
     assert orchestration.estimate_memory(buffers, step, config, plan) > 0
     assert model.entries == {}  # the estimate's scratch entries are gone
-    seen = []
-    report = orchestration.capture_all(buffers, step, config, plan, progress=False,
-                                       on_capture=lambda mode, desc, s: seen.append((mode, desc)))
-    assert report.graphs == 2 and seen == [(M.PIECEWISE, BD(8)), (M.PIECEWISE, BD(4))]
+    policy = lazy_policy.LazyCapture()
+    keys = [(M.PIECEWISE, d) for d in plan[0][1]]
+    seen, report = orchestration.capture_keys(buffers, step, config, policy, keys,
+                                              orchestration.CaptureBudget(startup=True))
+    assert report.graphs == 2 and seen == [(M.PIECEWISE, BD(8)), (M.PIECEWISE, BD(4))] and policy.captured == set(seen)
+    assert [d.desc for d in report.per_descriptor] == [BD(8), BD(4)]
     assert set(model.entries) == {BD(8), BD(4)}
     x = torch.randn(4, 8)
     buffers.fill({"x": x}, 4)
@@ -118,8 +120,8 @@ def test_capture_planning_needs_only_buffers_a_step_and_a_config():
     assert_close(out, model.unwrap()(x))
     assert step.drop(M.PIECEWISE, BD(4)) and set(model.entries) == {BD(8)}
     lazy = lazy_policy.LazyCapture()
-    assert lazy_policy.capture_within(buffers, step, config, lazy, [(M.PIECEWISE, BD(4))], 60.0, None) == [
-        (M.PIECEWISE, BD(4))
-    ]
+    captured, _ = orchestration.capture_keys(buffers, step, config, lazy, [(M.PIECEWISE, BD(4))],
+                                             orchestration.CaptureBudget(seconds=60.0))
+    assert captured == [(M.PIECEWISE, BD(4))]
     assert set(model.entries) == {BD(8), BD(4)} and lazy.captured == {(M.PIECEWISE, BD(4))}
 

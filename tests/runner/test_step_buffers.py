@@ -55,6 +55,25 @@ def test_fill_copies_a_step_and_pads_the_rest_of_its_rows():
     assert b.tensors["ids"].eq(-1).all() and b.tensors["blocks"].eq(7).all()
 
 
+def test_a_planned_fill_of_full_width_tensors_matches_the_general_fill():
+    """``counts`` (every tensor as wide as its buffer): one copy planned per row counts, pads included."""
+    planned, general = buffers(), buffers()
+    for b in (planned, general):
+        for t in b.tensors.values():
+            t.fill_(99)  # a previous, longer step
+    for n, reqs, tokens in ((3, 2, 4), (1, 1, 1), (3, 2, 4), (2, 4, 8)):
+        batch = {
+            "ids": torch.arange(n), "rows": torch.zeros(n, dtype=torch.long), "feats": torch.rand(n, 3),
+            "blocks": torch.arange(2 * reqs).reshape(reqs, 2),
+        }
+        planned.fill(batch, tokens, (n, reqs))
+        general.fill(batch, tokens)
+        for name, t in planned.tensors.items():
+            assert torch.equal(t, general.tensors[name]), (name, n, reqs, tokens)
+    assert planned.tensors["blocks"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert planned.tensors["ids"][:8].tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
+
+
 def test_eager_views_pass_the_step_s_own_tensors_when_they_fit_as_they_are():
     b = buffers()
     ids, blocks = torch.tensor([1, 2, 3]), torch.tensor([[1, 2]] * 4)

@@ -1,4 +1,5 @@
-"""Assembly: resolve the mode an attention backend allows, stack the wrappers, prove coverage."""
+"""Assembly: stack the wrappers a mode needs, prove coverage, drop graphs (mode resolution: :mod:`.mode_policy`,
+re-exported here)."""
 
 from __future__ import annotations
 
@@ -8,67 +9,18 @@ from ..backend.compiler import PiecewiseBackend
 from ..capture.wrappers import BreakableCUDAGraphWrapper, CUDAGraphWrapper, GraphWrapper
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
-from ..modes import AttentionGraphSupport, CUDAGraphMode
-from ..observability import logger
+from ..modes import CUDAGraphMode
 from ..platforms.registry import effective_mode
 from ..ubatch.wrapper import UBatchWrapper
 from .dispatcher import CudagraphDispatcher
+from .mode_policy import drop_full_graphs, resolve_cudagraph_mode
+
+__all__ = [
+    "clear_graphs", "drop_full_graphs", "drop_graph", "find_backend", "resolve_cudagraph_mode",
+    "validate_capture_coverage", "wrap_model",
+]
 
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
-
-
-def resolve_cudagraph_mode(
-    mode: CUDAGraphMode | str,
-    support: AttentionGraphSupport | int,
-    *,
-    attention_split: bool = True,
-    uniform_decode_query_len: int = 1,
-) -> CUDAGraphMode:
-    """The strongest mode ``mode`` can keep given what the attention backend supports.
-
-    ``UNIFORM_SINGLE_TOKEN_DECODE`` covers decode batches of one token per request only:
-    with ``uniform_decode_query_len > 1`` (speculative decode) it supports no full graph.
-    """
-    mode = CUDAGraphMode.parse(mode)
-    support = AttentionGraphSupport(support)
-    if not isinstance(uniform_decode_query_len, int) or isinstance(uniform_decode_query_len, bool) or (
-        uniform_decode_query_len < 1
-    ):
-        raise ValueError(f"uniform_decode_query_len must be a positive int, got {uniform_decode_query_len!r}")
-    if support == AttentionGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE and uniform_decode_query_len > 1:
-        if mode.max_cudagraph_mode() != _FULL:
-            return mode
-        # no full graph at all: the decode side falls back to what the mixed side does without FULL
-        resolved = _PIECEWISE if attention_split and mode != CUDAGraphMode.FULL_DECODE_ONLY else _NONE
-        logger.info(
-            "cudagraph_mode %s -> %s (attention support %s, uniform_decode_query_len=%d)",
-            mode.name, resolved.name, support.name, uniform_decode_query_len,
-        )
-        return resolved
-    if mode.mixed_mode() == _FULL and support < AttentionGraphSupport.ALWAYS:
-        if support == AttentionGraphSupport.NEVER:
-            raise ValueError(
-                f"cudagraph_mode {mode.name} captures attention in full graphs, but the attention backend "
-                "supports that NEVER; use PIECEWISE (with attention as a splitting op) or NONE"
-            )
-        resolved = CUDAGraphMode.FULL_AND_PIECEWISE if attention_split else CUDAGraphMode.FULL_DECODE_ONLY
-    elif mode.decode_mode() == _FULL and support == AttentionGraphSupport.NEVER:
-        resolved = _PIECEWISE if attention_split else _NONE
-    else:
-        return mode
-    logger.info("cudagraph_mode %s -> %s (attention support %s)", mode.name, resolved.name, support.name)
-    return resolved
-
-
-def drop_full_graphs(mode: CUDAGraphMode | str, reason: str) -> CUDAGraphMode:
-    """``mode`` without FULL graphs, for a model no FULL graph can hold (``reason``, logged): FULL and
-    FULL_AND_PIECEWISE become PIECEWISE, FULL_DECODE_ONLY becomes NONE; the rest is unchanged."""
-    mode = CUDAGraphMode.parse(mode)
-    if not mode.has_full_cudagraphs():
-        return mode
-    resolved = _NONE if mode == CUDAGraphMode.FULL_DECODE_ONLY else _PIECEWISE
-    logger.info("cudagraph_mode %s -> %s (no FULL graph can hold it: %s)", mode.name, resolved.name, reason)
-    return resolved
 
 
 def wrap_model(model: Any, config: CompilationConfig, *, drafter: bool = False) -> Any:

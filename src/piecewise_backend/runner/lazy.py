@@ -3,8 +3,10 @@
 A runner with ``lazy_capture=True`` (or a ``graph_memory_budget``) never captures inside a step.
 A step whose dispatched ``(mode, descriptor)`` has no graph yet runs eagerly (or, for a FULL key,
 on the PIECEWISE graph of its size when that one is captured) and counts as *demand* for the
-graph it wanted. :func:`capture_within` (``GraphRunner.capture_idle``) then captures demanded
-descriptors between steps, on the serving thread, under two limits:
+graph it wanted. ``GraphRunner.capture_idle`` then captures demanded descriptors between steps, on
+the serving thread, through the one capture loop (:func:`~.orchestration.capture_keys`), which asks
+this module's :class:`LazyCapture` (the policy: it alone changes its state) what to start, under two
+limits:
 
 * **time**: no capture starts that is predicted to overrun the time left. A capture is predicted to
   take as long as the slowest one measured so far in its mode (any mode before that), and the very
@@ -21,7 +23,7 @@ descriptors between steps, on the serving thread, under two limits:
 
 **Compile first.** A runner given the uncompiled model (``GraphRunner(eager_model=...)``, as every
 engine's is) serves its first steps on it: no Dynamo trace, no pieces. Before its first capture,
-:func:`capture_within` compiles: one warm-up step through the compiled model (Dynamo's trace, the
+:func:`~.orchestration.capture_keys` compiles: one warm-up step through the compiled model (Dynamo's trace, the
 split, the pieces). That compile cannot be cut short, so it starts only when its predicted cost
 fits the time left: :attr:`LazyCapture.compile_estimate_s`, by default
 :data:`COMPILE_ESTIMATE_S` for the config's ``compile_pieces`` (measured here: a tiny model's trace
@@ -37,22 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
-from ..capture.memory import release_cached
-from ..capture.session import bulk_capture
-from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
-from ..observability import logger
-from ..platforms.registry import config_platform_name, get_platform, warmup_scope
-from . import agreement as _parallel
-from .buffers import StepBuffers
-from .dispatcher import CudagraphDispatcher
-from .orchestration import capture_one
-from .step import Step
 
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 #: The first capture's predicted seconds, in eager steps of its descriptor: warm-ups, the capture
@@ -104,19 +94,21 @@ class LazyCapture:
     # ------------------------------------------------------------------ the step path
 
     def route(
-        self, dispatcher: CudagraphDispatcher, mode: CUDAGraphMode, desc: BatchDescriptor, n: int
+        self, mode: CUDAGraphMode, desc: BatchDescriptor, n: int
     ) -> tuple[CUDAGraphMode, BatchDescriptor, Key | None]:
-        """What a step dispatched to ``(mode, desc)`` runs: the graph when captured, else a PIECEWISE
-        graph of its size (for a FULL key), else eagerly; the third item is the key it wanted (None: captured)."""
+        """What a step of ``n`` tokens dispatched to ``(mode, desc)`` runs: the graph when captured, else the
+        PIECEWISE graph of its size (for a FULL key) when that one is captured, else eagerly; the third item
+        is the key it wanted (None: captured). Only dispatcher keys are ever captured, so a captured relaxed
+        key is the one the dispatcher would answer for a mixed batch of that size."""
         key = (mode, desc)
         if key in self.captured:
             return mode, desc, None
         self.demand.setdefault(key, Demand()).steps += 1
         if mode == _FULL:
-            relaxed = dispatcher.piecewise_key(desc.num_tokens)
-            if relaxed is not None and (_PIECEWISE, relaxed) in self.captured:
+            relaxed = BatchDescriptor(desc.num_tokens)
+            if (_PIECEWISE, relaxed) in self.captured:
                 return _PIECEWISE, relaxed, None
-        return _NONE, dispatcher.eager_key(n), key
+        return _NONE, BatchDescriptor(n), key
 
     def note_eager(self, key: Key, seconds: float) -> None:
         demand = self.demand[key]
@@ -193,96 +185,24 @@ class LazyCapture:
             ordered.insert(0, ordered.pop())
         return ordered
 
+    # ------------------------------------------------------------------ the capture loop's questions
 
-def capture_within(
-    buffers: StepBuffers, step: Step, config: CompilationConfig, lazy: LazyCapture, keys: Iterable[Key],
-    max_seconds: float, budget: int | None, clock: Callable[[], float] = time.perf_counter,
-) -> list[Key]:
-    """Capture ``keys`` (as ordered by :meth:`LazyCapture.order`) within ``max_seconds`` and ``budget``
-    (bytes ``lazy``'s captures may add to the pool), with ``step`` on ``buffers``; returns the keys
-    captured, in capture order. Steps must not run meanwhile (one thread)."""
-    if _parallel.distributed():
-        raise RuntimeError(
-            "capture_idle in a process group: ranks would predict different times and capture different graphs, "
-            "then dispatch different steps; capture up front with capture() on every rank instead"
-        )
-    start = clock()
-    plan = lazy.order((k for k in keys if k not in lazy.captured and k not in lazy.too_large), budget)
-    name = config_platform_name(config)
-    if not plan or name is None:
-        return []
-    platform = get_platform(name)
-    captured: list[Key] = []
-    if step.needs_compile:  # serve before compiling: compile now, if it fits, then capture
-        if lazy.predict_compile(config.compile_pieces) > max_seconds - (clock() - start):
-            return []
-        compile_now(buffers, step, plan[-1][1], platform, lazy, config.compile_pieces, clock)
-    with _Bulk() as bulk:
-        for mode, desc in plan:
-            left = max_seconds - (clock() - start)
-            if lazy.predict_seconds(mode, desc) > left or left <= 0:
-                continue
-            predicted = lazy.predict_growth(mode, desc)
-            if budget is not None and predicted is not None and lazy.grown + predicted > budget:
-                continue
-            bulk.enter()
-            if not captured:
-                buffers.reset()  # never a previous step's data (real KV slots)
-            before, began = platform.memory(), clock()
-            capture_one(buffers, step, mode, desc, platform, config.num_warmups)
-            lazy.note_capture(mode, desc, clock() - began, platform.memory() - before)
-            if budget is not None and lazy.grown > budget:
-                grew = lazy.history[-1].growth or 0
-                step.drop(mode, desc)
-                release_cached(platform)
-                lazy.captured.discard((mode, desc))
-                lazy.too_large.add((mode, desc))
-                lazy.grown += platform.memory() - before - grew
-                logger.info("capture of %s %s took the pool past graph_memory_budget=%d: dropped", mode.name, desc, budget)
-                if lazy.grown > budget:
-                    break  # the pool did not give the memory back: stop here
-                continue
-            captured.append((mode, desc))
-    if captured:
-        logger.info("captured %d graphs in %.2f s of %.2f s given", len(captured), clock() - start, max_seconds)
-    return captured
+    def pending(self, keys: Iterable[Key]) -> list[Key]:
+        """``keys`` that are neither captured nor refused as too large, in their order."""
+        return [k for k in keys if k not in self.captured and k not in self.too_large]
 
+    def admits(self, mode: CUDAGraphMode, desc: BatchDescriptor, seconds_left: float, budget: int | None) -> bool:
+        """May the capture of ``(mode, desc)`` start with ``seconds_left`` and ``budget`` (bytes this runner's
+        graphs may add to the pool; None: no limit)? Not when predicted to overrun either."""
+        if seconds_left <= 0 or self.predict_seconds(mode, desc) > seconds_left:
+            return False
+        predicted = self.predict_growth(mode, desc) if budget is not None else None
+        return predicted is None or self.grown + predicted <= budget  # type: ignore[operator]
 
-def compile_now(
-    buffers: StepBuffers, step: Step, desc: BatchDescriptor, platform: Any, lazy: LazyCapture, compile_pieces: str,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Compile ``step``'s model (Dynamo's trace and the pieces): one warm-up of ``desc``'s size on the reset,
-    marked buffers (no real KV slot); returns and records its seconds."""
-    buffers.reset()
-    views = buffers.views(desc.num_tokens)
-    buffers.mark_token_views(views)  # the one graph every size uses, as a capture's warm-up traces it
-    began = clock()
-    with warmup_scope(platform):
-        out = step(views, _NONE, BatchDescriptor(desc.num_tokens), may_capture=True)
-    _parallel.wait_collectives(out)
-    seconds = clock() - began
-    lazy.note_compile(compile_pieces, seconds)
-    logger.info("compiled the model in %.2f s (predicted %.2f s) before capturing", seconds,
-                lazy.predict_compile(compile_pieces))
-    return seconds
-
-
-class _Bulk:
-    """``bulk_capture(collect=False)`` entered at the first capture only: gc frozen, no full collection
-    first (it cost 0.2-0.6 s a slice, more than a step's captures; steps between slices collect as usual)."""
-
-    def __init__(self) -> None:
-        self._cm: Any = None
-
-    def enter(self) -> None:
-        if self._cm is None:
-            self._cm = bulk_capture(collect=False)
-            self._cm.__enter__()
-
-    def __enter__(self) -> _Bulk:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._cm is not None:
-            self._cm.__exit__(*exc)
+    def note_dropped(self, mode: CUDAGraphMode, desc: BatchDescriptor, remaining: int) -> None:
+        """The capture of ``(mode, desc)`` just noted took the pool past the budget and was dropped; ``remaining``
+        is what it still adds to the pool after the release (0 when the pool gave everything back)."""
+        key = (mode, desc)
+        self.captured.discard(key)
+        self.too_large.add(key)
+        self.grown += remaining - (self.history[-1].growth or 0)

@@ -1,17 +1,20 @@
 """Capture orchestration: warm up and capture every descriptor, report it, estimate what it costs.
 
 These functions take the :class:`~.buffers.StepBuffers` a step reads and the :class:`~.step.Step`
-that runs the model (with the config it captures under), not a runner: :func:`capture_all` is
-:meth:`GraphRunner.capture <piecewise_backend.GraphRunner.capture>` without a budget, resetting the
-buffers and capturing the plan largest first (:func:`capture_one` per descriptor, with its warm-ups
-on the capture stream) behind an optional progress bar; :func:`estimate_memory` measures what that
-costs before capturing. The step path (padding, dispatch, replay) is GraphRunner's.
+that runs the model (with the config it captures under), not a runner. :func:`capture_keys` is the one
+capture loop: :meth:`GraphRunner.capture <piecewise_backend.GraphRunner.capture>` (the dispatcher's plan,
+largest first, with or without a ``graph_memory_budget``) and ``capture_idle`` (the demanded keys within a
+time slice) both run it, with a :class:`CaptureBudget` and the runner's :class:`~.lazy.LazyCapture` as the
+policy that orders and admits each capture (:func:`capture_one` per descriptor, with its warm-ups on the
+capture stream, behind an optional progress bar); :func:`estimate_memory` measures what a capture costs
+before capturing. The step path (padding, dispatch, replay) is GraphRunner's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import sys
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,16 +24,17 @@ try:
 except ImportError:  # a bare GPU box may lack it: capture works, without a progress bar
     tqdm = None
 
-from ..capture.memory import graphs_created, scratch_pool
+from ..capture.memory import graphs_created, release_cached, scratch_pool
 from ..capture.session import bulk_capture
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
-from ..observability import counters, phase_seconds
+from ..observability import counters, logger, phase_seconds
 from ..platforms.base import Platform
 from ..platforms.registry import config_platform_name, get_platform, warmed_step, warmup_scope
 from . import agreement as _parallel
 from .buffers import StepBuffers
+from .lazy import Key, LazyCapture
 from .step import Step
 
 Plan = Sequence[tuple[CUDAGraphMode, Sequence[BatchDescriptor]]]  # (mode, descriptors largest first), as
@@ -124,47 +128,107 @@ def _capture(phases: dict[str, float], run: Callable[[], Any], mode: CUDAGraphMo
     phases["capture"] += time.perf_counter() - began - checked
 
 
-def capture_all(
-    buffers: StepBuffers, step: Step, config: CompilationConfig, plan: Plan, *,
-    progress: bool | None = None,
-    on_capture: Callable[[CUDAGraphMode, BatchDescriptor, float], Any] | None = None,
-) -> CaptureReport:
-    """Capture every descriptor of ``plan``, in its order (largest first), on ``config``'s platform, after
-    resetting ``buffers`` to their pads; ``on_capture(mode, desc, seconds)`` after each."""
-    total = sum(len(descs) for _, descs in plan)
-    platform_name = config_platform_name(config)
-    platform = get_platform(platform_name) if platform_name and total else None
-    before = platform.memory() if platform else 0
-    buffers.reset()
-    segments_before = graphs_created()
-    start = time.perf_counter()
+@dataclasses.dataclass(frozen=True)
+class CaptureBudget:
+    """The limits of one pass of :func:`capture_keys`: ``seconds`` (no capture starts that is predicted to
+    overrun the time left) and ``memory`` (bytes the runner's graphs may add to the graph pool; None: no
+    limit). ``startup``: an up-front capture of the dispatcher's whole plan without a memory limit: the keys
+    in the plan's order, one gc collection first (timed as ``gc``), the pool's growth measured only in total."""
+
+    seconds: float = math.inf
+    memory: int | None = None
+    startup: bool = False
+
+
+def capture_keys(
+    buffers: StepBuffers, step: Step, config: CompilationConfig, policy: LazyCapture, keys: Sequence[Key],
+    budget: CaptureBudget, *, progress: bool | None = False, clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[Key], CaptureReport]:
+    """The one capture loop (``GraphRunner.capture``, with or without a memory budget, and ``capture_idle``):
+    capture ``keys`` with ``step`` on ``buffers`` within ``budget``, as ``policy`` orders and admits them;
+    returns the keys captured, in capture order, and the pass's :class:`CaptureReport`.
+
+    Before the first capture: the model is compiled when ``step`` still runs it uncompiled (if the compile is
+    predicted to fit the time left; :func:`compile_now`), the buffers are reset to their pads, and gc is
+    frozen for the pass (``bulk_capture``). A capture that took the pool past ``budget.memory`` is dropped and
+    its memory released; when the pool does not give it back, the pass stops. Steps must not run meanwhile."""
+    if not budget.startup and _parallel.distributed():
+        raise RuntimeError(
+            "capture_idle in a process group: ranks would predict different times and capture different graphs, "
+            "then dispatch different steps; capture up front with capture() on every rank instead"
+        )
+    start = clock()
+    name = config_platform_name(config)
+    plan = list(keys) if budget.startup else policy.order(policy.pending(keys), budget.memory)
+    platform = get_platform(name) if name is not None and plan else None
+    before, segments = (platform.memory() if platform else 0), graphs_created()
+    captured: list[Key] = []
     per: list[DescriptorSeconds] = []
-    bulk = bulk_capture()
-    bulk.__enter__()  # gc.collect once, then frozen: timed as "gc"
-    gc_seconds = time.perf_counter() - start
-    try:
-        with _progress(total, progress) as bar:
-            for mode, descs in plan:
-                for desc in descs:
-                    began = time.perf_counter()
-                    phases = capture_one(buffers, step, mode, desc, platform, config.num_warmups)
-                    seconds = time.perf_counter() - began
-                    per.append(DescriptorSeconds(mode, desc, seconds, phases))
-                    if on_capture is not None:
-                        on_capture(mode, desc, seconds)
-                    bar.update(1)
-                    bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
-    except BaseException:
-        bulk.__exit__(*sys.exc_info())
-        raise
-    exit_began = time.perf_counter()
-    bulk.__exit__(None, None, None)
-    gc_seconds += time.perf_counter() - exit_began
-    seconds = time.perf_counter() - start
+    gc_seconds, frozen_gc = 0.0, False
+    if platform is not None and step.needs_compile and not budget.startup:  # serve before compiling: compile now
+        if policy.predict_compile(config.compile_pieces) > budget.seconds - (clock() - start):
+            plan = []
+        else:
+            compile_now(buffers, step, plan[-1][1], platform, policy, config.compile_pieces, clock)
+    with contextlib.ExitStack() as frozen, _progress(len(plan), progress if platform else False) as bar:
+        for mode, desc in plan if platform is not None else ():
+            if not budget.startup and not policy.admits(mode, desc, budget.seconds - (clock() - start), budget.memory):
+                continue
+            if not frozen_gc:  # the first capture of the pass
+                frozen_gc, began = True, clock()
+                frozen.enter_context(bulk_capture(collect=budget.startup))  # gc collected (startup) and frozen
+                gc_seconds += clock() - began
+                buffers.reset()  # never a previous step's data (real KV slots)
+            mem, began = platform.memory(), clock()
+            phases = capture_one(buffers, step, mode, desc, platform, config.num_warmups)
+            seconds = clock() - began
+            policy.note_capture(mode, desc, seconds, None if budget.startup else platform.memory() - mem)
+            per.append(DescriptorSeconds(mode, desc, seconds, phases))
+            bar.update(1)
+            bar.set_postfix_str(f"{mode.name} {desc.num_tokens}")
+            if budget.memory is not None and policy.grown > budget.memory:
+                step.drop(mode, desc)
+                release_cached(platform)
+                policy.note_dropped(mode, desc, platform.memory() - mem)
+                logger.info("capture of %s %s took the pool past graph_memory_budget=%d: dropped", mode.name, desc,
+                            budget.memory)
+                if policy.grown > budget.memory:
+                    break  # the pool did not give the memory back: stop here
+                continue
+            captured.append((mode, desc))
+        began = clock()
+        frozen.close()  # gc thawed: timed as gc
+        gc_seconds += clock() - began
+    seconds = clock() - start
     added = platform.memory() - before if platform else 0
     stats = platform.describe(added) if platform else "no graphs"
-    return CaptureReport(total, seconds, stats, added, graphs_created() - segments_before, per,
-                         phase_totals(per, seconds, gc_seconds))
+    if budget.memory is not None:
+        stats += f"; {len(captured)} of {len(keys)} descriptors within graph_memory_budget={budget.memory}"
+    if captured and not budget.startup:
+        logger.info("captured %d graphs in %.2f s of %.2f s given", len(captured), seconds, budget.seconds)
+    report = CaptureReport(len(captured), seconds, stats, added, graphs_created() - segments, per,
+                           phase_totals(per, seconds, gc_seconds))
+    return captured, report
+
+
+def compile_now(
+    buffers: StepBuffers, step: Step, desc: BatchDescriptor, platform: Any, policy: LazyCapture, compile_pieces: str,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Compile ``step``'s model (Dynamo's trace and the pieces): one warm-up of ``desc``'s size on the reset,
+    marked buffers (no real KV slot); returns its seconds, recorded by ``policy``."""
+    buffers.reset()
+    views = buffers.views(desc.num_tokens)
+    buffers.mark_token_views(views)  # the one graph every size uses, as a capture's warm-up traces it
+    began = clock()
+    with warmup_scope(platform):
+        out = step(views, CUDAGraphMode.NONE, BatchDescriptor(desc.num_tokens), may_capture=True)
+    _parallel.wait_collectives(out)
+    seconds = clock() - began
+    policy.note_compile(compile_pieces, seconds)
+    logger.info("compiled the model in %.2f s (predicted %.2f s) before capturing", seconds,
+                policy.predict_compile(compile_pieces))
+    return seconds
 
 
 def phase_totals(per: Sequence[DescriptorSeconds], seconds: float, gc_seconds: float = 0.0) -> dict[str, float]:

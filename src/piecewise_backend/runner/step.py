@@ -20,7 +20,7 @@ from ..modes import CUDAGraphMode
 from ..ubatch.wrapper import UBatchSlice, UBatchWrapper
 from .assembly import drop_graph
 from .buffers import StepBuffers
-from .static_inputs import ContextPrint, check_captured_context, context_tensors
+from .full_context import ContextPrint, check_captured_context, context_tensors
 from .ubatch_step import HalfLayout, capture_layout, half_views
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
@@ -70,7 +70,7 @@ class ModelStep:
     call's views (per half when micro-batched).
 
     On a FULL call it checks that ``context_fn`` returned the tensors the graph captured: a FULL replay
-    reads those and would silently ignore new ones (:func:`~.static_inputs.check_captured_context`).
+    reads those and would silently ignore new ones (:func:`~.full_context.check_captured_context`).
 
     ``eager_model`` (the same model, uncompiled): plain steps (mode NONE, not a warm-up or a capture,
     not micro-batched) call it instead of ``model`` until a call of ``model`` has run once, so a lazy
@@ -98,9 +98,12 @@ class ModelStep:
         self._buffers = buffers
         self._q = uniform_decode_query_len
         self._ubatch_threshold = ubatch_threshold  # None: not micro-batching
-        # context_fn's tensors at each FULL capture: a ContextPrint for a plain step, context_tensors' dict for
-        # a micro-batched one
+        # context_fn's tensors at each FULL capture: of a plain step (a ContextPrint per descriptor), of a
+        # micro-batched one (context_tensors' dict per ("ubatch", descriptor))
+        self._prints: dict[BatchDescriptor, ContextPrint] = {}
         self._captured_context: dict[tuple, Any] = {}
+        self._kind_of: Any = None  # the model _full_kind was computed for
+        self._full_kind = False  # the model is a wrapper holding plain FULL entries
 
     def __call__(
         self,
@@ -113,13 +116,13 @@ class ModelStep:
         halves: HalfLayout | None = None,
     ) -> Any:
         guard = None
-        checks = mode == _FULL and self.context_fn is not None  # what a FULL graph bakes in: checked
+        checks = mode is _FULL and self.context_fn is not None  # what a FULL graph bakes in: checked
         if halves is None:
-            attrs = dict(self.context_fn(dict(views))) if self.context_fn else {}
+            attrs = self.context_fn(dict(views)) if self.context_fn is not None else {}
             if checks:
-                guard = self._guard_step(desc, attrs, self._full_entries())
-            if context:
-                attrs.update(context)
+                guard = self._guard_step(desc, attrs)
+            if context or may_capture is not None or type(attrs) is not dict:
+                attrs = dict(attrs, **context) if context else dict(attrs)  # never context_fn's own dict
         else:
             slices, tensors = self._slices(views, mode, halves, context)
             if checks:
@@ -159,25 +162,28 @@ class ModelStep:
         return slices, tensors
 
     def _full_entries(self) -> dict | None:
-        """The FULL entries of plain (not micro-batched) steps, by descriptor."""
+        """The FULL entries of plain (not micro-batched) steps, by descriptor (the live dict: a wrapper may
+        replace it, so only the kind of the model is remembered)."""
         m = self.model
-        if isinstance(m, UBatchWrapper) or isinstance(m, CUDAGraphWrapper) and m.runtime_mode == _FULL:
-            return m.entries
-        return None
+        if m is not self._kind_of:
+            self._kind_of = m
+            full = isinstance(m, CUDAGraphWrapper) and m.runtime_mode == _FULL
+            self._full_kind = isinstance(m, UBatchWrapper) or full
+        return m.entries if self._full_kind else None
 
-    def _guard_step(self, desc: BatchDescriptor, attrs: Mapping[str, Any], entries: dict | None) -> Callable[[], Any] | None:
-        """:meth:`_guard` of a plain step: its context is checked by a :class:`~.static_inputs.ContextPrint`
+    def _guard_step(self, desc: BatchDescriptor, attrs: Mapping[str, Any]) -> Callable[[], Any] | None:
+        """:meth:`_guard` of a plain step: its context is checked by a :class:`~.full_context.ContextPrint`
         made when the graph was captured (the hot path: every FULL replay)."""
+        entries = self._full_entries()
         if entries is None:
             return None
-        key = ("step", desc)
         if desc in entries:
-            known = self._captured_context.get(key)
+            known = self._prints.get(desc)
             if known is not None:
                 known.check(attrs, desc)
             return None
         now = ContextPrint(attrs)
-        return lambda: desc in entries and self._captured_context.__setitem__(key, now)
+        return lambda: desc in entries and self._prints.__setitem__(desc, now)
 
     def _guard(
         self, key: tuple, desc: BatchDescriptor, now: dict[str, tuple], entries: dict | None
@@ -208,4 +214,5 @@ class ModelStep:
 
     def forget(self) -> None:
         """The model's graphs were all dropped: forget the context tensors they captured."""
+        self._prints.clear()
         self._captured_context.clear()

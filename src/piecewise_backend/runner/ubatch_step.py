@@ -10,17 +10,18 @@ has a half that would be empty).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
+from .batch_checks import BatchChecks
 from .buffers import StepBuffers
-from .static_inputs import check_request_rows
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
 
@@ -57,16 +58,12 @@ def split_point(
     return None
 
 
-def check_query_lens(query_lens: Any, n: int, reqs: int | None) -> list[int] | None:
-    """``query_lens`` as a list: positive ints summing to the step's tokens, one per request row."""
-    if query_lens is None:
-        return None
-    lens = list(query_lens)
-    if not lens or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in lens) or sum(lens) != n:
-        raise ValueError(f"GraphRunner.run: query_lens must be positive ints summing to the {n} tokens, got {lens}")
-    if reqs is not None and len(lens) != reqs:
-        raise ValueError(f"GraphRunner.run: {len(lens)} query_lens but the per-request inputs have {reqs} rows")
-    return lens
+def agree_step(
+    config: CompilationConfig, n: int, query_lens: list[int] | None, uniform: bool, q: int, num_reqs: int | None,
+    fit: bool, step: int,
+) -> Agreement:
+    """This rank's split of a step of ``n`` tokens (:func:`split_point`), agreed with every rank (:func:`agree`)."""
+    return agree(config, n, uniform, split_point(n, query_lens, uniform, q, num_reqs), fit, step)
 
 
 def agree(
@@ -161,19 +158,6 @@ def capture_layout(desc: BatchDescriptor, q: int, threshold: int, buffers: StepB
     return HalfLayout(halves, halves[0] // q)
 
 
-def check_half_rows(
-    buffers: StepBuffers, batch: Mapping[str, torch.Tensor], split: tuple[int, int], n: int, num_reqs: int | None
-) -> None:
-    """Under ``debug_checks``: each half's ``request_row`` values name only that half's requests."""
-    cut, first_reqs = split
-    for name in buffers.request_row:
-        t, spec = batch[name], buffers.specs[name]
-        check_request_rows(spec, t[:cut], 0, first_reqs,
-                           where=f" (micro-batch 0: tokens 0..{cut - 1}, requests 0..{first_reqs - 1})")
-        check_request_rows(spec, t[cut:], first_reqs, num_reqs, first=cut,  # type: ignore[arg-type]
-                           where=f" (micro-batch 1: tokens {cut}..{n - 1}, requests {first_reqs}..{num_reqs - 1})")
-
-
 def _place(dst: torch.Tensor, value: torch.Tensor, cut: int, starts: tuple[int, int], pad: int | float) -> None:
     """Rows ``[:cut]`` of ``value`` at row ``starts[0]`` of ``dst``, the rest at ``starts[1]``; ``pad`` elsewhere."""
     dst.fill_(pad)
@@ -228,3 +212,24 @@ def unsplit(o: Any, cut: int, n: int, halves: HalfLayout) -> Any:
     if not isinstance(o, torch.Tensor) or not o.dim() or o.shape[0] != sum(rows):
         return o
     return torch.cat([o[:cut], o[rows[0]:rows[0] + n - cut]])
+
+
+def run_halves(
+    step: Callable[..., Any], buffers: StepBuffers, checks: BatchChecks, batch: Mapping[str, torch.Tensor],
+    agreed: Agreement,
+    mode: CUDAGraphMode, desc: BatchDescriptor, n: int, num_reqs: int | None, q: int, context: dict,
+    may_capture: bool | None,
+) -> tuple[CUDAGraphMode, BatchDescriptor, Any]:
+    """The rest of a GraphRunner step that every rank micro-batches: plan it (:func:`plan`), lay its halves out
+    (:func:`layout`) and run them in one call of ``step`` (a :class:`~.step.Step`); returns the mode and
+    descriptor it ran under (``q``: the uniform decode query length) and this rank's rows of the output, in
+    token order. ``checks`` (the runner's :class:`~.batch_checks.BatchChecks`) checks each half's request
+    rows under ``debug_checks``."""
+    mode, agreed, halves = plan(agreed, mode, desc, n, q, buffers)
+    if checks.debug_checks:
+        checks.check_halves(batch, agreed.split, n, num_reqs)
+    views = layout(buffers, batch, agreed.split, halves, graph=mode == _FULL)
+    desc = desc if mode == _FULL else BatchDescriptor(sum(halves.rows))
+    out = step(views, mode, desc, context=context, may_capture=may_capture, halves=halves)
+    cut = agreed.split[0]
+    return mode, desc, tree_map(lambda o: unsplit(o, cut, n, halves), out)
