@@ -1,5 +1,7 @@
 """Serve stock Hugging Face decoder models on :mod:`piecewise_backend.serve`: adapter probe, HFEngine, SpecEngine, tiny random models."""
 
+from typing import Any
+
 from .adapter import (
     PROBE_IMPLEMENTATION,
     SERVED_LAYER_TYPES,
@@ -13,13 +15,12 @@ from .adapter import (
     probe_attention_forward,
     refusal,
 )
-from .engine import (
+from .adaptation import Mechanism, TokensFirst, adapt, kv_shape
+from .engine import HFEngine
+from .paged_attention import (
     ATTN_IMPLEMENTATION,
-    HFEngine,
-    TokensFirst,
-    adapt,
+    AdaptedAttention,
     chunked_layers,
-    kv_shape,
     paged_attention_forward,
     register_attention,
 )
@@ -27,10 +28,22 @@ from ..serve.loop import RequestOutput, StepInfo
 from ..serve.sampling import SamplingParams
 from .speculative import SpecEngine, truncated_drafter
 from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
-from ..testing.hf_models import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
+
+#: Test fixtures of :mod:`piecewise_backend.testing.hf_models`, importable from here as documented (loaded on first use).
+_FIXTURES = frozenset({"MAX_PARAMS", "TINY", "TINY_IF_SET", "tiny_random_model"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FIXTURES:
+        from ..testing import hf_models
+
+        return getattr(hf_models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "adapt",
+    "AdaptedAttention",
+    "Mechanism",
     "chunked_layers",
     "ATTN_IMPLEMENTATION",
     "HFEngine",

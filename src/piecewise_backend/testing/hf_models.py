@@ -1,5 +1,5 @@
 """Seeded tiny random-weight Hugging Face causal LMs of any model type (nothing downloaded): a test fixture,
-re-exported as ``piecewise_backend.hf.tiny_random_model``."""
+also importable as ``piecewise_backend.hf.tiny_random_model`` (a lazy alias: hf imports nothing of this module)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import copy
 from typing import Any
 
 import torch
+
+from ..hf.adapter import SERVED_LAYER_TYPES
+from ..hf.mixers import candidates
+from ..hf.transformers_lib import transformers_module
 
 
 #: Sizes of :func:`tiny_random_model`; a config gets only the fields it has (and can set).
@@ -276,8 +280,6 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
             continue
         if set(wanted) <= set(_layer_kinds(rebuilt) or ()):
             return rebuilt
-    from ..hf.adapter import SERVED_LAYER_TYPES
-
     unserved = sorted(set(wanted) - set(tiny) - SERVED_LAYER_TYPES)
     if unserved:  # served without them, the model would pass for a reason its checkpoints do not have
         raise ValueError(
@@ -301,11 +303,6 @@ def tiny_random_model(
     output barely moves the logits, so a model that dropped their state would still pass a check.
     The model uses HF's SDPA attention (eager where a model has no SDPA support) and is in eval mode.
     """
-    # imported here: piecewise_backend.hf re-exports this module's names, so a top-level import of hf would be
-    # circular when this module is imported first
-    from ..hf.adapter import transformers_module
-    from ..hf.mixers import candidates
-
     transformers = transformers_module()
     if arch not in transformers.CONFIG_MAPPING:
         raise ValueError(f"{arch!r} is not a transformers model type (the keys of transformers.CONFIG_MAPPING, e.g. 'llama')")
