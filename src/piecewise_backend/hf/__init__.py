@@ -1,5 +1,6 @@
 """Serve stock Hugging Face decoder models on :mod:`piecewise_backend.serve`: adapter probe, HFEngine, SpecEngine, tiny random models."""
 
+import functools
 from typing import Any
 
 from .adapter import (
@@ -28,17 +29,26 @@ from ..serve.loop import RequestOutput, StepInfo
 from ..serve.sampling import SamplingParams
 from .speculative import SpecEngine, truncated_drafter
 from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
+from . import mixers
 
-#: Test fixtures of :mod:`piecewise_backend.testing.hf_models`, importable from here as documented (loaded on first use).
+#: Test fixtures of :mod:`piecewise_backend.testing.hf_models`, importable from here as documented: aliases
+#: loaded on first use (testing imports nothing of hf: ``tiny_random_model`` is given what hf serves).
 _FIXTURES = frozenset({"MAX_PARAMS", "TINY", "TINY_IF_SET", "tiny_random_model"})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FIXTURES:
-        from ..testing import hf_models
+    if name not in _FIXTURES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ..testing import hf_models
 
-        return getattr(hf_models, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(hf_models, name)
+    if name == "tiny_random_model":
+        value = functools.update_wrapper(
+            functools.partial(value, served_layer_types=SERVED_LAYER_TYPES, state_layers=mixers.candidates), value
+        )
+    globals()[name] = value  # loaded once
+    return value
+
 
 __all__ = [
     "adapt",

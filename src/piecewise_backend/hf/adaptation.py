@@ -2,8 +2,8 @@
 
 A mechanism is one way of making a model servable, in its own module: it says why it cannot serve
 a model (its refusal) and installs itself, returning the undo of what it changed. :func:`adapt`
-checks the model's own refusals (:func:`.adapter.refusal`), installs the mechanisms that run before
-the probe (:data:`BEFORE_PROBE`), runs the probe forward (:func:`.adapter.probe`: a frozen
+checks the refusals of the mechanisms that run before the probe (:data:`BEFORE_PROBE`; the model's
+own, :func:`.adapter.refusal`, among them), installs them, runs the probe forward (:func:`.adapter.probe`: a frozen
 :class:`.probe_result.ProbeResult`), then the mechanisms that read it (:data:`AFTER_PROBE`), all in
 one rollback: any exception undoes every install so far and leaves the model as it was.
 docs/engine.md ("Adding a model family") goes from a refusal's text to its mechanism.
@@ -20,7 +20,7 @@ import torch
 from ..serve.model_runner import own_code
 from ..state.cache import StateSpec
 from . import attention_swaps, host_breaks, indexed, mixers, paged_attention, position_swaps, self_assignments
-from .adapter import EXPERTS, probe, refusal
+from .adapter import EXPERTS, SERVED_LAYERS, probe
 from .call_sites import CallSites
 from .patching import Changes, Undo
 from .probe_result import ProbeResult
@@ -37,7 +37,7 @@ class Mechanism(Protocol):
     #: a short name (docs/engine.md's table)
     name: str
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         """Why this mechanism cannot serve ``model`` (the message ``adapt`` raises as ``ValueError``), or None."""
         ...
 
@@ -48,7 +48,9 @@ class Mechanism(Protocol):
 
 
 #: Installed before the probe, in this order (their refusals are checked first, before anything changes).
-BEFORE_PROBE: tuple[Mechanism, ...] = (EXPERTS, attention_swaps.MECHANISM, position_swaps.MECHANISM, indexed.MECHANISM)
+BEFORE_PROBE: tuple[Mechanism, ...] = (
+    EXPERTS, attention_swaps.MECHANISM, SERVED_LAYERS, position_swaps.MECHANISM, indexed.MECHANISM,
+)
 #: Installed after the probe, in this order, each after its refusal.
 AFTER_PROBE: tuple[Mechanism, ...] = (
     host_breaks.MECHANISM, paged_attention.MECHANISM, self_assignments.MECHANISM, mixers.MECHANISM,
@@ -100,8 +102,8 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
         raise ValueError(f"{name} is not a decoder-only causal LM; adapt() serves those only")
-    for check in (*(lambda m=m: m.refusal(model, None) for m in BEFORE_PROBE), lambda: refusal(model)):
-        reason = check()  # in order, the first one refuses: nothing has changed yet
+    for mechanism in BEFORE_PROBE:  # in order, the first refusal raises: nothing has changed yet
+        reason = mechanism.refusal_of(model, None)
         if reason is not None:
             raise ValueError(reason)
     with rollback(model) as changes:
@@ -109,7 +111,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
             changes.then(mechanism.install(model, None))
         probed = probe_forward(model)
         for mechanism in AFTER_PROBE:
-            reason = mechanism.refusal(model, probed)
+            reason = mechanism.refusal_of(model, probed)
             if reason is not None:
                 raise ValueError(reason)
             changes.then(mechanism.install(model, probed))

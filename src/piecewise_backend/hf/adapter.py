@@ -374,7 +374,7 @@ class GraphSafeExperts:
 
     name = "graph-safe experts"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         return None
 
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Undo:
@@ -387,3 +387,19 @@ class GraphSafeExperts:
 
 
 EXPERTS = GraphSafeExperts()
+
+
+class ServedLayers:
+    """The model's own refusals (:func:`refusal`: its layer types and state-keeping modules are ones some
+    mechanism serves); it changes nothing."""
+
+    name = "served layers"
+
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+        return refusal(model)
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Undo:
+        return Changes().undo
+
+
+SERVED_LAYERS = ServedLayers()

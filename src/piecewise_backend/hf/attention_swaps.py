@@ -256,7 +256,7 @@ class AttentionSwaps:
 
     name = "attention swaps"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         if model._can_set_attn_implementation() or swappable(model):
             return None
         return unswappable_reason(model, ATTN_IMPLEMENTATION)

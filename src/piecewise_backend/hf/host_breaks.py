@@ -274,7 +274,7 @@ class HostBreaks:
 
     name = "host breaks"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         assert probed is not None, "host breaks are installed after the probe"
         return None if probed.layers else host_read_refusal(type(model).__name__, probed)
 

@@ -190,7 +190,7 @@ class Indexers:
 
     name = "indexers"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         return None  # said by the adapter's refusal, where the layer types name indexed attention
 
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:

@@ -270,17 +270,23 @@ def _layer_of(path: str, module: torch.nn.Module) -> int | None:
 
 def candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     """``(layer, module)`` of every module whose forward calls a served kernel or that :data:`~.state_swaps.SWAPS` swaps."""
+    return [(layer, m) for layer, m, _ in _candidates(model)]
+
+
+def _candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, Swap | None]]:
+    """:func:`candidates`, each with its swap (None: its kernels are bound)."""
     out = []
     for path, m in model.named_modules():
-        if swapped(m) is not None:
+        swap = swapped(m)
+        if swap is not None:
             layer = _layer_of(path, m)
             if layer is None:
                 raise ValueError(f"{type(m).__name__} at {path} has no layer_idx and sits in no layers.N: its states cannot be keyed")
-            out.append((layer, m))
+            out.append((layer, m, swap))
             continue
         layer = getattr(m, "layer_idx", None)
         if isinstance(layer, int) and kernels_called(m) & SERVED_KERNELS.keys():
-            out.append((layer, m))
+            out.append((layer, m, None))
     return out
 
 
@@ -288,20 +294,24 @@ def candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 def recording(model: torch.nn.Module) -> Iterator[_Recorder]:
     """Within: ``model``'s state layers record their kernel calls (the probe's); restored after."""
     rec = _Recorder()
-    changes = Changes()  # a forward routed by an earlier adapt comes back after the probe
+    found = _candidates(model)
+    routed = [m.__dict__.get("forward") for _, m, _ in found]  # a forward an earlier adapt routed: back after
     try:
-        for layer, m in candidates(model):
+        for layer, m, swap in found:
             state_layer = rec.layers.setdefault(layer, StateLayer(m, layer))
-            swap = swapped(m)
             if swap is not None:
-                changes.set(m, "forward", _bind_swap(m, swap, rec.swap_kernels(state_layer, swap)))
-                continue
-            fn = raw_forward(m)
-            original = {n: fn.__globals__[n] for n in SERVED_KERNELS if n in fn.__globals__}
-            changes.set(m, "forward", _bind(m, rec.kernels(state_layer, original)))
+                m.forward = _bind_swap(m, swap, rec.swap_kernels(state_layer, swap))
+            else:
+                fn = raw_forward(m)
+                original = {n: fn.__globals__[n] for n in SERVED_KERNELS if n in fn.__globals__}
+                m.forward = _bind(m, rec.kernels(state_layer, original))
         yield rec
     finally:
-        changes.undo()
+        for (_, m, _), forward in zip(found, routed):
+            if forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = forward
 
 
 def _conv_kernel(state: int) -> Callable[..., Any]:
@@ -430,7 +440,7 @@ class StateKernels:
 
     name = "state kernels"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         return None
 
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:

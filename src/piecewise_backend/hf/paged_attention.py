@@ -92,7 +92,7 @@ class PagedAttention:
 
     name = "paged attention"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         assert probed is not None, "the paged attention is installed after the probe"
         return layout_refusal(type(model).__name__, probed, host_reads=False)  # host reads: .host_breaks's
 

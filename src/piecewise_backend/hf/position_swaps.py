@@ -111,7 +111,7 @@ class PositionSwaps:
 
     name = "position swaps"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         return None
 
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:

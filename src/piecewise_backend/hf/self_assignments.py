@@ -78,7 +78,7 @@ class SelfAssignments:
 
     name = "self-assignments"
 
-    def refusal(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
         return None
 
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
