@@ -1,6 +1,7 @@
 """Serve stock Hugging Face decoder models on :mod:`piecewise_backend.serve`: adapter probe, HFEngine, SpecEngine, tiny random models."""
 
 import functools
+import inspect
 from typing import Any
 
 from .adapter import (
@@ -42,10 +43,13 @@ def __getattr__(name: str) -> Any:
     from ..testing import hf_models
 
     value = getattr(hf_models, name)
-    if name == "tiny_random_model":
-        value = functools.update_wrapper(
-            functools.partial(value, served_layer_types=SERVED_LAYER_TYPES, state_layers=mixers.candidates), value
-        )
+    if name == "tiny_random_model":  # the fixture, given what hf serves; its signature the documented one
+        given = {"served_layer_types": SERVED_LAYER_TYPES, "state_layers": mixers.candidates}
+        fixture = functools.update_wrapper(functools.partial(value, **given), value)
+        del fixture.__wrapped__
+        signature = inspect.signature(value)
+        fixture.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values() if p.name not in given])
+        value = fixture
     globals()[name] = value  # loaded once
     return value
 

@@ -25,7 +25,7 @@ from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
 from . import attention_swaps, indexed, mixers
 from .call_sites import CallSites
-from .patching import Changes, Undo
+from .patching import Changes, RefusesNothing, Undo
 from .probe_result import LayerLayout, ProbeResult, layout_refusal  # noqa: F401  (documented here: hf.layout_refusal)
 from .self_assignments import recording_self_assignments, self_assigned
 from .transformers_lib import transformers_module
@@ -369,13 +369,10 @@ def graph_safe_experts(model: torch.nn.Module) -> str | None:
     return chosen
 
 
-class GraphSafeExperts:
+class GraphSafeExperts(RefusesNothing):
     """The mechanism that switches mixture-of-experts layers to a sync-free implementation (:func:`graph_safe_experts`)."""
 
     name = "graph-safe experts"
-
-    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
-        return None
 
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Undo:
         changes = Changes()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .adapted_state import SLOPES_BUFFER
 from .paged_attention import ATTN_IMPLEMENTATION
-from .patching import Changes, Swap, class_key, lookup
+from .patching import Changes, Swap, class_key, lookup, recorded
 
 if TYPE_CHECKING:
     from .probe_result import ProbeResult
@@ -262,9 +262,7 @@ class AttentionSwaps:
         return unswappable_reason(model, ATTN_IMPLEMENTATION)
 
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
-        changes = Changes()
-        swap(model, ATTN_IMPLEMENTATION, changes)
-        return changes.undo
+        return recorded(swap, model, ATTN_IMPLEMENTATION)
 
 
 MECHANISM = AttentionSwaps()

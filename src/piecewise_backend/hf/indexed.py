@@ -29,7 +29,7 @@ import torch
 
 from ..kv import indexed as _ops  # noqa: F401  (registers pb_kv::indexer_topk and pb_kv::indexed_attention)
 from .adapted_state import ADAPTED_ATTR
-from .patching import Changes
+from .patching import Changes, RefusesNothing, recorded
 
 if TYPE_CHECKING:
     from .probe_result import ProbeResult
@@ -184,19 +184,15 @@ def route(model: torch.nn.Module, changes: Changes | None = None) -> int:
     return index_dim(model)
 
 
-class Indexers:
+class Indexers(RefusesNothing):
     """The mechanism that routes DSA indexers onto ``pb_kv::indexer_topk`` (:data:`INDEXERS`; each indexer's
-    cache layer comes with the paged attention's records, after the probe)."""
+    cache layer comes with the paged attention's records, after the probe). Its refusal is the adapter's,
+    where the layer types name indexed attention (:func:`layer_types_refusal`)."""
 
     name = "indexers"
 
-    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
-        return None  # said by the adapter's refusal, where the layer types name indexed attention
-
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
-        changes = Changes()
-        route(model, changes)
-        return changes.undo
+        return recorded(route, model)
 
 
 MECHANISM = Indexers()

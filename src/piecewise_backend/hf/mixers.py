@@ -38,7 +38,7 @@ from ..state import selective as _selective  # noqa: F401  (registers pb_state::
 from ..state import ssd as _ssd  # noqa: F401  (registers pb_state::ssd_scan)
 from ..state.cache import StateSpec
 from ..state.conv import ACTIVATIONS
-from .patching import Changes, Swap, lookup
+from .patching import Changes, RefusesNothing, Swap, lookup
 from .state_swaps import KINDS, REGISTRY, SWAPS, Kernels  # noqa: F401  (SWAPS: documented here too)
 
 if TYPE_CHECKING:
@@ -433,18 +433,14 @@ def specs(layers: dict[int, StateLayer]) -> list[StateSpec]:
     return [s for layer in sorted(layers) for s in layers[layer].specs()]
 
 
-class StateKernels:
+class StateKernels(RefusesNothing):
     """The mechanism that routes the probed state layers' kernels to the ``pb_state`` ops, one state per
     ``(layer, kind)`` in :func:`specs` order (each layer's own refusals: :meth:`StateLayer.refusal`, said by
     :func:`~.probe_result.layout_refusal`)."""
 
     name = "state kernels"
 
-    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
-        return None
-
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
-        assert probed is not None, "state kernels are routed after the probe"
         changes = Changes()
         keys = [(s.layer, s.kind) for s in specs(probed.state_layers)]
         route(probed.state_layers, lambda layer, kind: keys.index((layer, kind)), changes)

@@ -104,7 +104,7 @@ class PagedAttention:
         for layer, layout in probed.layers.items():
             changes.set(layout.module, ADAPTED_ATTR, AdaptedAttention(
                 probed.head_dim, cache_kv // layout.kv_heads, kv_layers[layer], chunked.get(layout.layer, 0), sites,
-                alibi=SLOPES_BUFFER in layout.module._buffers,
+                alibi=getattr(layout.module, SLOPES_BUFFER, None) is not None,
             ))
         for _, indexer in indexers(model):
             changes.set(indexer, ADAPTED_ATTR, AdaptedAttention(probed.head_dim, kv_layer=kv_layers[indexer.layer_idx]))

@@ -125,3 +125,18 @@ class Changes:
     def undo(self) -> None:
         while self._undos:
             self._undos.pop()()
+
+
+def recorded(change: Callable[..., Any], *args: Any) -> Undo:
+    """Run ``change(*args, changes)`` with a fresh journal; returns its undo (a mechanism's install in one line)."""
+    changes = Changes()
+    change(*args, changes)
+    return changes.undo
+
+
+class RefusesNothing:
+    """The base of a mechanism that serves every model it applies to: its ``refusal_of`` is None (the
+    protocol: :class:`~.adaptation.Mechanism`)."""
+
+    def refusal_of(self, model: torch.nn.Module, probed: Any) -> str | None:
+        return None

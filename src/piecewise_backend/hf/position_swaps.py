@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .patching import Changes, Swap, class_key
+from .patching import Changes, RefusesNothing, Swap, class_key, recorded
 
 if TYPE_CHECKING:
     from .probe_result import ProbeResult
@@ -106,18 +106,13 @@ def swap(model: torch.nn.Module, changes: Changes) -> list[torch.nn.Module]:
     return found
 
 
-class PositionSwaps:
+class PositionSwaps(RefusesNothing):
     """The mechanism that points positional embeddings taking no ``position_ids`` at the model call's (:data:`SWAPS`)."""
 
     name = "position swaps"
 
-    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
-        return None
-
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
-        changes = Changes()
-        swap(model, changes)
-        return changes.undo
+        return recorded(swap, model)
 
 
 MECHANISM = PositionSwaps()

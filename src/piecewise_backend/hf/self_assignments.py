@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .patching import Changes
+from .patching import Changes, RefusesNothing, recorded
 
 if TYPE_CHECKING:
     from .probe_result import ProbeResult
@@ -72,20 +72,14 @@ def drop_self_assignments(pairs: list[tuple[torch.nn.Module, str]] | tuple[tuple
         }))
 
 
-class SelfAssignments:
+class SelfAssignments(RefusesNothing):
     """The mechanism that drops the probed self-assignments of buffers while compiling (Dynamo would end a
     graph at each: ctrl's ``pos_encoding``)."""
 
     name = "self-assignments"
 
-    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
-        return None
-
     def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
-        assert probed is not None, "self-assignments are dropped after the probe"
-        changes = Changes()
-        drop_self_assignments(probed.self_assigned, changes)
-        return changes.undo
+        return recorded(drop_self_assignments, probed.self_assigned)
 
 
 MECHANISM = SelfAssignments()
