@@ -1,9 +1,5 @@
 """Serve stock Hugging Face decoder models on :mod:`piecewise_backend.serve`: adapter probe, HFEngine, SpecEngine, tiny random models."""
 
-import functools
-import inspect
-from typing import Any
-
 from .adapter import (
     PROBE_IMPLEMENTATION,
     SERVED_LAYER_TYPES,
@@ -30,29 +26,7 @@ from ..serve.loop import RequestOutput, StepInfo
 from ..serve.sampling import SamplingParams
 from .speculative import SpecEngine, truncated_drafter
 from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
-from . import mixers
-
-#: Test fixtures of :mod:`piecewise_backend.testing.hf_models`, importable from here as documented: aliases
-#: loaded on first use (testing imports nothing of hf: ``tiny_random_model`` is given what hf serves).
-_FIXTURES = frozenset({"MAX_PARAMS", "TINY", "TINY_IF_SET", "tiny_random_model"})
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _FIXTURES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ..testing import hf_models
-
-    value = getattr(hf_models, name)
-    if name == "tiny_random_model":  # the fixture, given what hf serves; its signature the documented one
-        given = {"served_layer_types": SERVED_LAYER_TYPES, "state_layers": mixers.candidates}
-        fixture = functools.update_wrapper(functools.partial(value, **given), value)
-        del fixture.__wrapped__
-        signature = inspect.signature(value)
-        fixture.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values() if p.name not in given])
-        value = fixture
-    globals()[name] = value  # loaded once
-    return value
-
+from .fixture_aliases import __getattr__  # noqa: F401  (hf.tiny_random_model, hf.TINY, ...: loaded on first use)
 
 __all__ = [
     "adapt",
