@@ -82,7 +82,7 @@ def test_a_refused_swapped_model_gets_its_own_attention_back(monkeypatch):
     ids = torch.arange(3, 10)[None]
     with torch.no_grad():
         before = model(ids).logits
-    monkeypatch.setattr(hf.engine, "layout_refusal", lambda name, result: f"{name}: refused for the test")
+    monkeypatch.setattr(hf.paged_attention, "layout_refusal", lambda name, result, **kw: f"{name}: refused for the test")
     with pytest.raises(ValueError, match="BloomForCausalLM: refused for the test"):
         hf.adapt(model)
     assert all("forward" not in m.__dict__ and not hasattr(m, attention_swaps.SLOPES_BUFFER)

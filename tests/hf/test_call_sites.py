@@ -121,7 +121,7 @@ def test_a_probe_keys_the_layers_by_call_site_and_adapt_points_each_module_at_th
     assert [l.layer for l in result.sites] == [0, 0, 1, 1]
     adapted = hf.adapt(model)
     assert len(adapted.call_sites) == 4 and adapted.kv_shape[0] == 4
-    assert all(layer.self_attn.pb_call_sites is adapted.call_sites for layer in model.model.layers)
+    assert all(layer.self_attn.pb_adapted.call_sites is adapted.call_sites for layer in model.model.layers)
     plain = hf.probe(hf.tiny_random_model("llama"))
     assert not plain.call_sites and plain.call_site_modules() is None and sorted(plain.layers) == [0, 1]
 

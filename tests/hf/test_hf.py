@@ -102,7 +102,7 @@ def test_probe_finds_host_reads_of_moe_routing_and_adapt_switches_them_off():
     assert any(r.startswith("Tensor.tolist in ") and "experts" in r for r in hf_adapt.probe(model).host_reads)
     adapted = hf.adapt(model)
     assert model.config._experts_implementation == "batched_mm"
-    assert hf_adapt.probe(model).host_reads == []
+    assert hf_adapt.probe(model).host_reads == ()
     assert adapted.kv_shape == (2, 2, 16)
 
 
@@ -182,15 +182,14 @@ def _probe_one_layer(*args, **kwargs) -> hf_adapt.ProbeResult:
     module = torch.nn.Module()
     module.layer_idx = 0
     q = torch.zeros(1, 4, 3, 16)
-    result = hf_adapt.ProbeResult({}, [])
-    hf_adapt._RECORD.append(result)
+    record = hf_adapt._Recording()
+    token = hf_adapt._RECORDING.set(record)
     try:
         out, _ = hf_adapt.probe_attention_forward(module, q, q[:, :2], q[:, :2, :, :8], *args, **kwargs)
     finally:
-        hf_adapt._RECORD.pop()
+        hf_adapt._RECORDING.reset(token)
     assert out.shape == (1, 3, 4, 8)  # (batch, tokens, heads, v's head dim)
-    result.compare_masks()
-    return result
+    return hf_adapt._result(module, 3, False, record, hf_adapt._Recording(), {}, [])
 
 
 def test_probe_refuses_attention_inputs_the_paged_attention_would_ignore():

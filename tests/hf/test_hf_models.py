@@ -252,9 +252,10 @@ def test_engine_refuses_a_model_with_state_it_cannot_hold_up_front(monkeypatch):
     """A state layer computing its state inline, without a forward of ours (hf/state_swaps.py): MiniMax's lightning
     attention with its swap taken away."""
     from piecewise_backend import hf
-    from piecewise_backend.hf import mixers
+    from piecewise_backend.hf import state_swaps
 
-    monkeypatch.delitem(mixers.SWAPS, "MiniMaxLightningAttention")
+    monkeypatch.delitem(state_swaps.REGISTRY, "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention")
+    assert "MiniMaxLightningAttention" not in state_swaps.SWAPS  # the documented view by class name reads the registry
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2])
     with pytest.raises(ValueError, match=r"MiniMaxForCausalLM keeps recurrent or convolution state .* in its own code \(MiniMaxLightningAttention"):
         hf.HFEngine(hf.tiny_random_model("minimax"), config, max_model_len=24)

@@ -134,7 +134,7 @@ def test_adapt_routes_each_state_layer_to_the_ops_by_what_it_calls():
         (0, "recurrent", (text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim)),
     ]
     assert adapted.kv_shape[0] == 1  # one attention layer (layer 1), at cache index 0
-    assert model.model.layers[1].self_attn.pb_kv_layer == 0
+    assert model.model.layers[1].self_attn.pb_adapted.kv_layer == 0
     assert "forward" in vars(model.model.layers[0].linear_attn)  # its own code, its kernels bound to the ops
     assert "forward" not in vars(copy.deepcopy(hf.tiny_random_model("qwen3_next")).model.layers[0].linear_attn)
 
@@ -142,7 +142,7 @@ def test_adapt_routes_each_state_layer_to_the_ops_by_what_it_calls():
 def test_llama4_chunked_layers_and_its_temperature_bound():
     model = hf.tiny_random_model("llama4_text")
     hf.adapt(model)
-    assert [layer.self_attn.pb_chunk_size for layer in model.model.layers] == [8, 0]
+    assert [layer.self_attn.pb_adapted.chunk_size for layer in model.model.layers] == [8, 0]
     model = hf.tiny_random_model("llama4_text")
     model.config.floor_scale = 20
     with pytest.raises(ValueError, match=r"tunes attention temperature from row indices \(floor_scale=20\)"):

@@ -68,10 +68,10 @@ def test_without_the_swap_the_tokens_change_and_adapt_refuses(monkeypatch):
     """The control: the decoder's own positions (an arange over the tokens-first row) change the tokens."""
     model = tiny("bart")
     reference = copy.deepcopy(model)
-    monkeypatch.setattr(position_swaps, "SWAPPED", frozenset())
+    monkeypatch.setattr(position_swaps, "SWAPS", {})
     with pytest.raises(ValueError, match=r"BartForCausalLM ignores position_ids"):
         hf.adapt(copy.deepcopy(model))
-    monkeypatch.setattr(hf.engine, "layout_refusal", lambda name, result: None)  # served anyway: wrongly
+    monkeypatch.setattr(hf.paged_attention, "layout_refusal", lambda name, result, **kw: None)  # served anyway: wrongly
     prompts, budgets, outputs, _ = serve(model)
     assert check(reference, prompts, outputs, budgets) != []
 
@@ -83,7 +83,7 @@ def test_a_refused_model_gets_its_own_positions_back(monkeypatch, arch, fields):
     ids = torch.arange(3, 10)[None]
     with torch.no_grad():
         before = model(ids).logits
-    monkeypatch.setattr(hf.engine, "layout_refusal", lambda name, result: f"{name}: refused for the test")
+    monkeypatch.setattr(hf.paged_attention, "layout_refusal", lambda name, result, **kw: f"{name}: refused for the test")
     with pytest.raises(ValueError, match=f"{name}: refused for the test"):
         hf.adapt(model)
     assert not model._forward_pre_hooks and not model._forward_hooks

@@ -13,13 +13,12 @@ from .adapter import (
     probe_attention_forward,
     refusal,
 )
-from .engine import (
+from .adaptation import Mechanism, TokensFirst, adapt, kv_shape
+from .engine import HFEngine
+from .paged_attention import (
     ATTN_IMPLEMENTATION,
-    HFEngine,
-    TokensFirst,
-    adapt,
+    AdaptedAttention,
     chunked_layers,
-    kv_shape,
     paged_attention_forward,
     register_attention,
 )
@@ -27,10 +26,12 @@ from ..serve.loop import RequestOutput, StepInfo
 from ..serve.sampling import SamplingParams
 from .speculative import SpecEngine, truncated_drafter
 from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
-from ..testing.hf_models import MAX_PARAMS, TINY, TINY_IF_SET, tiny_random_model
+from .fixture_aliases import __getattr__  # noqa: F401  (hf.tiny_random_model, hf.TINY, ...: loaded on first use)
 
 __all__ = [
     "adapt",
+    "AdaptedAttention",
+    "Mechanism",
     "chunked_layers",
     "ATTN_IMPLEMENTATION",
     "HFEngine",

@@ -9,8 +9,12 @@ device-to-host reads (``nonzero``, ``.item()``, boolean-mask indexing) that no g
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import re
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,8 +24,11 @@ from torch.utils.module_tracker import ModuleTracker
 from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
 from . import attention_swaps, indexed, mixers
-from .buffers import recording_self_assignments, self_assigned
 from .call_sites import CallSites
+from .patching import Changes, RefusesNothing, Undo
+from .probe_result import LayerLayout, ProbeResult, layout_refusal  # noqa: F401  (documented here: hf.layout_refusal)
+from .self_assignments import recording_self_assignments, self_assigned
+from .transformers_lib import transformers_module
 
 PROBE_IMPLEMENTATION = "pb_probe"
 #: ``layer_types`` / ``layers_block_type`` entries served (others are refused): attention by the paged
@@ -45,85 +52,6 @@ UNSERVED_LAYER_TYPES = {
 _STATEFUL = re.compile(r"Mamba|ShortConv|GatedDeltaNet|LinearAttention|Lightning|Recurrent|Rwkv|SSM|Mixer\b")
 
 
-def transformers_module() -> Any:
-    """``transformers``, imported on first use (the adapter is an optional extra), or a clear ImportError."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError("piecewise_backend.hf needs transformers: pip install 'piecewise_backend[hf]'") from e
-    return transformers
-
-
-@dataclasses.dataclass
-class LayerLayout:
-    """What one attention layer passed to the attention interface in the probe."""
-
-    module: torch.nn.Module
-    q_heads: int
-    kv_heads: int
-    k_dim: int
-    v_dim: int
-    calls: int = 1
-    causal: bool = True  # neither the module nor the call says is_causal=False
-    extra: tuple[str, ...] = ()  # keyword arguments the paged attention would ignore
-    mask: str | None = None  # how an attention mask the model built differs from the causal one
-    layer: Any = None  # the module's ``layer_idx`` (None or -1 for a shared block)
-
-
-@dataclasses.dataclass
-class ProbeResult:
-    #: the attention layers by ``layer_idx``, or by call site (see :mod:`.call_sites`) where ``call_sites``
-    layers: dict[int, LayerLayout]
-    host_reads: list[str]  # "aten.nonzero in model.layers.0.mlp.experts", first seen first
-    host_read_modules: list[str] = dataclasses.field(default_factory=list)  # the innermost module of each, as named there
-    masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)  # by call site
-    qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)  # by call site
-    #: every attention call of the forward, in call order (one layout per call)
-    sites: list[LayerLayout] = dataclasses.field(default_factory=list)
-    #: the cache holds one K/V per call site, not per layer (a module called twice, shared or unindexed)
-    call_sites: bool = False
-    ignores_positions: bool = False  # q/k differ along the row for one token at one position_id
-    #: attention modules that called the interface without a ``layer_idx`` of their own, first seen first
-    unindexed: list[torch.nn.Module] = dataclasses.field(default_factory=list)
-    #: buffers the forward assigns back to themselves, as ``(module, name)`` (see :mod:`.buffers`)
-    self_assigned: list[tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
-    #: layers whose state kernels are routed to the pb_state ops, by layer index (see :mod:`.mixers`)
-    state_layers: dict[int, mixers.StateLayer] = dataclasses.field(default_factory=dict)
-
-    def compare_masks(self) -> None:
-        """Set each layer's ``mask`` to how the mask the model built differs from the causal one (None: it does not)."""
-        for site, (mask, tokens, window) in self.masks.items():
-            self.sites[site].mask = _mask_difference(mask, tokens, window)
-        self.masks.clear()
-
-    def use_call_sites(self) -> None:
-        """Key ``layers`` by call site where the layers' modules do not name one K/V history each
-        (:meth:`.CallSites.needed`)."""
-        if self.sites and CallSites.needed([(l.module, l.layer) for l in self.sites]):
-            self.layers = dict(enumerate(self.sites))
-            self.call_sites = True
-
-    def call_site_modules(self) -> CallSites | None:
-        """The :class:`.CallSites` of the probed forward where the cache holds call sites, else None."""
-        return CallSites([l.module for l in self.sites]) if self.call_sites else None
-
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(attention layers, kv_heads, head_dim) of one cache that holds every attention layer (head dims
-        padded to the widest); ``(0, 1, 1)`` for a model without attention."""
-        if not self.layers:
-            return 0, 1, 1
-        return len(self.layers), max(l.kv_heads for l in self.layers.values()), self.head_dim
-
-    def kv_layers(self) -> dict[int, int]:
-        """Each attention layer's index in the cache (the cache holds attention layers only)."""
-        return {layer: i for i, layer in enumerate(sorted(self.layers))}
-
-    @property
-    def head_dim(self) -> int:
-        return max((max(l.k_dim, l.v_dim) for l in self.layers.values()), default=1)
-
-
-_RECORD: list[ProbeResult] = []
 #: Attention-interface keyword arguments the paged attention honours or that do not change its result.
 UNDERSTOOD_KWARGS = frozenset({
     "attention_mask", "dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal", "position_ids",
@@ -148,36 +76,80 @@ def _mask_difference(mask: Any, tokens: int, window: int | None) -> str | None:
     return "not the causal mask (bidirectional or custom masking)"
 
 
+@dataclasses.dataclass
+class _Recording:
+    """What one probe forward's attention calls and host reads leave, while it runs (a :class:`ProbeResult` after)."""
+
+    layers: dict[int, LayerLayout] = dataclasses.field(default_factory=dict)
+    host_reads: list[str] = dataclasses.field(default_factory=list)
+    host_read_modules: list[str] = dataclasses.field(default_factory=list)
+    masks: dict[int, tuple[torch.Tensor, int, int | None]] = dataclasses.field(default_factory=dict)  # by call site
+    qk: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)  # by call site
+    sites: list[LayerLayout] = dataclasses.field(default_factory=list)
+    calls: dict[int, int] = dataclasses.field(default_factory=dict)  # by layer: how often its module called
+    unindexed: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+
+
+#: The recording of the probe forward in progress (None outside one): read by :func:`probe_attention_forward`.
+_RECORDING: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("pb_probe_recording", default=None)
+
+
 def probe_attention_forward(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface entry of the probe: records the layer's layout, returns zeros of the output's shape."""
-    result = _RECORD[-1]
+    record = _RECORDING.get()
+    if record is None:
+        raise RuntimeError(f"the {PROBE_IMPLEMENTATION} attention records the adapter's probe only; no probe is running")
     layer = getattr(module, "layer_idx", None)
-    site = len(result.sites)
-    result.qk[site] = (query.detach().clone(), key.detach().clone())
+    site = len(record.sites)
+    record.qk[site] = (query.detach().clone(), key.detach().clone())
     extra = tuple(sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in UNDERSTOOD_KWARGS))
     mask = args[0] if args else kwargs.get("attention_mask")
     causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
     layout = LayerLayout(
         module, query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], causal=causal, extra=extra, layer=layer
     )
-    result.sites.append(layout)
+    record.sites.append(layout)
     if isinstance(mask, torch.Tensor):  # compared after the forward: reading it here would count as a host read
-        result.masks[site] = (mask.detach().clone(), query.shape[2], kwargs.get("sliding_window"))
+        record.masks[site] = (mask.detach().clone(), query.shape[2], kwargs.get("sliding_window"))
     if not isinstance(layer, int) or layer < 0:
-        result.unindexed.append(module)
-    elif layer in result.layers:
-        result.layers[layer].calls += 1
+        record.unindexed.append(module)
+    elif layer in record.layers:
+        record.calls[layer] += 1
     else:
-        result.layers[layer] = layout
+        record.layers[layer] = layout
+        record.calls[layer] = 1
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+@contextlib.contextmanager
+def _as_compiled() -> Iterator[None]:
+    """Within: transformers' modules see ``is_torchdynamo_compiling()`` true, as they will under Dynamo (the
+    name each loaded ``transformers`` module holds, swapped back after); torch itself is left alone."""
+    from transformers.utils import import_utils
+
+    original = import_utils.is_torchdynamo_compiling
+    holders = [m for name, m in list(sys.modules.items())
+               if (name == "transformers" or name.startswith("transformers.")) and m is not None
+               and getattr(m, "__dict__", {}).get("is_torchdynamo_compiling") is original]
+    try:
+        for m in holders:
+            m.__dict__["is_torchdynamo_compiling"] = _compiling
+        yield
+    finally:
+        for m in holders:
+            m.__dict__["is_torchdynamo_compiling"] = original
+
+
+def _compiling() -> bool:
+    return True
 
 
 class _HostReads(TorchDispatchMode):
     """Notes each op that makes the host wait for device data, with the module it ran in."""
 
-    def __init__(self, tracker: ModuleTracker, result: ProbeResult):
+    def __init__(self, tracker: ModuleTracker, result: _Recording):
         super().__init__()
         self.tracker, self.result = tracker, result
 
@@ -200,19 +172,18 @@ class _HostReads(TorchDispatchMode):
 def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     """Eager forwards of ``tokens`` tokens (one request; then one token repeated at one position) with
     the recording attention; restores the model's attention."""
-    transformers = __import__("transformers")
+    transformers = transformers_module()
     transformers.AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention_forward)
     previous = model.config._attn_implementation
-    result = ProbeResult({}, [])
-    same = ProbeResult({}, result.host_reads, result.host_read_modules)
+    record = _Recording()
+    same = _Recording(host_reads=record.host_reads, host_read_modules=record.host_read_modules)
     param = next(model.parameters())
     vocab = model.config.get_text_config().vocab_size
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
     settable = model._can_set_attn_implementation()  # else its attention modules are swapped (attention_swaps)
     if settable:
         model.set_attn_implementation(PROBE_IMPLEMENTATION)
-    _RECORD.append(result)
-    is_compiling = torch.compiler.is_compiling
+    recording = _RECORDING.set(record)
     # ModuleTracker's hooks assert on a view of a grad-requiring parameter taken under no_grad (dbrx's
     # experts slice their weights in the forward): the probe runs with the parameters' grads off.
     grads = [p for p in model.parameters() if p.requires_grad]
@@ -221,8 +192,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     try:
         # HF takes other branches under torch.compile (eager-only input checks skipped, MoE fallbacks):
         # the probe follows the ones Dynamo will trace.
-        torch.compiler.is_compiling = lambda: True
-        with torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, result) as reads, \
+        with _as_compiled(), torch.no_grad(), ModuleTracker() as tracker, _HostReads(tracker, record) as reads, \
                 sim_rules.watching_host_reads(reads), mixers.recording(model) as states, \
                 recording_self_assignments() as assigned, attention_swaps.using(model, PROBE_IMPLEMENTATION):
             positions = torch.arange(tokens, device=param.device)[None]
@@ -230,30 +200,44 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
             # One token repeated at one position: every row's q/k must be equal (attention gives zeros here),
             # unless the model takes positions from the row index instead of position_ids. State layers
             # run each row as its own request here, as the engine would.
-            _RECORD[-1] = same
+            _RECORDING.set(same)
             states.rows_independent = True
             model(input_ids=ids[:, :1].expand(1, tokens), position_ids=torch.zeros_like(positions), use_cache=False)
     finally:
         for p in grads:
             p.requires_grad_(True)
-        torch.compiler.is_compiling = is_compiling
-        _RECORD.pop()
+        _RECORDING.reset(recording)
         if settable:
             model.set_attn_implementation(previous)
-    result.compare_masks()
-    if settable and any(not l.causal for l in result.sites) and causal_in_effect(model, tokens + 1):
-        for layout in result.sites:  # causal through the mask the model builds (bigbird_pegasus's decoder)
-            layout.causal = True
-    result.use_call_sites()
-    result.state_layers = {i: l for i, l in states.layers.items() if l.calls}
-    result.self_assigned = self_assigned(assigned)
+    return _result(model, tokens, settable, record, same, states.layers, self_assigned(assigned))
+
+
+def _result(model: torch.nn.Module, tokens: int, settable: bool, record: _Recording, same: _Recording,
+            state_layers: dict[int, mixers.StateLayer], assigned: list[tuple[torch.nn.Module, str]]) -> ProbeResult:
+    """The frozen :class:`ProbeResult` of a probe's two recordings."""
+    # masks compared after the forward: each call's mask, against the causal (sliding) one; a layer's
+    # layout is its first call's, with the count of its calls
+    index = {id(l): i for i, l in enumerate(record.sites)}
+    counts = {index[id(l)]: record.calls[layer] for layer, l in record.layers.items()}
+    sites = [dataclasses.replace(l, mask=_mask_difference(*record.masks[i]) if i in record.masks else None,
+                                 calls=counts.get(i, 1)) for i, l in enumerate(record.sites)]
+    if settable and any(not l.causal for l in sites) and causal_in_effect(model, tokens + 1):
+        # causal through the mask the model builds (bigbird_pegasus's decoder)
+        sites = [dataclasses.replace(l, causal=True) for l in sites]
+    layers = {layer: sites[index[id(l)]] for layer, l in record.layers.items()}
+    call_sites = bool(sites) and CallSites.needed([(l.module, l.layer) for l in sites])
+    if call_sites:  # keyed by call site where the modules do not name one K/V history each
+        layers = dict(enumerate(sites))
     # Close, not equal: a kernel may round one row differently from another.
-    result.ignores_positions = any(
+    ignores_positions = any(
         not all(torch.allclose(t.float(), t[:, :, :1].expand_as(t).float(), rtol=1e-4, atol=1e-5) for t in qk)
         for qk in same.qk.values()
     )
-    result.qk.clear()
-    return result
+    return ProbeResult(
+        layers, tuple(record.host_reads), tuple(record.host_read_modules), tuple(sites), call_sites=call_sites,
+        ignores_positions=ignores_positions, unindexed=tuple(record.unindexed), self_assigned=tuple(assigned),
+        state_layers={i: l for i, l in state_layers.items() if l.calls},
+    )
 
 
 def causal_in_effect(model: torch.nn.Module, tokens: int) -> bool:
@@ -276,7 +260,7 @@ def causal_in_effect(model: torch.nn.Module, tokens: int) -> bool:
 
 
 def transformers_pretrained() -> type:
-    return __import__("transformers").PreTrainedModel
+    return transformers_module().PreTrainedModel
 
 
 def refusal(model: torch.nn.Module) -> str | None:
@@ -385,54 +369,34 @@ def graph_safe_experts(model: torch.nn.Module) -> str | None:
     return chosen
 
 
-def layout_refusal(name: str, result: ProbeResult) -> str | None:
-    """Why the probe's findings rule the model out, or None."""
-    if result.host_reads:
-        return (
-            f"{name} reads device data on the host in its forward ({result.host_reads[0]}): "
-            "a data-dependent shape or a sync, which a CUDA graph would replay with the values seen at capture"
-        )
-    if not result.layers and not result.state_layers:
-        return f"{name} calls no attention through transformers' AttentionInterface and has no state layer it routes"
-    if result.call_sites:
-        kv: dict[int, set[int]] = {}
-        for l in result.sites:
-            kv.setdefault(id(l.module), set()).add(l.kv_heads)
-        mixed = next((l for l in result.sites if len(kv[id(l.module)]) > 1), None)
-        if mixed is not None:
-            return (f"{name} calls attention from one {type(mixed.module).__name__} with KV head counts "
-                    f"{sorted(kv[id(mixed.module)])}; a module's call sites must share one KV head count")
-    for layer in result.state_layers.values():
-        why = layer.refusal(name)
-        if why:
-            return why
-    if result.ignores_positions:
-        return (
-            f"{name} ignores position_ids (its positions come from the sequence length), so the second request "
-            "of a step and every decode token would get wrong positions"
-        )
-    # Only the attention a token-id forward runs: an audio or vision encoder's bidirectional attention
-    # (or a decoder's cross-attention, absent without encoder states) is not served by the cache.
-    bidirectional = next((i for i, l in result.layers.items() if not l.causal), None)
-    if bidirectional is not None:
-        kind = type(result.layers[bidirectional].module).__name__
-        return f"{name} has non-causal attention (layer {bidirectional}, {kind}); paged attention is causal only"
-    extra = next(((i, l.extra) for i, l in result.layers.items() if l.extra), None)
-    if extra is not None:
-        return f"{name} passes {list(extra[1])} to attention (layer {extra[0]}); the paged attention does not apply them"
-    masked = next(((i, l.mask) for i, l in result.layers.items() if l.mask), None)
-    if masked is not None:
-        return f"{name} builds its own attention mask for layer {masked[0]}, {masked[1]}; the paged attention is causal only"
-    bad = [i for i, l in result.layers.items() if l.q_heads % l.kv_heads]
-    if bad:
-        return f"{name}: layer {bad[0]} has {result.layers[bad[0]].q_heads} query heads, not a multiple of its KV heads"
-    # One cache of the most KV heads: a layer with fewer repeats each KV head, which keeps GQA's pairing
-    # only if the counts divide (and the layer's query heads are a multiple of the cache's count).
-    if not result.layers:
-        return None
-    cache_kv = result.kv_shape()[1]
-    odd = [i for i, l in result.layers.items() if cache_kv % l.kv_heads or l.q_heads % cache_kv]
-    if odd:
-        counts = sorted({(l.q_heads, l.kv_heads) for l in result.layers.values()})
-        return f"{name} has layers with (query, KV) head counts {counts} that one paged cache of {cache_kv} KV heads cannot hold"
-    return None
+class GraphSafeExperts(RefusesNothing):
+    """The mechanism that switches mixture-of-experts layers to a sync-free implementation (:func:`graph_safe_experts`)."""
+
+    name = "graph-safe experts"
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Undo:
+        changes = Changes()
+        if model._can_set_experts_implementation():
+            previous = model.config._experts_implementation
+            graph_safe_experts(model)
+            changes.then(lambda: model.set_experts_implementation(previous))
+        return changes.undo
+
+
+EXPERTS = GraphSafeExperts()
+
+
+class ServedLayers:
+    """The model's own refusals (:func:`refusal`: its layer types and state-keeping modules are ones some
+    mechanism serves); it changes nothing."""
+
+    name = "served layers"
+
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+        return refusal(model)
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Undo:
+        return Changes().undo
+
+
+SERVED_LAYERS = ServedLayers()

@@ -20,20 +20,24 @@ powers of two, with more than 8 heads) can differ from transformers by bfloat16'
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 import sys
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from .adapted_state import SLOPES_BUFFER
+from .paged_attention import ATTN_IMPLEMENTATION
+from .patching import Changes, Swap, class_key, lookup, recorded
+
+if TYPE_CHECKING:
+    from .probe_result import ProbeResult
+
 #: The module attribute naming the attention implementation a swapped forward calls.
 IMPLEMENTATION_ATTR = "pb_attention"
-#: The buffer holding a swapped ALiBi module's per-head slopes (scaled as the family scales its bias).
-SLOPES_BUFFER = "pb_alibi_slopes"
 
 
 def _attention(module: torch.nn.Module) -> Callable[..., Any]:
@@ -194,74 +198,42 @@ def openai_gpt_forward(
     return [self.resid_dropout(self.c_proj(out.reshape(batch, tokens, -1)))]
 
 
-def _no_slopes(module: torch.nn.Module) -> None:
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Swap:
-    """One attention module class and what replaces its forward."""
-
-    forward: Callable[..., tuple[torch.Tensor, None]]
-    #: the module's ALiBi slopes (None: the module uses none)
-    slopes: Callable[[torch.nn.Module], torch.Tensor | None]
-    #: the class has no ``layer_idx``: the swap numbers its modules in model order (openai-gpt)
-    numbered: bool = False
-
-
-_FALCON = Swap(falcon_forward, falcon_slopes)
-#: Swapped attention classes, by ``module.qualname``.
+_FALCON = Swap(falcon_forward, slopes=falcon_slopes)
+#: Swapped attention classes, by :func:`~.patching.class_key` (``module.qualname``); ``slopes`` gives an
+#: ALiBi module's slopes, ``numbered`` numbers the modules of a class without ``layer_idx`` in model order.
 SWAPS: dict[str, Swap] = {
     "transformers.models.falcon.modeling_falcon.FalconAttention": _FALCON,
     "transformers.models.falcon.modeling_falcon.FalconFlashAttention2": _FALCON,
-    "transformers.models.bloom.modeling_bloom.BloomAttention": Swap(bloom_forward, bloom_slopes),
-    "transformers.models.mpt.modeling_mpt.MptAttention": Swap(mpt_forward, mpt_slopes),
-    "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention": Swap(
-        neox_japanese_forward, _no_slopes
-    ),
-    "transformers.models.xglm.modeling_xglm.XGLMAttention": Swap(xglm_forward, _no_slopes),
-    "transformers.models.trocr.modeling_trocr.TrOCRAttention": Swap(xglm_forward, _no_slopes),  # the same layout
-    "transformers.models.mvp.modeling_mvp.MvpAttention": Swap(mvp_forward, _no_slopes),
-    "transformers.models.openai.modeling_openai.Attention": Swap(openai_gpt_forward, _no_slopes, numbered=True),
+    "transformers.models.bloom.modeling_bloom.BloomAttention": Swap(bloom_forward, slopes=bloom_slopes),
+    "transformers.models.mpt.modeling_mpt.MptAttention": Swap(mpt_forward, slopes=mpt_slopes),
+    "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention": Swap(neox_japanese_forward),
+    "transformers.models.xglm.modeling_xglm.XGLMAttention": Swap(xglm_forward),
+    "transformers.models.trocr.modeling_trocr.TrOCRAttention": Swap(xglm_forward),  # the same layout
+    "transformers.models.mvp.modeling_mvp.MvpAttention": Swap(mvp_forward),
+    "transformers.models.openai.modeling_openai.Attention": Swap(openai_gpt_forward, numbered=True),
 }
-
-
-def _key(module: torch.nn.Module) -> str:
-    return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
 def swappable(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention modules of ``model`` that :func:`swap` replaces (empty: none)."""
-    return [m for m in model.modules() if _key(m) in SWAPS]
+    return [m for m in model.modules() if class_key(m) in SWAPS]
 
 
-def swap(model: torch.nn.Module, implementation: str) -> list[torch.nn.Module]:
+def swap(model: torch.nn.Module, implementation: str, changes: Changes) -> list[torch.nn.Module]:
     """Give every swappable attention module of ``model`` its paged forward, calling ``implementation``
-    (an AttentionInterface name); ALiBi modules get their slopes buffer. Returns the modules."""
+    (an AttentionInterface name); ALiBi modules get their slopes buffer. Returns the modules; ``changes``
+    can undo it all."""
     found = swappable(model)
     for index, module in enumerate(found):
-        spec = SWAPS[_key(module)]
+        spec = lookup(SWAPS, module)
         if spec.numbered and getattr(module, "layer_idx", None) is None:
-            module.layer_idx = index
-            module.pb_numbered = True
-        slopes = spec.slopes(module)
+            changes.set(module, "layer_idx", index)
+        slopes = spec.slopes(module) if spec.slopes is not None else None
         if slopes is not None:
-            device = next(module.parameters()).device
-            module.register_buffer(SLOPES_BUFFER, slopes.to(device), persistent=False)
-        setattr(module, IMPLEMENTATION_ATTR, implementation)
-        module.forward = types.MethodType(spec.forward, module)
+            changes.buffer(module, SLOPES_BUFFER, slopes.to(next(module.parameters()).device))
+        changes.set(module, IMPLEMENTATION_ATTR, implementation)
+        changes.set(module, "forward", types.MethodType(spec.forward, module))
     return found
-
-
-def restore(model: torch.nn.Module) -> None:
-    """Undo :func:`swap`: the modules' own forwards again, no slopes buffer."""
-    for module in swappable(model):
-        module.__dict__.pop("forward", None)
-        module.__dict__.pop(IMPLEMENTATION_ATTR, None)
-        if module.__dict__.pop("pb_numbered", False):
-            del module.layer_idx
-        if hasattr(module, SLOPES_BUFFER):
-            delattr(module, SLOPES_BUFFER)
 
 
 @contextlib.contextmanager
@@ -276,6 +248,24 @@ def using(model: torch.nn.Module, implementation: str) -> Iterator[None]:
     finally:
         for m, name in zip(modules, before):
             setattr(m, IMPLEMENTATION_ATTR, name)
+
+
+class AttentionSwaps:
+    """The mechanism that swaps attention modules outside the AttentionInterface onto the paged op
+    (:data:`SWAPS`); refuses a model whose attention can be neither set nor swapped."""
+
+    name = "attention swaps"
+
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+        if model._can_set_attn_implementation() or swappable(model):
+            return None
+        return unswappable_reason(model, ATTN_IMPLEMENTATION)
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
+        return recorded(swap, model, ATTN_IMPLEMENTATION)
+
+
+MECHANISM = AttentionSwaps()
 
 
 #: Module classes that carry a recurrent state from token to token in their own code (rwkv's).

@@ -17,6 +17,8 @@ FULL graphs (:func:`no_full_graphs`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,13 +28,19 @@ from ..capture.session import is_in_breakable_graph
 from ..config import CompilationConfig
 from ..ops import register_splitting_op
 from ..runner.assembly import drop_full_graphs
-from .adapter import ProbeResult, probe
+from .adapter import probe
+from .patching import Changes, Undo
+from .probe_result import ProbeResult, host_read_refusal
 
 OP = "pb_hf::module_break"
 _PROBE_TOKENS = (3, 5)  # two token counts: each output size is then a * tokens + b
 _CONSTANTS = (type(None), bool, int, float, str)
-#: The modules turned into breaks in this process, by key (the op's ``key`` argument).
-_BREAKS: dict[int, ModuleBreak] = {}
+#: The live break points, by key (the op's ``key`` argument). Each is held by its module's forward: an
+#: entry goes when its model does.
+_BREAKS: weakref.WeakValueDictionary[int, ModuleBreak] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+#: The break points' paths of each model's latest adaptation (:func:`installed`), gone with the model.
+_INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 # A template describes a call's tree: ("T",) a tensor, ("C", value) a constant,
@@ -149,15 +157,17 @@ def _(inputs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
 register_splitting_op(module_break)
 
 
-def _break_forward(key: int, call: tuple, result: tuple) -> Callable[..., Any]:
+def _break_forward(plan: ModuleBreak) -> Callable[..., Any]:
     """The forward a break module gets: its call's tensors through the op, the output rebuilt.
     Plain Python over constants (the templates, the key), which Dynamo traces into one op node."""
+    key, call, result = plan.key, plan.call, plan.result
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         tensors: list[torch.Tensor] = []
         _tensors((args, kwargs), call, tensors, "the call")
         return _rebuild(result, torch.ops.pb_hf.module_break(tensors, key), [0])
 
+    forward.module_break = plan  # type: ignore[attr-defined]  # the registration lives as long as the module's forward
     return forward
 
 
@@ -206,15 +216,16 @@ def _plan(path: str, module: torch.nn.Module, calls: dict[int, tuple[Any, Any]])
         return "its outputs grow with the token count but none of its inputs does"
     exact = [t for t in token_dims if t[2:] == (1, 0)]
     return ModuleBreak(
-        key=len(_BREAKS), path=path, forward=module.forward, call=call, result=result, sizes=out_sizes,
+        key=-1, path=path, forward=module.forward, call=call, result=result, sizes=out_sizes,
         dtypes=[a.dtype for a, _ in outs], token_dim=(exact or token_dims or [(0, 0, 0, 0)])[0],
     )
 
 
-def install_host_breaks(model: torch.nn.Module, result: ProbeResult) -> list[str]:
+def install_host_breaks(model: torch.nn.Module, result: ProbeResult, changes: Changes | None = None) -> list[str]:
     """Make a break point of the smallest module enclosing each host read the probe found; returns their
-    paths (empty: no host read). The reads are then handled: ``result.host_reads`` is emptied.
+    paths (empty: no host read); ``changes``, if given, can undo it.
     Raises ``ValueError`` naming the read when no enclosing module can be a break."""
+    changes = changes if changes is not None else Changes()
     if not result.host_reads:
         return []
     root = type(model).__name__
@@ -245,13 +256,42 @@ def install_host_breaks(model: torch.nn.Module, result: ProbeResult) -> list[str
     for path in [p for p in chosen if any(p != q and p.startswith(q + ".") for q in chosen)]:
         del chosen[path]
     for path, plan in chosen.items():
-        plan.key = len(_BREAKS)
+        plan.key = next(_KEYS)
         _BREAKS[plan.key] = plan
-        names[path].forward = _break_forward(plan.key, plan.call, plan.result)
-        names[path].pb_host_break = plan.key
-    result.host_reads.clear()
-    result.host_read_modules.clear()
+        changes.set(names[path], "forward", _break_forward(plan))
+        changes.set(names[path], "pb_host_break", plan.key)
     return [p.split(".", 1)[1] for p in chosen]
+
+
+def installed(model: torch.nn.Module) -> list[str]:
+    """The paths of the break points :data:`MECHANISM` installed in ``model``'s latest adaptation (empty: none)."""
+    return list(_INSTALLED.get(model, ()))
+
+
+class HostBreaks:
+    """The mechanism that runs each module reading the host as a break point (:func:`install_host_breaks`);
+    refuses a model whose host reads no break can take (none where the probe saw no attention layer)."""
+
+    name = "host breaks"
+
+    def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
+        assert probed is not None, "host breaks are installed after the probe"
+        return None if probed.layers else host_read_refusal(type(model).__name__, probed)
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Undo:
+        assert probed is not None, "host breaks are installed after the probe"
+        changes = Changes()
+        paths = install_host_breaks(model, probed, changes)
+        before = _INSTALLED.get(model)
+        _INSTALLED[model] = tuple(paths)
+        changes.then(lambda: _INSTALLED.pop(model, None) if before is None else _INSTALLED.__setitem__(model, before))
+        return changes.undo
+
+
+MECHANISM = HostBreaks()
+
+
+
 
 
 def _record_calls(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, dict[int, tuple[Any, Any]]]:

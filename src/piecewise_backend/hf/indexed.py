@@ -9,7 +9,7 @@ indexer scores the keys it keeps in the HF cache), then hands them to the attent
   ``pb_kv::indexer_topk``, which keeps the keys in the paged cache beside K/V and selects over the
   request's cached prefix; ``pb_paged``'s attention runs ``pb_kv::indexed_attention`` on the
   ``indices`` it is given. Before :func:`~piecewise_backend.hf.adapt` gives the indexer its cache
-  layer (``pb_kv_layer``: in the adapter's probe) the forward selects among the call's own tokens,
+  layer (its :class:`~.adapted_state.AdaptedAttention`: in the adapter's probe) the forward selects among the call's own tokens,
   causally, as HF's does without a cache.
 * The attention module slices the mask HF would build (``attention_mask[:, 0]``); ``pb_paged``
   builds none, so :func:`route` gives it the causal mask of the call's tokens (used only by the probe).
@@ -22,11 +22,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..kv import indexed as _ops  # noqa: F401  (registers pb_kv::indexer_topk and pb_kv::indexed_attention)
+from .adapted_state import ADAPTED_ATTR
+from .patching import Changes, RefusesNothing, recorded
+
+if TYPE_CHECKING:
+    from .probe_result import ProbeResult
+
+_MASKED = "pb_indexed_mask"  # on an attention module: its causal-mask hook is installed (a second adapt adds none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +149,11 @@ def indexer_forward(
     if kind.scale_on_weights:
         weights, scale = weights * scale, 1.0
     q, k, weights = q[0], k[0, :, 0], weights[0]
-    layer = getattr(self, "pb_kv_layer", None)  # its cache layer: set by adapt after the probe
-    if layer is None:  # the probe (no paged cache yet)
+    state = getattr(self, ADAPTED_ATTR, None)  # its cache layer: set by adapt after the probe
+    if state is None:  # the probe (no paged cache yet)
         return _local_topk(q, k, weights, scale, self.index_topk)[None]
     out = torch.empty(tokens, self.index_topk, dtype=torch.long, device=q.device)
-    torch.ops.pb_kv.indexer_topk(q.contiguous(), k.contiguous(), weights.contiguous(), out, layer, float(scale))
+    torch.ops.pb_kv.indexer_topk(q.contiguous(), k.contiguous(), weights.contiguous(), out, state.kv_layer, float(scale))
     return out[None]
 
 
@@ -163,14 +171,28 @@ def _causal_mask(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     return args, {**kwargs, "attention_mask": causal}
 
 
-def route(model: torch.nn.Module) -> int:
+def route(model: torch.nn.Module, changes: Changes | None = None) -> int:
     """Give every indexer :func:`indexer_forward` and its attention module a causal mask (before the
-    probe, which runs them); returns the indexer key size (0: none)."""
+    probe, which runs them); returns the indexer key size (0: none); ``changes``, if given, can undo it."""
+    changes = changes if changes is not None else Changes()
     for _, module in indexers(model):
-        module.forward = types.MethodType(indexer_forward, module)
+        changes.set(module, "forward", types.MethodType(indexer_forward, module))
     for module in model.modules():
-        if hasattr(module, "indexer") and not getattr(module, "pb_indexed_mask", False):
-            module.register_forward_pre_hook(_causal_mask, with_kwargs=True)
-            module.pb_indexed_mask = True
+        if hasattr(module, "indexer") and not module.__dict__.get(_MASKED, False):
+            changes.hook(module.register_forward_pre_hook(_causal_mask, with_kwargs=True))
+            changes.set(module, _MASKED, True)
     return index_dim(model)
 
+
+class Indexers(RefusesNothing):
+    """The mechanism that routes DSA indexers onto ``pb_kv::indexer_topk`` (:data:`INDEXERS`; each indexer's
+    cache layer comes with the paged attention's records, after the probe). Its refusal is the adapter's,
+    where the layer types name indexed attention (:func:`layer_types_refusal`)."""
+
+    name = "indexers"
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
+        return recorded(route, model)
+
+
+MECHANISM = Indexers()

@@ -27,7 +27,7 @@ import re
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,7 +38,11 @@ from ..state import selective as _selective  # noqa: F401  (registers pb_state::
 from ..state import ssd as _ssd  # noqa: F401  (registers pb_state::ssd_scan)
 from ..state.cache import StateSpec
 from ..state.conv import ACTIVATIONS
-from .state_swaps import KINDS, SWAPS, Kernels, Swap
+from .patching import Changes, RefusesNothing, Swap, lookup
+from .state_swaps import KINDS, REGISTRY, SWAPS, Kernels  # noqa: F401  (SWAPS: documented here too)
+
+if TYPE_CHECKING:
+    from .probe_result import ProbeResult
 
 #: Kernel name -> the state it keeps ("conv", "recurrent", "ssm"). The ``*_update`` / recurrent forms
 #: run only with a cache, which a served forward never has, and the fused Mamba2 kernel only in
@@ -68,7 +72,7 @@ def raw_forward(module: torch.nn.Module) -> Callable[..., Any]:
 
 def swapped(module: torch.nn.Module) -> Swap | None:
     """The forward of ours :data:`~.state_swaps.SWAPS` gives ``module``'s class, or None."""
-    return SWAPS.get(type(module).__name__)
+    return lookup(REGISTRY, module)
 
 
 def kernels_called(module: torch.nn.Module) -> set[str]:
@@ -232,8 +236,8 @@ class _Recorder:
         return {name: recorder(name, kind) for name, kind in swap.states.items()}
 
 
-def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> None:
-    """Give ``module`` its class's forward code with ``kernels`` in place of the globals of those names."""
+def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> types.MethodType:
+    """``module``'s class's forward code with ``kernels`` in place of the globals of those names, bound to it."""
     fn = raw_forward(module)
     names = {n: k for n, k in kernels.items() if n in fn.__code__.co_names}
     scope = dict(fn.__globals__, **names)
@@ -242,17 +246,17 @@ def _bind(module: torch.nn.Module, kernels: dict[str, Callable[..., Any]]) -> No
     bound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     bound.__kwdefaults__ = fn.__kwdefaults__
     bound.__qualname__ = fn.__qualname__
-    module.forward = types.MethodType(bound, module)
+    return types.MethodType(bound, module)
 
 
-def _bind_swap(module: torch.nn.Module, swap: Swap, kernels: Kernels) -> None:
-    """Give ``module`` the forward of ours ``swap`` names, its state calls ``kernels``."""
+def _bind_swap(module: torch.nn.Module, swap: Swap, kernels: Kernels) -> types.MethodType:
+    """The forward of ours ``swap`` names, its state calls ``kernels``, bound to ``module``."""
     forward = swap.forward
 
     def bound(self: torch.nn.Module, *args: Any, **kw: Any) -> Any:
         return forward(self, kernels, *args, **kw)
 
-    module.forward = types.MethodType(bound, module)
+    return types.MethodType(bound, module)
 
 
 def _layer_of(path: str, module: torch.nn.Module) -> int | None:
@@ -266,17 +270,23 @@ def _layer_of(path: str, module: torch.nn.Module) -> int | None:
 
 def candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     """``(layer, module)`` of every module whose forward calls a served kernel or that :data:`~.state_swaps.SWAPS` swaps."""
+    return [(layer, m) for layer, m, _ in _candidates(model)]
+
+
+def _candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, Swap | None]]:
+    """:func:`candidates`, each with its swap (None: its kernels are bound)."""
     out = []
     for path, m in model.named_modules():
-        if swapped(m) is not None:
+        swap = swapped(m)
+        if swap is not None:
             layer = _layer_of(path, m)
             if layer is None:
                 raise ValueError(f"{type(m).__name__} at {path} has no layer_idx and sits in no layers.N: its states cannot be keyed")
-            out.append((layer, m))
+            out.append((layer, m, swap))
             continue
         layer = getattr(m, "layer_idx", None)
         if isinstance(layer, int) and kernels_called(m) & SERVED_KERNELS.keys():
-            out.append((layer, m))
+            out.append((layer, m, None))
     return out
 
 
@@ -284,21 +294,24 @@ def candidates(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 def recording(model: torch.nn.Module) -> Iterator[_Recorder]:
     """Within: ``model``'s state layers record their kernel calls (the probe's); restored after."""
     rec = _Recorder()
-    found = candidates(model)
+    found = _candidates(model)
+    routed = [m.__dict__.get("forward") for _, m, _ in found]  # a forward an earlier adapt routed: back after
     try:
-        for layer, m in found:
+        for layer, m, swap in found:
             state_layer = rec.layers.setdefault(layer, StateLayer(m, layer))
-            swap = swapped(m)
             if swap is not None:
-                _bind_swap(m, swap, rec.swap_kernels(state_layer, swap))
-                continue
-            fn = raw_forward(m)
-            original = {n: fn.__globals__[n] for n in SERVED_KERNELS if n in fn.__globals__}
-            _bind(m, rec.kernels(state_layer, original))
+                m.forward = _bind_swap(m, swap, rec.swap_kernels(state_layer, swap))
+            else:
+                fn = raw_forward(m)
+                original = {n: fn.__globals__[n] for n in SERVED_KERNELS if n in fn.__globals__}
+                m.forward = _bind(m, rec.kernels(state_layer, original))
         yield rec
     finally:
-        for _, m in found:
-            m.__dict__.pop("forward", None)
+        for (_, m, _), forward in zip(found, routed):
+            if forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = forward
 
 
 def _conv_kernel(state: int) -> Callable[..., Any]:
@@ -392,13 +405,16 @@ def _state_call(run: Callable[..., torch.Tensor], state: int) -> Callable[..., t
     return call
 
 
-def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> None:
-    """Bind every layer's kernels to the ``pb_state`` ops on its states (``index(layer, kind)``: the op's state)."""
+def route(layers: dict[int, StateLayer], index: Callable[[int, str], int], changes: Changes | None = None) -> None:
+    """Bind every layer's kernels to the ``pb_state`` ops on its states (``index(layer, kind)``: the op's state);
+    ``changes``, if given, can undo it."""
+    changes = changes if changes is not None else Changes()
     for layer, sl in layers.items():
         swap = swapped(sl.module)
         if swap is not None:
             runs = {name: KINDS[kind].run for name, kind in swap.states.items()}
-            _bind_swap(sl.module, swap, {name: _state_call(runs[name], index(layer, name)) for name in swap.states})
+            calls = {name: _state_call(runs[name], index(layer, name)) for name in swap.states}
+            changes.set(sl.module, "forward", _bind_swap(sl.module, swap, calls))
             continue
         kernels: dict[str, Callable[..., Any]] = dict(_UNUSED_FORMS)
         if "conv" in sl.calls:
@@ -409,10 +425,26 @@ def route(layers: dict[int, StateLayer], index: Callable[[int, str], int]) -> No
         if "ssm" in sl.calls:
             kernels["mamba2_chunk_scan"] = _ssm_kernel(index(layer, "ssm"))
             kernels["mamba_selective_scan"] = _selective_kernel(index(layer, "ssm"))
-        _bind(sl.module, kernels)
+        changes.set(sl.module, "forward", _bind(sl.module, kernels))
 
 
 def specs(layers: dict[int, StateLayer]) -> list[StateSpec]:
     """Every state of ``layers``, by layer then kind: the order of the state cache."""
     return [s for layer in sorted(layers) for s in layers[layer].specs()]
 
+
+class StateKernels(RefusesNothing):
+    """The mechanism that routes the probed state layers' kernels to the ``pb_state`` ops, one state per
+    ``(layer, kind)`` in :func:`specs` order (each layer's own refusals: :meth:`StateLayer.refusal`, said by
+    :func:`~.probe_result.layout_refusal`)."""
+
+    name = "state kernels"
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
+        changes = Changes()
+        keys = [(s.layer, s.kind) for s in specs(probed.state_layers)]
+        route(probed.state_layers, lambda layer, kind: keys.index((layer, kind)), changes)
+        return changes.undo
+
+
+MECHANISM = StateKernels()

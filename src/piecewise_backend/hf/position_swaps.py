@@ -24,19 +24,24 @@ row where transformers gives it zeros and does not count it.
 from __future__ import annotations
 
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .patching import Changes, RefusesNothing, Swap, class_key, recorded
+
+if TYPE_CHECKING:
+    from .probe_result import ProbeResult
+
 #: The attribute holding the positions of the model call in progress (None outside one).
 POSITIONS_ATTR = "pb_position_ids"
-_HOOKS_ATTR = "pb_position_hooks"
+_HOOKS_ATTR = "pb_position_hooks"  # on the model: its hooks are installed (a second adapt adds none)
 #: trocr's sinusoidal table as a buffer: transformers keeps it as a plain attribute, which ``model.to()``
 #: does not move (a graph would copy it from the host every step)
 TABLE_BUFFER = "pb_position_table"
 _TROCR_SINUSOIDAL = "transformers.models.trocr.modeling_trocr.TrOCRSinusoidalPositionalEmbedding"
-#: Swapped positional-embedding classes, by ``module.qualname`` (transformers 5.24).
-SWAPPED: frozenset[str] = frozenset({
+_NAMES = (
     "transformers.models.bart.modeling_bart.BartLearnedPositionalEmbedding",
     "transformers.models.bigbird_pegasus.modeling_bigbird_pegasus.BigBirdPegasusLearnedPositionalEmbedding",
     "transformers.models.blenderbot.modeling_blenderbot.BlenderbotLearnedPositionalEmbedding",
@@ -48,11 +53,7 @@ SWAPPED: frozenset[str] = frozenset({
     "transformers.models.plbart.modeling_plbart.PLBartLearnedPositionalEmbedding",
     "transformers.models.trocr.modeling_trocr.TrOCRLearnedPositionalEmbedding",
     _TROCR_SINUSOIDAL,
-})
-
-
-def _key(module: torch.nn.Module) -> str:
-    return f"{type(module).__module__}.{type(module).__qualname__}"
+)
 
 
 def positional_forward(self: torch.nn.Embedding, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -60,9 +61,13 @@ def positional_forward(self: torch.nn.Embedding, *args: Any, **kwargs: Any) -> t
     positions = getattr(self, POSITIONS_ATTR, None)
     if positions is None:
         return type(self).forward(self, *args, **kwargs)
-    if _key(self) == _TROCR_SINUSOIDAL:  # fairseq's table: position p at row padding_idx + 1 + p
+    if class_key(self) == _TROCR_SINUSOIDAL:  # fairseq's table: position p at row padding_idx + 1 + p
         return getattr(self, TABLE_BUFFER)[positions + (self.padding_idx + 1)]
     return torch.nn.Embedding.forward(self, positions + getattr(self, "offset", 0))
+
+
+#: Swapped positional-embedding classes, by :func:`~.patching.class_key` (``module.qualname``; transformers 5.24).
+SWAPS: dict[str, Swap] = {name: Swap(positional_forward) for name in _NAMES}
 
 
 def _hooks(embeddings: list[torch.nn.Module]) -> tuple[Any, Any]:
@@ -79,35 +84,35 @@ def _hooks(embeddings: list[torch.nn.Module]) -> tuple[Any, Any]:
 
 def swappable(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The positional-embedding modules of ``model`` that :func:`swap` replaces (empty: none)."""
-    return [m for m in model.modules() if _key(m) in SWAPPED]
+    return [m for m in model.modules() if class_key(m) in SWAPS]
 
 
-def swap(model: torch.nn.Module) -> list[torch.nn.Module]:
+def swap(model: torch.nn.Module, changes: Changes) -> list[torch.nn.Module]:
     """Make every swappable positional embedding of ``model`` use the ``position_ids`` ``model`` is called
-    with (idempotent); returns the embeddings."""
+    with (a model swapped before keeps its hooks); returns the embeddings; ``changes`` can undo it all."""
     found = swappable(model)
     if not found or _HOOKS_ATTR in model.__dict__:
         return found
+    changes.set(model, _HOOKS_ATTR, True)
     keep, clear = _hooks(found)
-    model.__dict__[_HOOKS_ATTR] = (
-        model.register_forward_pre_hook(keep, with_kwargs=True),
-        model.register_forward_hook(clear, with_kwargs=True, always_call=True),
-    )
+    changes.hook(model.register_forward_pre_hook(keep, with_kwargs=True))
+    changes.hook(model.register_forward_hook(clear, with_kwargs=True, always_call=True))
     device = next(model.parameters()).device
     for embedding in found:
-        if _key(embedding) == _TROCR_SINUSOIDAL:
-            embedding.register_buffer(TABLE_BUFFER, embedding.weights.detach().to(device), persistent=False)
-        setattr(embedding, POSITIONS_ATTR, None)
-        embedding.forward = types.MethodType(positional_forward, embedding)
+        if class_key(embedding) == _TROCR_SINUSOIDAL:
+            changes.buffer(embedding, TABLE_BUFFER, embedding.weights.detach().to(device))
+        changes.set(embedding, POSITIONS_ATTR, None)
+        changes.set(embedding, "forward", types.MethodType(SWAPS[class_key(embedding)].forward, embedding))
     return found
 
 
-def restore(model: torch.nn.Module) -> None:
-    """Undo :func:`swap`: the embeddings' own forwards, no hooks on ``model``."""
-    for hook in model.__dict__.pop(_HOOKS_ATTR, ()):
-        hook.remove()
-    for embedding in swappable(model):
-        embedding.__dict__.pop("forward", None)
-        embedding.__dict__.pop(POSITIONS_ATTR, None)
-        if hasattr(embedding, TABLE_BUFFER):
-            delattr(embedding, TABLE_BUFFER)
+class PositionSwaps(RefusesNothing):
+    """The mechanism that points positional embeddings taking no ``position_ids`` at the model call's (:data:`SWAPS`)."""
+
+    name = "position swaps"
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
+        return recorded(swap, model)
+
+
+MECHANISM = PositionSwaps()

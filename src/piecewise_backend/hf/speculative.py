@@ -19,7 +19,8 @@ from ..modes import AttentionGraphSupport
 from ..serve.arguments import MODEL_EOS, EngineArgs, engine_args, takes_engine_args
 from ..serve.model_runner import KVLayout
 from ..serve.speculative import SpecModel, SpeculativeEngine, check_speculative_args
-from .engine import adapt, check_hf_model, generation_eos, kv_shape
+from .adaptation import adapt, kv_shape
+from .engine import check_hf_model, generation_eos
 from .host_breaks import no_full_graphs
 from .tensor_parallel import is_tensor_parallel
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import conv, lightning, lru, window
+from .patching import ByClassName, Swap
 
 Kernels = dict[str, Callable[..., torch.Tensor]]
 
@@ -160,17 +161,14 @@ def cca_forward(self: Any, kernels: Kernels, hidden_states: torch.Tensor, cache:
     return query[None], key[None], value[None]
 
 
-@dataclasses.dataclass(frozen=True)
-class Swap:
-    """A class's forward of ours, ``forward(module, kernels, *args, **kw)``, and its states: call name -> kind."""
-
-    forward: Callable[..., Any]
-    states: dict[str, str]
-
-
-#: Class name -> its forward of ours (transformers 5.24's classes of these families).
-SWAPS: dict[str, Swap] = {
-    "MiniMaxLightningAttention": Swap(lightning_forward, {"linear": "lightning"}),
-    "RecurrentGemmaRecurrentBlock": Swap(recurrent_block_forward, {"conv": "conv", "lru": "recurrence"}),
-    "ZayaCCAProjection": Swap(cca_forward, {"qk": "window", "value": "window"}),
+#: Forwards of ours, by :func:`~.patching.class_key` (transformers 5.24's classes of these families); each
+#: :class:`~.patching.Swap`'s ``states`` maps its state calls to their kinds (:data:`KINDS`).
+REGISTRY: dict[str, Swap] = {
+    "transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention": Swap(lightning_forward, {"linear": "lightning"}),
+    "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock": Swap(
+        recurrent_block_forward, {"conv": "conv", "lru": "recurrence"}
+    ),
+    "transformers.models.zaya.modeling_zaya.ZayaCCAProjection": Swap(cca_forward, {"qk": "window", "value": "window"}),
 }
+#: :data:`REGISTRY` by bare class name (``SWAPS["MiniMaxLightningAttention"]``), as documented.
+SWAPS = ByClassName(REGISTRY)

@@ -44,11 +44,6 @@ def is_tensor_parallel(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def tp_size(model: torch.nn.Module) -> int:
-    """The tensor-parallel world size of a model :func:`localize` converted (1: not sharded)."""
-    return int(getattr(model, "pb_tp_size", 1))
-
-
 def _tp_group(model: torch.nn.Module) -> Any:
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:

@@ -1,12 +1,17 @@
 """Seeded tiny random-weight Hugging Face causal LMs of any model type (nothing downloaded): a test fixture,
-re-exported as ``piecewise_backend.hf.tiny_random_model``."""
+also importable as ``piecewise_backend.hf.tiny_random_model``, which passes in what the engine serves
+(this module imports nothing of :mod:`piecewise_backend.hf`: hf's face loads it on first use)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+#: Which modules of a model keep state between tokens, as ``(layer, module)`` (``hf.mixers.candidates``).
+StateLayers = Callable[[torch.nn.Module], Iterable[tuple[int, torch.nn.Module]]]
 
 
 #: Sizes of :func:`tiny_random_model`; a config gets only the fields it has (and can set).
@@ -251,7 +256,8 @@ def _layer_kinds(config: Any) -> list[str] | None:
     return None
 
 
-def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, sizes: dict[str, Any]) -> Any:
+def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, sizes: dict[str, Any],
+                    served: frozenset[str]) -> Any:
     """``config``, rebuilt with one layer of each type when shrinking lost a type the full config has.
 
     The layers keep the order in which each type first appears (qwen3_next: linear, then full
@@ -276,9 +282,7 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
             continue
         if set(wanted) <= set(_layer_kinds(rebuilt) or ()):
             return rebuilt
-    from ..hf.adapter import SERVED_LAYER_TYPES
-
-    unserved = sorted(set(wanted) - set(tiny) - SERVED_LAYER_TYPES)
+    unserved = sorted(set(wanted) - set(tiny) - served)
     if unserved:  # served without them, the model would pass for a reason its checkpoints do not have
         raise ValueError(
             f"tiny_random_model cannot build {arch!r} with a layer of every type its full config has: shrunk, it "
@@ -288,7 +292,8 @@ def _keep_layer_mix(transformers: Any, arch: str, defaults: Any, config: Any, si
 
 
 def tiny_random_model(
-    arch: str, *, seed: int = 0, device: torch.device | str = "cpu", state_gain: float = STATE_GAIN, **sizes: Any
+    arch: str, *, seed: int = 0, device: torch.device | str = "cpu", state_gain: float = STATE_GAIN,
+    served_layer_types: frozenset[str] | None = None, state_layers: StateLayers | None = None, **sizes: Any
 ) -> torch.nn.Module:
     """A seeded random-weight causal LM of transformers model type ``arch`` (nothing downloaded).
 
@@ -300,13 +305,16 @@ def tiny_random_model(
     :mod:`piecewise_backend.hf.mixers` routes) are scaled by ``state_gain``: at HF's initialization and this size their
     output barely moves the logits, so a model that dropped their state would still pass a check.
     The model uses HF's SDPA attention (eager where a model has no SDPA support) and is in eval mode.
-    """
-    # imported here: piecewise_backend.hf re-exports this module's names, so a top-level import of hf would be
-    # circular when this module is imported first
-    from ..hf.adapter import transformers_module
-    from ..hf.mixers import candidates
 
-    transformers = transformers_module()
+    What the engine serves comes in from :mod:`piecewise_backend.hf` (``hf.tiny_random_model`` passes both):
+    ``served_layer_types`` (a lost layer type outside it is refused; None: every lost type) and
+    ``state_layers`` (the modules whose weights ``state_gain`` scales; None: none).
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("tiny_random_model needs transformers: pip install 'piecewise_backend[hf]'") from e
+    served = served_layer_types if served_layer_types is not None else frozenset()
     if arch not in transformers.CONFIG_MAPPING:
         raise ValueError(f"{arch!r} is not a transformers model type (the keys of transformers.CONFIG_MAPPING, e.g. 'llama')")
     try:
@@ -317,12 +325,12 @@ def tiny_random_model(
         raise ValueError(f"transformers model type {arch!r} has no causal LM class (AutoModelForCausalLM cannot build it)")
     sizes = {**TINY_TYPE_SIZES.get(arch, {}), **sizes}
     try:
-        config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes)
+        config = _keep_layer_mix(transformers, arch, defaults, _build_mixed(transformers, arch, defaults, sizes), sizes, served)
     except ValueError:
         decoder = _lm_config(transformers, defaults)
         if decoder is defaults:
             raise
-        config = _keep_layer_mix(transformers, arch, decoder, _build_mixed(transformers, arch, decoder, sizes), sizes)
+        config = _keep_layer_mix(transformers, arch, decoder, _build_mixed(transformers, arch, decoder, sizes), sizes, served)
     torch.manual_seed(seed)
     try:
         model = _from_config(transformers, arch, config, attn_implementation="sdpa")
@@ -330,7 +338,7 @@ def tiny_random_model(
         torch.manual_seed(seed)
         model = _from_config(transformers, arch, config, attn_implementation="eager")
     with torch.no_grad():
-        for _, module in candidates(model):
+        for _, module in state_layers(model) if state_layers is not None else ():
             for p in module.parameters():
                 if p.dim() >= 2:
                     p.mul_(state_gain)

@@ -10,9 +10,15 @@ Dynamo traces, and keeps them otherwise.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+from .patching import Changes, RefusesNothing, recorded
+
+if TYPE_CHECKING:
+    from .probe_result import ProbeResult
 
 #: Attribute of a subclass made here: the buffer names whose assignments it drops while compiling.
 _DROPPED = "_pb_dropped_self_assignments"
@@ -46,8 +52,11 @@ def _setattr(self: torch.nn.Module, name: str, value: object) -> None:
     super(type(self), self).__setattr__(name, value)
 
 
-def drop_self_assignments(pairs: list[tuple[torch.nn.Module, str]]) -> None:
-    """Give each module of ``pairs`` a subclass (same name) that drops its listed assignments while compiling."""
+def drop_self_assignments(pairs: list[tuple[torch.nn.Module, str]] | tuple[tuple[torch.nn.Module, str], ...],
+                          changes: Changes | None = None) -> None:
+    """Give each module of ``pairs`` a subclass (same name) that drops its listed assignments while compiling;
+    ``changes``, if given, can undo it."""
+    changes = changes if changes is not None else Changes()
     names: dict[int, tuple[torch.nn.Module, set[str]]] = {}
     for module, name in pairs:
         names.setdefault(id(module), (module, set()))[1].add(name)
@@ -57,7 +66,20 @@ def drop_self_assignments(pairs: list[tuple[torch.nn.Module, str]]) -> None:
             base, dropped = cls.__mro__[1], dropped | getattr(cls, _DROPPED)
         else:
             base = cls
-        module.__class__ = type(base.__name__, (base,), {
+        changes.cls(module, type(base.__name__, (base,), {
             "__setattr__": _setattr, _DROPPED: frozenset(dropped), "__module__": base.__module__,
             "__qualname__": base.__qualname__,
-        })
+        }))
+
+
+class SelfAssignments(RefusesNothing):
+    """The mechanism that drops the probed self-assignments of buffers while compiling (Dynamo would end a
+    graph at each: ctrl's ``pos_encoding``)."""
+
+    name = "self-assignments"
+
+    def install(self, model: torch.nn.Module, probed: ProbeResult | None) -> Callable[[], None]:
+        return recorded(drop_self_assignments, probed.self_assigned)
+
+
+MECHANISM = SelfAssignments()

@@ -12,7 +12,7 @@ import piecewise_backend as pb
 
 transformers = pytest.importorskip("transformers")
 from piecewise_backend import hf  # noqa: E402
-from piecewise_backend.hf.buffers import drop_self_assignments, recording_self_assignments, self_assigned  # noqa: E402
+from piecewise_backend.hf.self_assignments import drop_self_assignments, recording_self_assignments, self_assigned  # noqa: E402
 
 
 class Rebinds(torch.nn.Module):
