@@ -122,3 +122,19 @@ def test_break_registrations_die_with_their_model():
     del model, adapted
     gc.collect()
     assert all(p() is None for p in plans)
+
+
+def test_a_class_of_the_same_name_from_another_module_takes_no_registered_swap():
+    """The key is the class's module and qualified name: a copy of a registered class elsewhere (a remote-code
+    model's module, say, whose forward may differ) matches nothing, while the documented by-name view answers."""
+    from piecewise_backend.hf import mixers
+
+    bloom = attention_swaps.swappable(hf.tiny_random_model("bloom"))[0]
+    impostors = {}
+    for name in ("BloomAttention", "MiniMaxLightningAttention"):
+        impostors[name] = type(name, (torch.nn.Module,), {"__module__": "remote_code.modeling_copy"})()
+    assert patching.class_key(impostors["BloomAttention"]) != patching.class_key(bloom)
+    assert patching.lookup(attention_swaps.SWAPS, bloom) is not None
+    assert patching.lookup(attention_swaps.SWAPS, impostors["BloomAttention"]) is None
+    assert mixers.swapped(impostors["MiniMaxLightningAttention"]) is None
+    assert "MiniMaxLightningAttention" in state_swaps.SWAPS
