@@ -27,6 +27,9 @@ COUNTER_KEYS = (
     "eager_NONE",  # wrapper calls that ran eagerly: no context or runtime mode NONE
     "eager_PIECEWISE",  # ... a PIECEWISE step a FULL-only wrapper let through
     "eager_FULL",  # ... a FULL step a PIECEWISE-only wrapper let through
+    "eager_steps_above_ladder",  # runner steps run eagerly: more tokens than the largest capture size
+    "eager_steps_inputs_too_wide",  # ... an input wider than the static buffers
+    "eager_steps_not_captured",  # ... their graph not captured (lazy, graph_memory_budget, failed)
 )
 
 

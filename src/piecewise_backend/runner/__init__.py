@@ -5,7 +5,7 @@ from .agreement import PeerCaptureError, check_same_step, init_tensor_parallel
 from .assembly import clear_graphs, drop_full_graphs, resolve_cudagraph_mode, validate_capture_coverage, wrap_model
 from .buffers import StepBuffers
 from .dispatcher import CudagraphDispatcher
-from .graph_runner import GraphRunner, StepResult
+from .graph_runner import EAGER_REASONS, GraphRunner, StepResult
 from .orchestration import CaptureReport
 from .static_inputs import StaticInput
 from .step import ModelStep, Step
@@ -19,6 +19,7 @@ __all__ = [
     "CudagraphDispatcher",
     "GraphRunner",
     "StepResult",
+    "EAGER_REASONS",
     "CaptureReport",
     "StaticInput",
     "StepBuffers",

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map
 from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import AttentionGraphSupport, CUDAGraphMode
-from ..observability import logger
+from ..observability import counters, logger
 from . import agreement as _parallel
 from . import ubatch_step as _ubatch
 from .assembly import clear_graphs, validate_capture_coverage, wrap_model
@@ -42,19 +42,30 @@ from .step import ContextFn, ModelStep
 
 _NONE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
 
-__all__ = ["CaptureReport", "GraphRunner", "StaticInput", "StepResult"]  # CaptureReport, StaticInput: imported from here too
+__all__ = ["EAGER_REASONS", "CaptureReport", "GraphRunner", "StaticInput", "StepResult"]  # CaptureReport, StaticInput: imported from here too
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     """What :meth:`GraphRunner.run_step` did: the step's unpadded ``output``, the ``mode`` it ran in (NONE:
-    eagerly), the ``descriptor`` of the graph it replayed (or of the eager step) and whether it was
-    micro-batched (``ubatched``)."""
+    eagerly), the ``descriptor`` of the graph it replayed (or of the eager step), whether it was
+    micro-batched (``ubatched``), and why it ran eagerly when the config's mode asked for a graph
+    (``reason``, one of :data:`EAGER_REASONS`; "" otherwise)."""
 
     output: Any
     mode: CUDAGraphMode
     descriptor: BatchDescriptor
     ubatched: bool = False
+    reason: str = ""
+
+
+#: Why a step the config's mode would serve with a graph ran eagerly (``StepResult.reason``); each is
+#: counted in ``pb.counters["eager_steps_<reason>"]``.
+EAGER_REASONS = {
+    "above_ladder": "more tokens than the largest capture size",
+    "inputs_too_wide": "an input wider than the static buffers",
+    "not_captured": "its graph is not captured (lazy capture, a graph_memory_budget, or a failed capture)",
+}
 
 
 class GraphRunner:
@@ -73,7 +84,9 @@ class GraphRunner:
     to the pool) bounds :meth:`capture` and :meth:`capture_idle`; with it, too, no step captures.
     ``eager_model`` (with ``lazy_capture``): ``model`` uncompiled (``model`` being its
     ``torch.compile``): steps run it until :meth:`capture_idle` compiles, so the first steps wait
-    for no Dynamo trace (:attr:`needs_compile`, :mod:`.lazy`).
+    for no Dynamo trace (:attr:`needs_compile`, :mod:`.lazy`). ``downgrades``: ways the caller
+    already knows its steps fall short of ``config`` (an engine's ladder not covering a limit),
+    listed first in :attr:`downgrades`.
     """
 
     def __init__(
@@ -95,6 +108,7 @@ class GraphRunner:
         lazy_capture: bool = False,
         graph_memory_budget: int | None = None,
         eager_model: Any = None,
+        downgrades: Sequence[str] = (),
     ):
         if config is None:
             config = CompilationConfig()
@@ -107,7 +121,7 @@ class GraphRunner:
                              uniform_decode_query_len=uniform_decode_query_len, drafter=drafter)
         #: Each way this runner falls short of ``config`` (a mode lowered, a feature dropped), in words;
         #: empty when it does all that was asked. Micro-batching's also log a warning.
-        self.downgrades: tuple[str, ...] = modes.downgrades
+        self.downgrades: tuple[str, ...] = (*downgrades, *modes.downgrades)
         self.config = config.replace(cudagraph_mode=modes.mode)
         self._ubatching = modes.ubatching
         self.max_num_reqs, self.drafter, self.attention_backend = max_num_reqs, drafter, attention_backend
@@ -285,12 +299,29 @@ class GraphRunner:
             began = time.perf_counter()
             out = self.step(views, mode, desc, context=context, may_capture=may_capture)
             self.lazy.note_eager(wanted, time.perf_counter() - began)
+        reason = self._eager_reason(total, fit, wanted) if mode is _NONE else ""
         if padded == n:
-            return StepResult(out, mode, desc, False)  # what the model returned (an eager step: as an eager call)
+            return StepResult(out, mode, desc, False, reason)  # what the model returned (an eager step: as an eager call)
         if isinstance(out, torch.Tensor):  # the common case, without tree_map's flatten and unflatten
-            return StepResult(_unpad(out, n, padded), mode, desc, False)
+            return StepResult(_unpad(out, n, padded), mode, desc, False, reason)
         return StepResult(tree_map(lambda o: _unpad(o, n, padded) if isinstance(o, torch.Tensor) else o, out), mode,
-                          desc, False)
+                          desc, False, reason)
+
+    def _eager_reason(self, total: int, fit: bool, wanted: Key | None) -> str:
+        """Why a step of ``total`` tokens runs eagerly although the config's mode has graphs ("": the mode
+        itself runs such steps eagerly, e.g. mixed steps under FULL_DECODE_ONLY); counted."""
+        if self.dispatcher.mode is _NONE:
+            return ""
+        if total > self.dispatcher.max_size:
+            reason = "above_ladder"
+        elif not fit:
+            reason = "inputs_too_wide"
+        elif wanted is not None:
+            reason = "not_captured"
+        else:
+            return ""
+        counters["eager_steps_" + reason] += 1
+        return reason
 
     def _route(
         self, total: int, uniform_decode: bool, num_reqs: int | None, fit: bool

@@ -37,8 +37,9 @@ from .scheduler import KVBlocks, Request, Scheduler, StepPlan
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
     """What one engine step ran: token and request counts, whether it was pure decode, the mode,
-    the requests preempted to make room for it (their ids), and the tokens each scheduled request
-    kept (in step order)."""
+    the requests preempted to make room for it (their ids), the tokens each scheduled request
+    kept (in step order), and why it ran eagerly when the engine's mode asked for a graph
+    (``reason``: one of ``runner.EAGER_REASONS``; "" otherwise)."""
 
     step: int
     num_tokens: int
@@ -47,6 +48,7 @@ class StepInfo:
     mode: CUDAGraphMode
     preempted: tuple = ()
     emitted: tuple[int, ...] = ()
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +66,14 @@ class RequestOutput:
 @dataclasses.dataclass
 class Executed:
     """What a step produced: the new tokens of each chunk of the plan (in its order; empty for a
-    chunk that ends no sequence), the tokens the step ran, whether it was uniform decode, and the
-    target model's runtime mode."""
+    chunk that ends no sequence), the tokens the step ran, whether it was uniform decode, the
+    target model's runtime mode, and why it ran eagerly (``StepResult.reason``)."""
 
     tokens: list[list[int]]
     num_tokens: int
     uniform_decode: bool
     mode: CUDAGraphMode
+    reason: str = ""
 
 
 class StepExecutor(Protocol):
@@ -294,7 +297,7 @@ class ServingLoop:
             self.executor.kept(plan, executed, kept)
             info = StepInfo(
                 self.steps, executed.num_tokens, len(plan.chunks), executed.uniform_decode, executed.mode,
-                tuple([r.request_id for r in plan.preempted]), tuple(kept),
+                tuple([r.request_id for r in plan.preempted]), tuple(kept), executed.reason,
             ) if report else None
             self.steps += 1
             if error is not None:

@@ -24,6 +24,7 @@ from ..modes import AttentionGraphSupport
 from ..runner import GraphRunner, StaticInput, StepResult
 from ..state.cache import StateCache, StateSpec
 from .arguments import EngineArgs, first_parameter, is_int
+from .ladder import Ladder, cover_limits
 from .loop import Executed, chunk_ends
 from .sampling import noise_key, sample
 from .scheduler import StepPlan
@@ -98,6 +99,12 @@ class ModelRunner:
         """``model`` (checked by the engine: :meth:`EngineArgs.check_model`) on caches sized by ``args``."""
         param = first_parameter(model)
         self.model = model
+        #: the capture ladder: the config's sizes plus ``max_num_reqs`` and ``max_num_batched_tokens``
+        self.ladder: Ladder = cover_limits(
+            config, max_num_reqs=args.max_num_reqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            uniform_decode_query_len=uniform_decode_query_len, name="drafter" if drafter else "engine",
+        )
+        config = self.ladder.config
         blocks = args.num_blocks or args.max_num_reqs * -(-args.max_model_len // args.block_size)
         self.cache = kv.PagedKVCache(
             kv_layout.num_layers, kv_layout.num_kv_heads, kv_layout.head_dim, block_size=args.block_size,
@@ -126,6 +133,7 @@ class ModelRunner:
             graph_memory_budget=args.graph_memory_budget,
             uniform_decode_query_len=uniform_decode_query_len, drafter=drafter,
             eager_model=step,  # lazy: served uncompiled until capture_idle compiles
+            downgrades=self.ladder.downgrades,
         )
 
     def run(
@@ -204,7 +212,7 @@ class Decode:
                 drawn = sample(rows, [r.sampling for r in emitting], keys).tolist()
             for i, token in zip(emit, drawn):
                 new[i] = [token]
-        return Executed(new, len(tokens), decode, result.mode)
+        return Executed(new, len(tokens), decode, result.mode, result.reason)
 
     def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None:
         return None

@@ -259,7 +259,7 @@ class Speculate:
         num_tokens = len(round_plan.host_ids)
         self._pending = PendingRound(step.mode, step.descriptor, num_tokens, round_plan.verify_only, drafts.modes,
                                      tuple(verified))
-        return Executed(new, num_tokens, round_plan.verify_only, step.mode)
+        return Executed(new, num_tokens, round_plan.verify_only, step.mode, step.reason)
 
     def _draft(self, round_plan: RoundPlan) -> Drafts:
         """The drafter's steps: the first catches up on what it has not cached of each scheduled chunk and
