@@ -30,11 +30,12 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from .weak import is_weak
 
 # Values a graph bakes in that compare by value; anything else non-tensor compares by identity.
-_VALUE_TYPES = (
+VALUE_TYPES = (
     bool, int, float, complex, str, bytes, type(None), type(Ellipsis), enum.Enum,
     torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size,
 )
-_LEAF_TYPES = (torch.Tensor, *_VALUE_TYPES)
+_VALUE_TYPES = VALUE_TYPES
+_LEAF_TYPES = (torch.Tensor, *VALUE_TYPES)
 
 _persistent: dict[int, StorageWeakRef] = {}  # storage data_ptr -> weak ref of that storage
 
@@ -82,7 +83,10 @@ def _describe(v: Any) -> str:
     return f"{type(v).__name__} {v!r}" if isinstance(v, _VALUE_TYPES) else f"a {type(v).__name__} object"
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """The one rule for "did a value a graph baked in change": a value of :data:`VALUE_TYPES` by type
+    and value (NaN equals NaN, ``-0.0`` is not ``0.0``, ``1`` is not ``1.0`` nor ``True``), anything
+    else by identity. Replay inputs and the Python values breaks return use it."""
     if a is b:
         return True
     if type(a) is not type(b):
@@ -256,7 +260,7 @@ class InputSpec:
     def _check_values(self, leaves: Any) -> None:
         for i, name, value in self.values:
             new = leaves[i]
-            if new is not value and not _same_value(new, value):
+            if new is not value and not same_value(new, value):
                 same_type = type(new) is type(value) and isinstance(value, _VALUE_TYPES)
                 was, now = (repr(value), repr(new)) if same_type else (_describe(value), _describe(new))
                 raise ValueError(

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 import piecewise_backend as pb
 from piecewise_backend.capture import EagerSegment, capture_active
@@ -394,25 +395,76 @@ def test_a_stub_that_returns_its_input_is_refused_at_capture_naming_the_stub(stu
 @pytest.mark.parametrize(
     "result, shown",
     [
-        pytest.param(lambda x: x.sum().item(), "float 4.0", id="item"),
-        pytest.param(lambda x: (x * 2, int(x.numel())), "int 4", id="int-in-a-tuple"),
-        pytest.param(lambda x: {"flag": bool(x.sum().item() > 0)}, "bool True", id="bool-in-a-dict"),
+        pytest.param(lambda x: x.sum().item(), "float", id="item"),
+        pytest.param(lambda x: (x * 2, int(x.sum().item())), "int", id="int-in-a-tuple"),
+        pytest.param(lambda x: {"flag": bool(x.sum().item() > 4)}, "bool", id="bool-in-a-dict"),
     ],
 )
-def test_a_break_that_returns_a_python_value_is_refused_at_capture(result, shown):
+def test_a_break_may_return_a_python_value_and_a_replay_whose_value_changed_raises(result, shown):
     @pb.eager_break
     def total(x):
         return result(x)
 
     x, out = torch.ones(4), torch.zeros(4)
     g = sim_graph()
-    with pytest.raises(RuntimeError, match=rf"break '.*total' returned {shown} \(output \d\) at capture: a Python "
-                       r"value a break returns is baked into the graph segments after it.*x.sum\(\), not x.sum\(\).item\(\)"):
+    with pb.breakable_graph(g):  # used to refuse any Python value at capture
+        out.fill_(1.0)
+        got = total(x)  # x exists before the capture: the break reads its real values
+        out.add_(1.0)
+    def values(tree):
+        return [v for v in tree_leaves(tree) if not isinstance(v, torch.Tensor)]
+
+    kept = [v for _, v in [s for s in g.segments if isinstance(s, EagerSegment)][0].values]
+    assert kept and kept == values(got) == values(result(x))  # later segments got the break's real value
+    for _ in range(2):
+        g.replay()
+        assert torch.equal(out, torch.full((4,), 2.0))
+    x.fill_(3.0)  # eager gives another value now: the segments after the break were recorded with the old one
+    with pytest.raises(RuntimeError, match=rf"break '.*total' returned {shown} .* \(output \d\) on replay, where it "
+                       rf"returned {shown} .* at capture: the graph segments after the break were recorded with"):
+        g.replay()
+
+
+def test_a_python_value_the_caller_uses_is_compared_on_replay_nan_equal_to_nan():
+    scale = [2.0]
+
+    @pb.no_graph  # the peer's name: its suite returns 1.0 from a no_graph function
+    def factor(x):
+        x.add_(0)
+        return scale[0]
+
+    @pb.no_graph
+    def not_a_number(x):
+        return float("nan"), None
+
+    x, out = torch.ones(3), torch.zeros(3)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        y = x * 3
+        out.copy_(y * factor(y))
+        not_a_number(out)
+    x.fill_(2.0)
+    g.replay()  # NaN equals NaN: the value did not change
+    assert torch.equal(out, torch.full((3,), 12.0))
+    scale[0] = 5.0
+    with pytest.raises(RuntimeError, match=r"break '.*factor' returned float 5.0 \(output 0\) on replay, where it "
+                       r"returned float 2.0 at capture"):
+        g.replay()
+
+
+def test_a_break_returning_an_object_is_refused_at_capture_and_tensors_carry_live_values():
+    @pb.eager_break
+    def opaque(x):
+        return object()
+
+    x, out = torch.ones(4), torch.zeros(4)
+    g = sim_graph()
+    with pytest.raises(RuntimeError, match=r"break '.*opaque' returned object .* \(output 0\) at capture: "
+                       r"the graph segments after a break read what it returned at capture"):
         with pb.breakable_graph(g):
-            out.fill_(1.0)
-            out.mul_(total(x))  # eager gives 4 now and 12 after x.fill_(3): a baked 4.0 would replay silently
+            opaque(x)
     assert g.segments == [] and not capture_active()
-    # a 0-d tensor carries the value into the later segments: replays see the live sum
+    # a 0-d tensor carries a changing value into the later segments: replays see the live sum
     @pb.eager_break
     def total_tensor(x):
         return x.sum()
@@ -456,8 +508,8 @@ def test_eager_break_on_a_partial_and_a_callable_object_names_them():
     g.replay()
     assert torch.equal(out, torch.full((2,), 7.0))
 
-    bad_partial = pb.eager_break(functools.partial(lambda x, k: x.sum().item() * k, k=2))
-    with pytest.raises(RuntimeError, match=r"break 'functools.partial\(.*<lambda>\)' returned float"):
+    bad_partial = pb.eager_break(functools.partial(lambda x, k: [object()] * k, k=2))
+    with pytest.raises(RuntimeError, match=r"break 'functools.partial\(.*<lambda>\)' returned object"):
         with pb.breakable_graph(sim_graph()):
             bad_partial(x)
 

@@ -564,3 +564,36 @@ def test_set_aside_entries_and_restore_them():
     assert w.entries[D8] is entry
     w.restore_entries(None)
     assert w.entries == {}
+
+
+# ---------------------------------------------------------------- breaks returning Python values
+
+
+def test_a_breakable_wrapper_keeps_a_break_python_value_and_checks_it_on_every_replay():
+    step = [1.0]
+
+    @pb.eager_break
+    def learning_rate(h: torch.Tensor) -> float:
+        return step[0]
+
+    @pb.eager_break
+    def garbage_sum(h: torch.Tensor) -> float:
+        return h.sum().item()  # h is made by the segment before: garbage at capture
+
+    def f(x):
+        h = x * 2
+        return h * learning_rate(h)
+
+    w = breakable(f, M.PIECEWISE)
+    x = x8()
+    assert_close(run(w, M.PIECEWISE, D8, x), x * 2)  # used to refuse the float at capture
+    assert_close(run(w, M.PIECEWISE, D8, x + 1), (x + 1) * 2)
+    step[0] = 0.5
+    with pytest.raises(RuntimeError, match=r"break '.*learning_rate' returned float 0.5 \(output 0\) on replay, "
+                       r"where it returned float 1.0 at capture"):
+        run(w, M.PIECEWISE, D8, x)
+    g = breakable(lambda x: (x * 2) * garbage_sum(x * 2), M.PIECEWISE)
+    with pytest.raises(RuntimeError, match=r"break '.*garbage_sum' returned float .* on replay, where it returned "
+                       r"float nan at capture.*is garbage there"):
+        run(g, M.PIECEWISE, D8, x)  # the capturing call replays once: it raises there, not silently later
+    assert not g.entries and not capture_active()

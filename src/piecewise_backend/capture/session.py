@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ..inputs import VALUE_TYPES, same_value
 from ..observability import counters
 from ..platforms.base import Graph, Recorder, Recording, fresh_outputs, set_gc_managed
 
@@ -68,14 +69,17 @@ class EagerSegment:
     write (as a KV-cache write is) whose Python arguments do not change between steps.
 
     What a break returns is checked, since later graph segments read the capture-time result:
-    at capture, a Python value (baked into the segments after it) and a ``capture_stub`` result
-    that is its input (the segments would read the input, not the break's result) are refused;
-    on replay, a result of another shape, dtype, device or structure than at capture raises
-    instead of being broadcast or cast into the capture-time tensor.
+    at capture, an opaque object and a ``capture_stub`` result that is its input (the segments
+    would read the input, not the break's result) are refused; on replay, a result of another
+    shape, dtype, device or structure than at capture raises instead of being broadcast or cast
+    into the capture-time tensor. A Python value (a leaf of ``inputs.VALUE_TYPES``: a number, a
+    bool, None, ...) is returned as it is to the segments after the break, which were recorded
+    with it: each replay compares the break's new value with the capture-time one
+    (``inputs.same_value``: NaN equals NaN) and raises naming the break when it differs.
     """
 
     __slots__ = ("fn", "args", "kwargs", "fresh", "single", "returned", "grad_enabled", "_plain", "name", "stub",
-                 "num_leaves")
+                 "num_leaves", "values")
 
     def __init__(
         self,
@@ -95,14 +99,15 @@ class EagerSegment:
         leaves = [out] if self.single else [] if out is None else tree_leaves(out)
         self.num_leaves = len(leaves)
         for i, t in enumerate(leaves):
-            if t is not None and not isinstance(t, torch.Tensor):
+            if not isinstance(t, (torch.Tensor, *VALUE_TYPES)):
                 raise RuntimeError(
-                    f"{self._who()} returned {_describe(t)} (output {i}) at capture: a Python value a break "
-                    "returns is baked into the graph segments after it, so every replay would reuse this "
-                    "capture-time value silently. Return a tensor instead (x.sum(), not x.sum().item()), or hand "
-                    "the value over another way (write it into a tensor, or append it to a list the caller reads); "
-                    "a break may return tensors, None, or containers of them"
+                    f"{self._who()} returned {_describe(t)} (output {i}) at capture: the graph segments after a "
+                    "break read what it returned at capture, and an object cannot be compared or copied on "
+                    "replay. A break may return tensors, Python values (numbers, bools, None, strings) or "
+                    "containers of them"
                 )
+        # Python values the later segments were recorded with: every replay must give them again.
+        self.values = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and v is not None]
         # A result in fresh memory must land where the later graph segments read it.
         self.fresh = fresh_outputs(args, kwargs, leaves)
         if stub is not None:
@@ -126,7 +131,7 @@ class EagerSegment:
         # Dynamo puts grad-mode switches of a no_grad region into pieces a replay skips: a break whose
         # grad mode at capture was set by the model (see CaptureSession.run_break) gets it back on replay.
         self.grad_enabled = force_grad
-        self._plain = not self.fresh and not self.returned  # nothing to check or copy after the call
+        self._plain = not self.fresh and not self.returned and not self.values  # nothing to check after the call
 
     def replay(self) -> None:
         if self.grad_enabled is not None:
@@ -152,6 +157,9 @@ class EagerSegment:
                 "capture: later graph segments read the capture-time results, so a break must return the "
                 "same structure on every call (a capture_stub the structure of the body's result)"
             )
+        for i, value in self.values:
+            if not same_value(leaves[i], value):
+                self._value_changed(i, value, leaves[i])
         for i, t in self.returned:
             if leaves[i] is not t:
                 self._lost(i)
@@ -174,6 +182,17 @@ class EagerSegment:
             f"{_describe(captured)} at capture: later graph segments read the capture-time tensor, and copying "
             "this result into it would broadcast or cast it silently. A break must return the same shape, dtype "
             "and device on every call" + (" (a capture_stub what the body returns)" if self.stub is not None else "")
+        )
+
+    def _value_changed(self, i: int, captured: Any, now: Any) -> None:
+        at_capture = f"its capture_stub {self.stub!r}" if self.stub is not None else "it"
+        raise RuntimeError(
+            f"break {self.name!r} returned {_describe(now)} (output {i}) on replay, where {at_capture} returned "
+            f"{_describe(captured)} at capture: the graph segments after the break were recorded with the "
+            "capture-time value, so they would compute with it silently. A Python value a break returns must be "
+            "the same on every call (at capture a break runs on memory the unexecuted segment before it never "
+            "wrote, so a value computed from a tensor that segment made is garbage there); return a value that "
+            "changes between steps as a tensor (x.sum(), not x.sum().item()), or capture again"
         )
 
     def _lost(self, i: int) -> None:
