@@ -7,6 +7,8 @@ Run: python examples/serve.py
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import piecewise_backend as pb
@@ -85,4 +87,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

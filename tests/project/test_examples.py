@@ -30,6 +30,14 @@ def test_serve_example_runs_piecewise_and_full_steps():
     assert re.search(r"^captured \d+ graphs", proc.stdout, re.MULTILINE), proc.stdout
 
 
+def test_serve_example_help_prints_usage_and_runs_nothing():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "serve.py"), "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: serve.py") and "step" not in proc.stdout.split("options:")[-1]
+    assert "captured" not in proc.stdout and "platform:" not in proc.stdout
+
+
 def test_compile_split_example_shows_pieces_and_compile_once():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
