@@ -88,6 +88,19 @@ def test_a_request_added_while_generate_runs_is_served_not_dropped(crowded, refe
     assert [r.token_ids for r in crowded.results()] == [reference[tuple(PROMPTS[2])]]
 
 
+def test_generate_or_step_from_a_callback_is_refused_naming_the_reentrant_call(crowded, reference):
+    with pytest.raises(RuntimeError, match=r"generate\(\) called from inside generate\(\)"):
+        crowded.generate(PROMPTS[:1], 3, on_token=lambda i, t: crowded.generate([[1]], 1))
+    with pytest.raises(RuntimeError, match=r"step\(\) called from inside generate\(\)"):
+        crowded.generate(PROMPTS[:1], 3, on_step=lambda info: crowded.step())
+    crowded.add_request(PROMPTS[1], 2, on_token=lambda i, t: crowded.generate([[1]], 1))
+    with pytest.raises(RuntimeError, match=r"generate\(\) called from inside step\(\)"):
+        crowded.step()
+    assert [r.finish_reason for r in crowded.results()] == ["error"]
+    assert crowded.generate(PROMPTS[:1], 12) == [reference[tuple(PROMPTS[0])]]  # nothing left wedged
+    assert crowded.cache.num_free_blocks == 14
+
+
 def test_a_raising_callback_ends_its_request_and_the_others_finish(crowded, reference):
     def boom(request_id, token):
         if len(seen) == 1:

@@ -122,6 +122,7 @@ class ServingLoop:
         self.scheduler = Scheduler(cache, max_num_reqs, max_num_batched_tokens, states, lookahead)
         self.lookahead = lookahead
         self.lock = threading.RLock()
+        self._serving: str | None = None  # the call whose steps run now ("generate()", "step()"): no re-entry
         self.steps = 0
         self._arrivals = 0
         self._live: dict[Hashable, Request] = {}  # unfinished requests by id
@@ -236,6 +237,7 @@ class ServingLoop:
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be callable(request_index, token_id), got {type(on_token).__name__}")
         with self.lock:
+            self._refuse_reentry("generate()")
             if self.has_unfinished():
                 raise RuntimeError(
                     "generate() serves a batch of its own, but requests added with add_request() are unfinished: "
@@ -244,6 +246,7 @@ class ServingLoop:
             call = next(self._calls)
             requests: list[Request] = []
             self.steps = 0
+            self._serving = "generate()"
             try:
                 for i, p in enumerate(prompts):
                     requests.append(self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i))
@@ -252,10 +255,20 @@ class ServingLoop:
                     if on_step is not None:
                         on_step(info)  # type: ignore[arg-type]
             finally:  # an error mid-way must not leak the blocks of this call's requests
+                self._serving = None
                 for r in requests:
                     if r.finish_reason is None:
                         self._finish(r, "cancelled")
             return [r.output for r in requests]
+
+    def _refuse_reentry(self, name: str) -> None:
+        """Refuse ``name`` called from a callback of a call serving steps now (the lock is held, so the
+        caller is the stepping thread)."""
+        if self._serving is not None:
+            raise RuntimeError(
+                f"{name} called from inside {self._serving} (from an on_token or on_step callback): a re-entrant "
+                "call is refused; add_request() or cancel_request() from a callback instead"
+            )
 
     # ------------------------------------------------------------------ steps
 
@@ -264,7 +277,12 @@ class ServingLoop:
         cancelled) since the last call."""
         with self.lock:
             if self.scheduler.has_unfinished():
-                self.advance(report=False)
+                self._refuse_reentry("step()")
+                self._serving = "step()"
+                try:
+                    self.advance(report=False)
+                finally:
+                    self._serving = None
             if not self._done:
                 return []
             done = list(self._done)
