@@ -452,6 +452,29 @@ def test_a_python_value_the_caller_uses_is_compared_on_replay_nan_equal_to_nan()
         g.replay()
 
 
+def test_a_break_returning_an_expanded_tensor_replays_its_new_values():
+    """An .expand()ed result cannot be written in place (torch asks for a clone()): the capture keeps a
+    dense copy, and every replay copies the break's new result into it."""
+    @pb.eager_break
+    def row_sum(x):
+        return x.sum().reshape(1).expand(3)
+
+    @pb.eager_break
+    def pair(x):
+        return x.max().reshape(1, 1).expand(2, 3), x
+
+    x, out = torch.ones(3), torch.zeros(3)
+    g = sim_graph()
+    with pb.breakable_graph(g):
+        y = x * 2
+        a, same = pair(y)
+        out.copy_(row_sum(y) + a[1] + same)
+    for value in (2.0, 5.0):
+        x.fill_(value)
+        g.replay()
+        assert torch.equal(out, (x * 2).sum() + (x * 2).max() + x * 2)
+
+
 def test_a_break_returning_an_object_is_refused_at_capture_and_tensors_carry_live_values():
     @pb.eager_break
     def opaque(x):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_structure, tree_unflatten
 
 from ..inputs import VALUE_TYPES, same_value
 from ..observability import counters
@@ -274,6 +274,7 @@ class CaptureSession:
             out = (fn if stub is None else stub)(*args, **kwargs)
         finally:
             _state.in_break -= 1
+        out = _dense_results(out, args, kwargs)
         force = before if before != self.start_grad or self.grad_touched else None
         # a forced break changes the mode on replay too: later breaks and the entry's end must set theirs
         self.grad_touched |= force is not None or torch.is_grad_enabled() != before
@@ -281,6 +282,22 @@ class CaptureSession:
         counters["breaks"] += 1
         self.begin()
         return out
+
+
+def _dense_results(out: Any, args: tuple, kwargs: dict) -> Any:
+    """``out`` with each result in fresh memory whose elements share memory (an ``.expand()``ed
+    tensor) copied into a dense one: a replay copies the break's new result into the capture-time
+    tensor, and torch refuses to write a tensor whose elements overlap. A result sharing an input's
+    memory is read in place by later segments and stays as it is."""
+    leaves = [out] if isinstance(out, torch.Tensor) else [] if out is None else tree_leaves(out)
+    overlapping = [i for i, t in fresh_outputs(args, kwargs, leaves) if torch._debug_has_internal_overlap(t) == 1]
+    if not overlapping:  # MemOverlap.Yes above; the common case returns at once
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.clone(memory_format=torch.contiguous_format)
+    for i in overlapping:
+        leaves[i] = leaves[i].clone(memory_format=torch.contiguous_format)
+    return tree_unflatten(leaves, tree_structure(out))
 
 
 @contextlib.contextmanager
