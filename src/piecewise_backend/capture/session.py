@@ -357,6 +357,13 @@ def call_break(
     return session.run_break(fn, args, kwargs, capture_stub, name)
 
 
+# What a torch.compile'd model reaches through an eager_break: Dynamo breaks its graph here and
+# runs the capture machinery eagerly, instead of tracing the session, the simulator's pool and its
+# checks (recompiling them on every session change, up to its limit, and building torch's
+# StorageWeakRef objects without their __init__, whose __del__ then raised at exit).
+_call_break_eagerly = torch.compiler.disable(call_break, recursive=True)
+
+
 def force_break() -> None:
     """A split with no eager work: inside a breakable capture the open segment ends, the capture's
     ``barrier_fn`` runs, and the next segment begins; no eager segment is recorded (the peers'
@@ -423,7 +430,7 @@ def eager_break(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _state.session is None:
                 return fn(*args, **kwargs)
-            return call_break(fn, args, kwargs, capture_stub, name)
+            return _call_break_eagerly(fn, args, kwargs, capture_stub, name)
 
         wrapper.__pb_break_point__ = fn  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
