@@ -210,6 +210,7 @@ def test_runner_warm_up_without_a_capture_leaves_no_mark(fake):
 
 
 def test_lazy_capture_without_warmups_fails_and_recovers(fake):
+    fake.blas_handle()  # this thread's cuBLAS handle exists, as after any earlier GEMM: only autotuning is left to fail
     m = DeviceMLP()
     w = pb.BreakableCUDAGraphWrapper(m, config=CFG.replace(num_warmups=0))
     with pytest.raises(RuntimeError, match=NOT_PERMITTED):
