@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -314,6 +315,7 @@ def session_scope(session: CaptureSession) -> Iterator[CaptureSession]:
             "wrapper's capture was opened inside another): end the first capture before starting the next"
         )
     with _capture_lock:
+        _hide_from_dynamo()
         _state.session = session
         try:
             with session.scope():
@@ -361,7 +363,15 @@ def call_break(
 # runs the capture machinery eagerly, instead of tracing the session, the simulator's pool and its
 # checks (recompiling them on every session change, up to its limit, and building torch's
 # StorageWeakRef objects without their __init__, whose __del__ then raised at exit).
-_call_break_eagerly = torch.compiler.disable(call_break, recursive=True)
+# Built when a session opens with Dynamo loaded (only then can a compiled model be tracing): the
+# package's import loads no compiler, and a compile-free capture never imports one.
+_call_break_eagerly: Callable[..., Any] = call_break
+
+
+def _hide_from_dynamo() -> None:
+    global _call_break_eagerly
+    if _call_break_eagerly is call_break and "torch._dynamo" in sys.modules:
+        _call_break_eagerly = torch.compiler.disable(call_break, recursive=True)
 
 
 def force_break() -> None:
