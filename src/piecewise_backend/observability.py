@@ -29,7 +29,9 @@ COUNTER_KEYS = (
     "eager_FULL",  # ... a FULL step a PIECEWISE-only wrapper let through
     "eager_steps_above_ladder",  # runner steps run eagerly: more tokens than the largest capture size
     "eager_steps_inputs_too_wide",  # ... an input wider than the static buffers
-    "eager_steps_not_captured",  # ... their graph not captured (lazy, graph_memory_budget, failed)
+    "eager_steps_not_captured",  # ... their graph not captured yet (lazy capture, graph_memory_budget)
+    "eager_steps_capture_failed",  # ... their graph's idle-time capture (or the compile before it) failed
+    "capture_failures",  # idle-time captures and compiles that raised (recorded in GraphRunner.capture_failures)
 )
 
 

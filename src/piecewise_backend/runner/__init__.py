@@ -6,6 +6,7 @@ from .assembly import clear_graphs, drop_full_graphs, resolve_cudagraph_mode, va
 from .buffers import StepBuffers
 from .dispatcher import CudagraphDispatcher
 from .graph_runner import EAGER_REASONS, GraphRunner, StepResult
+from .lazy import CaptureFailure
 from .orchestration import CaptureReport
 from .static_inputs import StaticInput
 from .step import ModelStep, Step
@@ -20,6 +21,7 @@ __all__ = [
     "GraphRunner",
     "StepResult",
     "EAGER_REASONS",
+    "CaptureFailure",
     "CaptureReport",
     "StaticInput",
     "StepBuffers",

@@ -34,7 +34,7 @@ from .batch_checks import BatchChecks, check_runner_args
 from .buffers import StepBuffers
 from .dispatcher import CudagraphDispatcher
 from .full_context import check_full_context
-from .lazy import Key, LazyCapture
+from .lazy import CaptureFailure, Key, LazyCapture
 from .mode_policy import runner_modes
 from .orchestration import CaptureBudget, CaptureReport, capture_keys, estimate_memory
 from .static_inputs import StaticInput
@@ -64,7 +64,8 @@ class StepResult:
 EAGER_REASONS = {
     "above_ladder": "more tokens than the largest capture size",
     "inputs_too_wide": "an input wider than the static buffers",
-    "not_captured": "its graph is not captured (lazy capture, a graph_memory_budget, or a failed capture)",
+    "not_captured": "its graph is not captured yet (lazy capture, a graph_memory_budget)",
+    "capture_failed": "its graph's idle-time capture, or the compile before it, failed (GraphRunner.capture_failures)",
 }
 
 
@@ -220,6 +221,12 @@ class GraphRunner:
         return self.lazy.costliest_start(self.config.compile_pieces, self.step.needs_compile)
 
     @property
+    def capture_failures(self) -> tuple[CaptureFailure, ...]:
+        """Idle-time compiles and captures that raised, in order (:class:`~.lazy.CaptureFailure`); their steps run
+        eagerly until ``capture_idle(retry_failed=True)``."""
+        return tuple(self.lazy.failures.values())
+
+    @property
     def demand(self) -> dict[Key, int]:
         """Steps that ran without the graph they dispatched to, per ``(mode, descriptor)`` not captured."""
         return {k: d.steps for k, d in self.lazy.demand.items()}
@@ -317,7 +324,7 @@ class GraphRunner:
         elif not fit:
             reason = "inputs_too_wide"
         elif wanted is not None:
-            reason = "not_captured"
+            reason = "capture_failed" if self.lazy.failed(wanted) else "not_captured"
         else:
             return ""
         counters["eager_steps_" + reason] += 1
@@ -366,13 +373,20 @@ class GraphRunner:
         return self.report
 
     def capture_idle(
-        self, max_seconds: float, *, clock: Callable[[], float] = time.perf_counter
+        self, max_seconds: float, *, retry_failed: bool = False, clock: Callable[[], float] = time.perf_counter
     ) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
         """Capture descriptors that steps asked for (largest first) within ``max_seconds`` and ``graph_memory_budget``; returns the ``(mode, descriptor)`` pairs
         captured. Starts no capture predicted to overrun either (:mod:`.lazy`). Call it between
-        steps, on the thread that runs them."""
+        steps, on the thread that runs them.
+
+        A compile or capture that raises is recorded in :attr:`capture_failures` (warned once per reason) and
+        not tried again: its steps run eagerly. ``retry_failed=True`` forgets the failures first."""
         if not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool) or not max_seconds >= 0:
             raise ValueError(f"capture_idle: max_seconds must be a number of seconds >= 0, got {max_seconds!r}")
+        if retry_failed is not True and retry_failed is not False:
+            raise ValueError(f"capture_idle: retry_failed must be a bool, got {retry_failed!r}")
+        if retry_failed:
+            self.lazy.retry_failed()
         budget = CaptureBudget(seconds=float(max_seconds), memory=self._budget)
         captured, _ = capture_keys(self.step_buffers, self.step, self.config, self.lazy, list(self.lazy.demand),
                                    budget, clock=clock)

@@ -30,6 +30,11 @@ fits the time left: :attr:`LazyCapture.compile_estimate_s`, by default
 and eager pieces take 1-2 s cold, Inductor pieces 5-30 s), or what the last compile in this process
 took when that is larger; set it to what your model measures. Until it fits, nothing is captured.
 
+**Failures.** A compile or capture that raises in idle time is recorded (:class:`CaptureFailure`,
+``GraphRunner.capture_failures``) and not tried again until asked (``capture_idle(retry_failed=True)``):
+the steps it would serve run eagerly (reason ``capture_failed``) and stop counting as demand, so a
+failure is paid once, not before every step. A failed compile stops every capture of the runner.
+
 Order: largest first, as at startup (section 4.6): entries hold their capture memory weakly, so a
 smaller capture reuses what a larger one left in the pool and the pool costs about its largest
 capture; a capture larger than all before it is the one that grows the pool.
@@ -77,6 +82,18 @@ class CaptureRecord:
     frontier: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureFailure:
+    """A compile or capture that raised in idle time: its ``stage`` ("compile": the warm-up that compiles the
+    model before the first capture, run at ``descriptor``'s size; "capture"), the key it was for, and the
+    error as text (``reason``: its type and message)."""
+
+    stage: str
+    mode: CUDAGraphMode
+    descriptor: BatchDescriptor
+    reason: str
+
+
 class LazyCapture:
     """A runner's captured keys, the demand for the others, and the measurements predictions use."""
 
@@ -90,6 +107,9 @@ class LazyCapture:
         #: :meth:`predict_compile`); set it to what this model's compile measures.
         self.compile_estimate_s: float | None = None
         self.compile_seconds: float | None = None  # what this runner's compile took (None: not compiled here)
+        self.failures: dict[Key, CaptureFailure] = {}  # in the order they happened
+        self.compile_failed = False  # a failure of stage "compile" is recorded: nothing is captured
+        self._parked: dict[Key, Demand] = {}  # the demand of failed keys (and all of it after a failed compile)
 
     # ------------------------------------------------------------------ the step path
 
@@ -103,7 +123,8 @@ class LazyCapture:
         key = (mode, desc)
         if key in self.captured:
             return mode, desc, None
-        self.demand.setdefault(key, Demand()).steps += 1
+        if not self.compile_failed and key not in self.failures:
+            self.demand.setdefault(key, Demand()).steps += 1
         if mode == _FULL:
             relaxed = BatchDescriptor(desc.num_tokens)
             if (_PIECEWISE, relaxed) in self.captured:
@@ -111,8 +132,13 @@ class LazyCapture:
         return _NONE, BatchDescriptor(n), key
 
     def note_eager(self, key: Key, seconds: float) -> None:
-        demand = self.demand[key]
-        demand.eager_seconds = min(demand.eager_seconds, seconds)
+        demand = self.demand.get(key)
+        if demand is not None:  # a failed key is not demand
+            demand.eager_seconds = min(demand.eager_seconds, seconds)
+
+    def failed(self, key: Key) -> bool:
+        """Is ``key`` served eagerly because its capture (or the runner's compile) failed?"""
+        return self.compile_failed or key in self.failures
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -123,6 +149,29 @@ class LazyCapture:
         self.demand.pop((mode, desc), None)
         if growth is not None:
             self.grown += growth
+
+    def note_failure(self, stage: str, mode: CUDAGraphMode, desc: BatchDescriptor, error: BaseException) -> CaptureFailure:
+        """The ``stage`` for ``(mode, desc)`` raised ``error``: recorded, and its demand (all of it, for a
+        compile) parked until :meth:`retry_failed`; returns the record."""
+        failure = CaptureFailure(stage, mode, desc, f"{type(error).__name__}: {error}")
+        key = (mode, desc)
+        self.failures[key] = failure
+        parked = list(self.demand) if stage == "compile" else [key]
+        for k in parked:
+            if k in self.demand:
+                self._parked[k] = self.demand.pop(k)
+        self.compile_failed = self.compile_failed or stage == "compile"
+        return failure
+
+    def retry_failed(self) -> list[CaptureFailure]:
+        """Forget the failures: their keys are demand again (the next pass tries them); returns what was forgotten."""
+        forgotten = list(self.failures.values())
+        self.failures.clear()
+        self.compile_failed = False
+        for k, d in self._parked.items():
+            self.demand.setdefault(k, d)
+        self._parked.clear()
+        return forgotten
 
     def forget(self) -> None:
         """The runner's graphs were dropped: nothing is captured (measurements are kept)."""
@@ -188,8 +237,10 @@ class LazyCapture:
     # ------------------------------------------------------------------ the capture loop's questions
 
     def pending(self, keys: Iterable[Key]) -> list[Key]:
-        """``keys`` that are neither captured nor refused as too large, in their order."""
-        return [k for k in keys if k not in self.captured and k not in self.too_large]
+        """``keys`` that are neither captured, refused as too large nor failed, in their order."""
+        if self.compile_failed:
+            return []
+        return [k for k in keys if k not in self.captured and k not in self.too_large and k not in self.failures]
 
     def admits(self, mode: CUDAGraphMode, desc: BatchDescriptor, seconds_left: float, budget: int | None) -> bool:
         """May the capture of ``(mode, desc)`` start with ``seconds_left`` and ``budget`` (bytes this runner's

@@ -169,7 +169,11 @@ def capture_keys(
         if policy.predict_compile(config.compile_pieces) > budget.seconds - (clock() - start):
             plan = []
         else:
-            compile_now(buffers, step, plan[-1][1], platform, policy, config.compile_pieces, clock)
+            try:
+                compile_now(buffers, step, plan[-1][1], platform, policy, config.compile_pieces, clock)
+            except Exception as error:  # noqa: BLE001 - recorded and said; the steps keep running eagerly
+                _note_failure(policy, "compile", *plan[-1], error)
+                plan = []
     with contextlib.ExitStack() as frozen, _progress(len(plan), progress if platform else False) as bar:
         for mode, desc in plan if platform is not None else ():
             if not budget.startup and not policy.admits(mode, desc, budget.seconds - (clock() - start), budget.memory):
@@ -180,7 +184,16 @@ def capture_keys(
                 gc_seconds += clock() - began
                 buffers.reset()  # never a previous step's data (real KV slots)
             mem, began = platform.memory(), clock()
-            phases = capture_one(buffers, step, mode, desc, platform, config.num_warmups)
+            if budget.startup:  # capture() raises: the caller asked for these graphs
+                phases = capture_one(buffers, step, mode, desc, platform, config.num_warmups)
+            else:
+                try:
+                    phases = capture_one(buffers, step, mode, desc, platform, config.num_warmups)
+                except Exception as error:  # noqa: BLE001 - recorded and said; this key's steps run eagerly
+                    step.drop(mode, desc)  # nothing half-built stays (the wrappers keep no entry of a failed capture)
+                    _note_failure(policy, "capture", mode, desc, error)
+                    bar.update(1)
+                    continue
             seconds = clock() - began
             policy.note_capture(mode, desc, seconds, None if budget.startup else platform.memory() - mem)
             per.append(DescriptorSeconds(mode, desc, seconds, phases))
@@ -209,6 +222,20 @@ def capture_keys(
     report = CaptureReport(len(captured), seconds, stats, added, graphs_created() - segments, per,
                            phase_totals(per, seconds, gc_seconds))
     return captured, report
+
+
+def _note_failure(policy: LazyCapture, stage: str, mode: CUDAGraphMode, desc: BatchDescriptor,
+                  error: Exception) -> None:
+    """Record a failed idle-time compile or capture; warn once per distinct reason."""
+    known = {f.reason for f in policy.failures.values()}
+    failure = policy.note_failure(stage, mode, desc, error)
+    counters["capture_failures"] += 1
+    if failure.reason in known:
+        logger.info("lazy %s of %s %s failed again (%s)", stage, mode.name, desc, failure.reason)
+        return
+    what = "every step runs eagerly" if stage == "compile" else f"steps of {mode.name} {desc} run eagerly"
+    logger.warning("lazy %s of %s %s failed (%s): %s (reason capture_failed, GraphRunner.capture_failures); "
+                   "capture_idle(retry_failed=True) tries again", stage, mode.name, desc, failure.reason, what)
 
 
 def compile_now(

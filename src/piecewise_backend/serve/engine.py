@@ -170,17 +170,20 @@ class Engine:
         with torch.inference_mode():
             return self.runner.capture(progress=progress)
 
-    def capture_idle(self, max_seconds: float) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+    def capture_idle(self, max_seconds: float, *, retry_failed: bool = False) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
         """Capture, within ``max_seconds`` and ``graph_memory_budget``, the graphs steps ran without;
         returns the ``(mode, descriptor)`` pairs captured. Call it between steps (when idle), on the
-        thread that steps: a capture must never overlap a step (see :mod:`.loop`)."""
+        thread that steps: a capture must never overlap a step (see :mod:`.loop`). A failed compile or
+        capture is not tried again (``runner.capture_failures``) unless ``retry_failed=True``."""
         if not isinstance(max_seconds, (int, float)) or isinstance(max_seconds, bool) or not max_seconds >= 0:
             raise ValueError(f"capture_idle: max_seconds must be a number of seconds >= 0, got {max_seconds!r}")
+        if retry_failed is not True and retry_failed is not False:
+            raise ValueError(f"capture_idle: retry_failed must be a bool, got {retry_failed!r}")
         captured: list[tuple[CUDAGraphMode, BatchDescriptor]] = []
         deadline = time.perf_counter() + max_seconds
         with self._loop.lock, torch.inference_mode():
             for m in self.model_runners:
-                captured += m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
+                captured += m.runner.capture_idle(max(0.0, deadline - time.perf_counter()), retry_failed=retry_failed)
         return captured
 
     def estimate_capture_memory(self) -> int:
