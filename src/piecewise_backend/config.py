@@ -35,7 +35,7 @@ class CompilationConfig:
     num_warmups: int = 1
     debug_dump_dir: str | os.PathLike[str] | None = None
     max_num_seqs: int | None = None  # set: FULL keys of mixed batches carry num_reqs=min(padded, max_num_seqs)
-    debug_checks: bool = False  # poison stale replay outputs, cross-rank key checks (slower; for debugging)
+    debug_checks: bool = False  # poison stale replay outputs, escaped break outputs on CUDA, cross-rank key checks (slower; for debugging)
     cache_dir: str | os.PathLike[str] | None = None  # compiled pieces saved and loaded across processes
     use_ubatching: bool = False  # micro-batching (dual-batch overlap): UBatchWrapper instead of the graph wrappers
     dbo_decode_token_threshold: int = 32  # a pure-decode step is micro-batched from this many tokens

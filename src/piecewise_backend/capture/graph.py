@@ -212,6 +212,7 @@ def breakable_graph(
         breakable=True,
         scope=lambda: platform.capturing_into(pool.handle, stream, capture_error_mode),
         barrier=barrier_fn,
+        watch_escapes=platform.name == "simulated",
     )
     with session_scope(session):
         yield g

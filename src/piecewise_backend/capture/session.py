@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_structure, tree_unflatten
 from ..inputs import VALUE_TYPES, same_value
 from ..observability import counters
 from ..platforms.base import Graph, Recorder, Recording, fresh_outputs, set_gc_managed
+from .escapes import EscapeWatch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -209,7 +210,8 @@ class CaptureSession:
 
     ``scope`` opens what the whole capture runs in (default: the platform's capture scope;
     :func:`~.graph.breakable_graph` adds its pool and stream); ``barrier`` runs before each
-    break's eager call, at capture only (``breakable_graph(barrier_fn=)``).
+    break's eager call, at capture only (``breakable_graph(barrier_fn=)``). ``watch_escapes``: refuse
+    a segment that reads a tensor a break made without returning it (:mod:`.escapes`; breakable only).
     """
 
     def __init__(
@@ -219,8 +221,10 @@ class CaptureSession:
         *,
         scope: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         barrier: Callable[[], Any] | None = None,
+        watch_escapes: bool = False,
     ):
         self.platform, self.breakable = platform, breakable
+        self.watch = EscapeWatch() if watch_escapes and breakable else None
         self.scope = scope if scope is not None else platform.capture_scope
         self.barrier = barrier
         self.segments: list[Graph | EagerSegment] = []
@@ -270,12 +274,18 @@ class CaptureSession:
         if self.barrier is not None:
             self.barrier()
         before = torch.is_grad_enabled()
+        watch = self.watch
+        if watch is not None:
+            watch.enter_break(name)
         _state.in_break += 1
+        out = None
         try:
             out = (fn if stub is None else stub)(*args, **kwargs)
+            out = _dense_results(out, args, kwargs)
         finally:
             _state.in_break -= 1
-        out = _dense_results(out, args, kwargs)
+            if watch is not None:
+                watch.leave_break(out)
         force = before if before != self.start_grad or self.grad_touched else None
         # a forced break changes the mode on replay too: later breaks and the entry's end must set theirs
         self.grad_touched |= force is not None or torch.is_grad_enabled() != before
@@ -318,7 +328,7 @@ def session_scope(session: CaptureSession) -> Iterator[CaptureSession]:
         _hide_from_dynamo()
         _state.session = session
         try:
-            with session.scope():
+            with session.scope(), (session.watch or contextlib.nullcontext()):
                 session.begin()
                 try:
                     yield session

@@ -177,7 +177,8 @@ class GraphWrapper:
         spec = InputSpec(args, kwargs)  # stages non-persistent inputs: the capture reads static buffers
         bound_args, bound_kwargs = spec.bind(args, kwargs)
         # Under FULL nothing breaks: attention is part of the one graph.
-        session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL)
+        session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL,
+                                 watch_escapes=self.config.debug_checks or self.platform.name == "simulated")
         try:
             output = run_session(session, self.runnable, bound_args, bound_kwargs)
         except RuntimeError as e:
