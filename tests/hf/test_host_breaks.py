@@ -112,3 +112,14 @@ def test_a_break_module_called_with_another_structure_says_so():
     with pytest.raises(ValueError, match="the call.* is NoneType None, but the probe that made this module a break saw a tensor"):
         experts(x, None, w)
     assert experts(x, idx, w).shape == x.shape  # the break itself runs eagerly outside a capture
+
+
+def test_a_host_reading_model_lists_its_lost_full_graphs_in_the_runners_downgrades():
+    config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4], platform="simulated",
+                                  compile_pieces="eager")
+    engine = hf.HFEngine(hf.tiny_random_model("jetmoe"), config, max_num_reqs=2, max_model_len=32, block_size=4)
+    assert engine.runner.mode == M.PIECEWISE
+    lost = [d for d in engine.runner.downgrades if "FULL_AND_PIECEWISE -> PIECEWISE" in d]
+    assert len(lost) == 1 and "reads the host in model.layers.0.self_attention" in lost[0], engine.runner.downgrades
+    assert host_breaks.host_read_downgrades(config, []) == ()
+    assert host_breaks.host_read_downgrades(config.replace(cudagraph_mode="PIECEWISE"), ["m"]) == ()  # nothing lost

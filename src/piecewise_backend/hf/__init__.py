@@ -25,7 +25,7 @@ from .paged_attention import (
 from ..serve.loop import RequestOutput, StepInfo
 from ..serve.sampling import SamplingParams
 from .speculative import SpecEngine, truncated_drafter
-from .host_breaks import ModuleBreak, install_host_breaks, module_break, no_full_graphs
+from .host_breaks import ModuleBreak, host_read_downgrades, install_host_breaks, module_break, no_full_graphs
 from .fixture_aliases import __getattr__  # noqa: F401  (hf.tiny_random_model, hf.TINY, ...: loaded on first use)
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "install_host_breaks",
     "module_break",
     "no_full_graphs",
+    "host_read_downgrades",
     "MAX_PARAMS",
     "TINY",
     "TINY_IF_SET",

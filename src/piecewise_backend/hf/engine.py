@@ -32,7 +32,7 @@ from ..serve.engine import Engine
 from ..serve.model_runner import Decode, KVLayout, ModelRunner
 from .adaptation import TokensFirst, adapt, kv_shape
 from .adapter import length_refusal
-from .host_breaks import no_full_graphs
+from .host_breaks import host_read_downgrades, no_full_graphs
 from .paged_attention import ATTN_IMPLEMENTATION, chunked_layers, paged_attention_forward, register_attention
 from .tensor_parallel import (
     check_engine_agreement,
@@ -82,7 +82,8 @@ class HFEngine(Engine):
         args.check_model(model)
         adapted = adapt(model)
         main = ModelRunner(adapted, no_full_graphs(config, adapted.host_breaks), args=args,
-                           kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim), state_specs=adapted.state_specs)
+                           kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim), state_specs=adapted.state_specs,
+                           downgrades=host_read_downgrades(config, adapted.host_breaks))
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
         self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=frozenset())

@@ -320,5 +320,20 @@ def no_full_graphs(config: CompilationConfig, breaks: list[str]) -> CompilationC
     """``config`` without FULL graphs when the model has host-read breaks (a FULL graph holds no break)."""
     if not breaks:
         return config
-    mode = drop_full_graphs(config.cudagraph_mode, f"the model reads the host in {breaks[0]}, run as a break point")
+    mode = drop_full_graphs(config.cudagraph_mode, _reason(breaks))
     return config if mode == config.cudagraph_mode else config.replace(cudagraph_mode=mode)
+
+
+def host_read_downgrades(config: CompilationConfig, breaks: list[str]) -> tuple[str, ...]:
+    """What :func:`no_full_graphs` takes from ``config``, as a sentence for ``GraphRunner.downgrades`` (empty: nothing)."""
+    mode = no_full_graphs(config, breaks).cudagraph_mode
+    if mode == config.cudagraph_mode:
+        return ()
+    decode = "PIECEWISE graphs" if mode.has_piecewise_cudagraphs() else "eagerly"
+    return (f"cudagraph_mode {config.cudagraph_mode.name} -> {mode.name}: {_reason(breaks)}, and no FULL graph "
+            f"holds a break (decode steps run {decode})",)
+
+
+def _reason(breaks: list[str]) -> str:
+    more = f" (and {len(breaks) - 1} more: {', '.join(breaks[1:])})" if len(breaks) > 1 else ""
+    return f"the model reads the host in {breaks[0]}{more}, run as a break point"

@@ -21,7 +21,7 @@ from ..serve.model_runner import KVLayout
 from ..serve.speculative import SpecModel, SpeculativeEngine, check_speculative_args
 from .adaptation import adapt, kv_shape
 from .engine import check_hf_model, generation_eos
-from .host_breaks import no_full_graphs
+from .host_breaks import host_read_downgrades, no_full_graphs
 from .tensor_parallel import is_tensor_parallel
 
 
@@ -74,7 +74,8 @@ def _served(adapted: torch.nn.Module, config: CompilationConfig) -> SpecModel:
     """A model :func:`~.engine.adapt` returned, as a speculative engine runs it: its probed cache layout and states, and ``config``
     without FULL graphs when it has a break point (no FULL graph holds one)."""
     return SpecModel(adapted, no_full_graphs(config, adapted.host_breaks),
-                     KVLayout(*kv_shape(adapted), adapted.indexer_dim), adapted.state_specs)
+                     KVLayout(*kv_shape(adapted), adapted.indexer_dim), adapted.state_specs,
+                     host_read_downgrades(config, adapted.host_breaks))
 
 
 def truncated_drafter(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:

@@ -95,8 +95,10 @@ class ModelRunner:
         drafter: bool = False,
         uniform_decode_query_len: int = 1,
         attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
+        downgrades: Sequence[str] = (),
     ):
-        """``model`` (checked by the engine: :meth:`EngineArgs.check_model`) on caches sized by ``args``."""
+        """``model`` (checked by the engine: :meth:`EngineArgs.check_model`) on caches sized by ``args``;
+        ``downgrades``: what the caller already took from ``config`` (listed first in ``runner.downgrades``)."""
         param = first_parameter(model)
         self.model = model
         #: the capture ladder: the config's sizes plus ``max_num_reqs`` and ``max_num_batched_tokens``
@@ -133,7 +135,7 @@ class ModelRunner:
             graph_memory_budget=args.graph_memory_budget,
             uniform_decode_query_len=uniform_decode_query_len, drafter=drafter,
             eager_model=step,  # lazy: served uncompiled until capture_idle compiles
-            downgrades=self.ladder.downgrades,
+            downgrades=(*downgrades, *self.ladder.downgrades),
         )
 
     def run(

@@ -83,12 +83,14 @@ class SpecStats:
 @dataclasses.dataclass(frozen=True)
 class SpecModel:
     """One model of a speculative engine as its :class:`~.model_runner.ModelRunner` takes it: the protocol
-    model (checked), its config, its cache layout and the specs of its state layers' states."""
+    model (checked), its config, its cache layout, the specs of its state layers' states, and what was taken
+    from the config given (``downgrades``: sentences, listed first in its runner's ``downgrades``)."""
 
     model: torch.nn.Module
     config: CompilationConfig
     layout: KVLayout
     state_specs: Sequence[StateSpec] = ()
+    downgrades: tuple[str, ...] = ()
 
 
 class CachesInStep:
@@ -455,9 +457,9 @@ class SpeculativeEngine(Engine):
         #: the target's :class:`~.model_runner.ModelRunner` (verifies) and the drafter's (proposes)
         self.target = ModelRunner(target.model, target_config, kv_layout=target.layout, args=args,
                                   state_specs=target.state_specs, uniform_decode_query_len=k + 1,
-                                  attention_support=target_attention_support)
+                                  attention_support=target_attention_support, downgrades=target.downgrades)
         self.drafter = ModelRunner(drafter.model, drafter.config, kv_layout=drafter.layout, args=args,
-                                   state_specs=drafter.state_specs, drafter=True)
+                                   state_specs=drafter.state_specs, drafter=True, downgrades=drafter.downgrades)
         self._speculate = Speculate(self.target, self.drafter, k)
         budget = args.max_num_batched_tokens or self.target.runner.dispatcher.max_size or args.max_num_reqs * (k + 1)
         if budget < k + 1:
