@@ -83,7 +83,7 @@ class HFEngine(Engine):
         adapted = adapt(model)
         main = ModelRunner(adapted, no_full_graphs(config, adapted.host_breaks), args=args,
                            kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim), state_specs=adapted.state_specs,
-                           downgrades=host_read_downgrades(config, adapted.host_breaks))
+                           downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
         self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=frozenset())

@@ -87,7 +87,7 @@ class Engine:
                             "model's state layers keep")
         args.check_model(model)
         eos = args.stop_tokens(vocab_size)  # refused before anything is built
-        main = ModelRunner(model, config, kv_layout=kv_layout, args=args, state_specs=specs)
+        main = ModelRunner(model, config, kv_layout=kv_layout, args=args, state_specs=specs, vocab_size=vocab_size)
         self.model = model
         self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=eos)
 

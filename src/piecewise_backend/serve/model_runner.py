@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import types
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -96,11 +97,16 @@ class ModelRunner:
         uniform_decode_query_len: int = 1,
         attention_support: AttentionGraphSupport = AttentionGraphSupport.ALWAYS,
         downgrades: Sequence[str] = (),
+        vocab_size: int | None = None,
     ):
         """``model`` (checked by the engine: :meth:`EngineArgs.check_model`) on caches sized by ``args``;
-        ``downgrades``: what the caller already took from ``config`` (listed first in ``runner.downgrades``)."""
+        ``downgrades``: what the caller already took from ``config`` (listed first in ``runner.downgrades``);
+        ``vocab_size``: the logits' width, checked at the first step (:func:`check_logits`; None: not checked)."""
         param = first_parameter(model)
         self.model = model
+        self.vocab_size = vocab_size
+        self._who = "the drafter" if drafter else "the model"
+        self._logits_checked = vocab_size is None
         #: the capture ladder: the config's sizes plus ``max_num_reqs`` and ``max_num_batched_tokens``
         self.ladder: Ladder = cover_limits(
             config, max_num_reqs=args.max_num_reqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -156,6 +162,9 @@ class ModelRunner:
         result = self.runner.run_step(
             uniform_decode=uniform, num_reqs=len(layout) if uniform else None, input_ids=ids, **meta
         )
+        if not self._logits_checked:  # once: every later step runs the same code (or its graph)
+            check_logits(result.output, ids.shape[0], self.vocab_size, self._who)  # type: ignore[arg-type]
+            self._logits_checked = True
         if commit and self.states is not None:
             self.commit([slot for slot, _, _ in layout])
         return result
@@ -178,6 +187,29 @@ class ModelRunner:
         for slot, saved in zip(slots, snapshot):
             for i, t in enumerate(saved):
                 self.states.state(slot, i).copy_(t)
+
+
+def check_logits(out: Any, num_tokens: int, vocab_size: int, who: str = "the model") -> None:
+    """Refuse a step output that is not the protocol's logits, ``(num_tokens, vocab_size)``, naming what came back:
+    wider logits would sample token ids outside the vocabulary, and other shapes fail deep in sampling."""
+    if isinstance(out, torch.Tensor) and tuple(out.shape) == (num_tokens, vocab_size) and out.is_floating_point():
+        return
+    if isinstance(out, torch.Tensor):
+        got = f"a {out.dtype} tensor of shape {tuple(out.shape)}"
+        hint = ""
+        if out.dim() == 3 and out.shape[0] == 1:
+            hint = "; drop the batch dimension (return logits[0]): a step is one flat sequence of every request's tokens"
+        elif out.dim() == 2 and out.shape[0] == num_tokens:
+            hint = (f"; vocab_size={vocab_size} must be the logits' width (the model's output projection has "
+                    f"{out.shape[1]} rows): give the engine vocab_size={out.shape[1]}, or slice the logits")
+        elif not out.is_floating_point():
+            hint = "; return the logits (floats), not token ids"
+    else:
+        got, hint = f"{type(out).__name__} {str(out)[:60]!s}", "; return the logits tensor alone"
+    raise ValueError(
+        f"{who} returned {got} for a step of {num_tokens} tokens, where the model protocol returns the logits of "
+        f"every token: a float tensor of shape (T, vocab_size={vocab_size}) = ({num_tokens}, {vocab_size}){hint}"
+    )
 
 
 class Decode:

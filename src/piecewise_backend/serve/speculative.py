@@ -457,9 +457,11 @@ class SpeculativeEngine(Engine):
         #: the target's :class:`~.model_runner.ModelRunner` (verifies) and the drafter's (proposes)
         self.target = ModelRunner(target.model, target_config, kv_layout=target.layout, args=args,
                                   state_specs=target.state_specs, uniform_decode_query_len=k + 1,
-                                  attention_support=target_attention_support, downgrades=target.downgrades)
+                                  attention_support=target_attention_support, downgrades=target.downgrades,
+                                  vocab_size=vocab_size)
         self.drafter = ModelRunner(drafter.model, drafter.config, kv_layout=drafter.layout, args=args,
-                                   state_specs=drafter.state_specs, drafter=True, downgrades=drafter.downgrades)
+                                   state_specs=drafter.state_specs, drafter=True, downgrades=drafter.downgrades,
+                                   vocab_size=vocab_size)
         self._speculate = Speculate(self.target, self.drafter, k)
         budget = args.max_num_batched_tokens or self.target.runner.dispatcher.max_size or args.max_num_reqs * (k + 1)
         if budget < k + 1:
