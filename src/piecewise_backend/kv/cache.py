@@ -126,6 +126,7 @@ class PagedKVCache:
         ]
         self.tables: dict[Hashable, list[int]] = {}
         self._device = torch.device(device)
+        self._noting: tuple[_NotingList, _NotingList] | None = None  # while the layers are checked (check_layers)
         # A host mirror of the block tables, one zero-padded row per request with a table: a step's
         # block tables are one gather of its requests' rows, not a nested list turned into a tensor.
         self._rows: dict[Hashable, int] = {}
@@ -346,14 +347,47 @@ class PagedKVCache:
 
     def metadata(self, views: Mapping[str, torch.Tensor]) -> PagedAttentionMetadata:
         """The attention metadata over ``views`` (a runner's views, or :meth:`step_inputs` for eager use)."""
+        keys, values = self._noting or (self.key_caches, self.value_caches)
         return PagedAttentionMetadata(
-            views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], self.key_caches,
-            self.value_caches, self.attention_backends, self.indexer_caches,
+            views[POSITIONS], views[SLOT_MAPPING], views[REQUEST_INDEX], views[BLOCK_TABLES], keys,
+            values, self.attention_backends, self.indexer_caches,
         )
+
+    def check_layers(self) -> None:
+        """Note, from now on, which layers attention reads and writes: steps' metadata index their caches
+        through lists that record each layer (any op reading ``current_metadata()`` is seen, not only
+        ``pb_kv::paged_attention``); :meth:`layers_unused` ends it."""
+        used: set[int] = set()
+        self._noting = (_NotingList(self.key_caches, used), _NotingList(self.value_caches, used))
+
+    def layers_unused(self, full_replay: bool = False) -> list[int] | None:
+        """The layers no attention op reached since :meth:`check_layers`; the noting ends. None, and the
+        noting goes on, when none was reached and the last step was a FULL replay (``full_replay``: no
+        Python ran, so nothing can be said yet)."""
+        if self._noting is None:
+            return []
+        used = self._noting[0].used
+        if not used and full_replay:
+            return None
+        self._noting = None
+        return [i for i in range(len(self.key_caches)) if i not in used]
 
     def context_fn(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """A GraphRunner ``context_fn``: the step's forward-context attributes."""
         return {"attn_metadata": self.metadata(views)}
+
+
+class _NotingList(list):
+    """A list of a cache's per-layer tensors that records the layer of every ``[i]`` (:meth:`PagedKVCache.check_layers`)."""
+
+    def __init__(self, items: list[torch.Tensor], used: set[int]):
+        super().__init__(items)
+        self.used = used
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, int):
+            self.used.add(i % len(self) if len(self) else i)
+        return super().__getitem__(i)
 
 
 class _Stage:

@@ -21,7 +21,7 @@ import torch
 from ..backend.compiler import make_backend
 from ..config import CompilationConfig
 from ..kv import cache as kv
-from ..modes import AttentionGraphSupport
+from ..modes import AttentionGraphSupport, CUDAGraphMode
 from ..runner import GraphRunner, StaticInput, StepResult
 from ..state.cache import StateCache, StateSpec
 from .arguments import EngineArgs, first_parameter, is_int
@@ -106,7 +106,8 @@ class ModelRunner:
         self.model = model
         self.vocab_size = vocab_size
         self._who = "the drafter" if drafter else "the model"
-        self._logits_checked = vocab_size is None
+        self._checking = vocab_size is not None  # the protocol is checked at the first steps (_check_protocol)
+        self._logits_checked = False
         #: the capture ladder: the config's sizes plus ``max_num_reqs`` and ``max_num_batched_tokens``
         self.ladder: Ladder = cover_limits(
             config, max_num_reqs=args.max_num_reqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -120,6 +121,8 @@ class ModelRunner:
             attention_backend=args.attention_backend, indexer_dim=kv_layout.indexer_dim,
         )
         self.attention_backend = self.cache.attention_backend  # e.g. "bounded", "varlen (then bounded)"
+        if self._checking and kv_layout.num_layers:
+            self.cache.check_layers()  # captures and steps note the layers attention reaches
         #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
         self.states = (StateCache(list(state_specs), num_slots=args.max_num_reqs, device=param.device)
                        if state_specs else None)
@@ -162,12 +165,30 @@ class ModelRunner:
         result = self.runner.run_step(
             uniform_decode=uniform, num_reqs=len(layout) if uniform else None, input_ids=ids, **meta
         )
-        if not self._logits_checked:  # once: every later step runs the same code (or its graph)
-            check_logits(result.output, ids.shape[0], self.vocab_size, self._who)  # type: ignore[arg-type]
-            self._logits_checked = True
+        if self._checking:  # the first steps only: every later step runs the same code (or its graph)
+            self._check_protocol(result, ids.shape[0])
         if commit and self.states is not None:
             self.commit([slot for slot, _, _ in layout])
         return result
+
+    def _check_protocol(self, result: StepResult, num_tokens: int) -> None:
+        """The model returns the logits (:func:`check_logits`) and its attention reaches every layer of the
+        cache (once a capture or a step that ran the model's Python, not only FULL replays, has)."""
+        if not self._logits_checked:
+            check_logits(result.output, num_tokens, self.vocab_size, self._who)  # type: ignore[arg-type]
+            self._logits_checked = True
+        unused = self.cache.layers_unused(full_replay=result.mode is CUDAGraphMode.FULL)
+        if unused is None:
+            return
+        self._checking = False
+        if unused:
+            n = len(self.cache.key_caches)
+            raise ValueError(
+                f"{self._who} never read or wrote KV cache layers {unused} of its KVLayout(num_layers={n}): their "
+                "attention does not go through the paged KV cache (a model keeping its own dense attention is "
+                "served with wrong tokens). Call torch.ops.pb_kv.paged_attention(q, k, v, out, layer, ...) in every "
+                f"attention layer with its own layer index 0..{n - 1}, or give a KVLayout of the layers that do"
+            )
 
     def commit(self, slots: Sequence[Hashable]) -> None:
         """The states the last step wrote for ``slots`` become current (no-op without state layers)."""
