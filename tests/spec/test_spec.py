@@ -523,3 +523,23 @@ def test_truncated_drafter_of_a_model_whose_layer_types_follow_its_layer_count()
     drafter = spec.truncated_drafter(target, 1)
     assert drafter.config.num_hidden_layers == 1 and len(drafter.config.layer_types) == 1
     assert len(target.config.layer_types) == 3
+
+
+def test_a_refused_spec_engine_leaves_both_models_as_they_were():
+    """A drafter adapt() refuses (after the target was adapted) undoes the target's adaptation; a step budget
+    too small for a token and its drafts is refused before either model is touched (issue 46 item 10)."""
+    drafter = hf.tiny_random_model("dory", recurrent_kv_cache_mode="last_loop")
+    target = hf.tiny_random_model("llama", num_hidden_layers=2, vocab_size=drafter.config.get_text_config().vocab_size)
+    before = target.config._attn_implementation
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = target(ids).logits
+    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    with pytest.raises(ValueError, match="recurrent_kv_cache_mode='last_loop'"):
+        spec.SpecEngine(target, drafter, config, num_speculative_tokens=2)
+    assert target.config._attn_implementation == before != hf.ATTN_IMPLEMENTATION
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, expected)  # a plain forward, as before
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=2 leaves no room .* at least num_speculative_tokens \+ 1 = 3"):
+        spec.SpecEngine(target, target, config, num_speculative_tokens=2, max_num_batched_tokens=2)
+    assert target.config._attn_implementation == before

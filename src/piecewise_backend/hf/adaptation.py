@@ -96,6 +96,24 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
     layers are switched to a sync-free implementation; the cache layout is read from the attention
     modules by a probe forward.
     """
+    return _adapt(model)[0]
+
+
+@contextmanager
+def adapting(model: torch.nn.Module) -> Iterator[TokensFirst]:
+    """:func:`adapt` ``model`` for the body, which builds on it: when the body raises, the adaptation is
+    undone (every change, newest first, and the modules' training modes) and the error raised on. An
+    engine that adapts and then builds (or adapts a second model) leaves nothing adapted when it fails."""
+    adapted, undo = _adapt(model)
+    try:
+        yield adapted
+    except BaseException:
+        undo()
+        raise
+
+
+def _adapt(model: torch.nn.Module) -> tuple[TokensFirst, Undo]:
+    """:func:`adapt`, and what undoes it."""
     transformers = transformers_module()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"adapt() takes a transformers PreTrainedModel, got {type(model).__name__}")
@@ -106,6 +124,7 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
         reason = mechanism.refusal_of(model, None)
         if reason is not None:
             raise ValueError(reason)
+    modes = [(m, m.training) for m in model.modules()]
     with rollback(model) as changes:
         for mechanism in BEFORE_PROBE:
             changes.then(mechanism.install(model, None))
@@ -115,10 +134,17 @@ def adapt(model: torch.nn.Module) -> TokensFirst:
             if reason is not None:
                 raise ValueError(reason)
             changes.then(mechanism.install(model, probed))
-    return own_code(TokensFirst)(
+    adapted = own_code(TokensFirst)(
         model.eval(), probed.kv_shape(), host_breaks.installed(model), mixers.specs(probed.state_layers),
         indexed.index_dim(model), probed.call_site_modules(),
     )
+
+    def undo() -> None:
+        changes.undo()
+        for m, training in modes:
+            m.training = training
+
+    return adapted, undo
 
 
 def probe_forward(model: torch.nn.Module) -> ProbeResult:

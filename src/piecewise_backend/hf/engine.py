@@ -30,7 +30,7 @@ from ..config import CompilationConfig
 from ..serve.arguments import MODEL_EOS, EngineArgs, check_config, engine_args, engine_keywords, takes_engine_args
 from ..serve.engine import Engine
 from ..serve.model_runner import Decode, KVLayout, ModelRunner
-from .adaptation import TokensFirst, adapt, kv_shape
+from .adaptation import TokensFirst, adapt, adapting, kv_shape
 from .adapter import length_refusal
 from .host_breaks import host_read_downgrades, no_full_graphs
 from .paged_attention import ATTN_IMPLEMENTATION, chunked_layers, paged_attention_forward, register_attention
@@ -80,10 +80,11 @@ class HFEngine(Engine):
             localize(model)
         vocab_size = check_hf_model(model, config, args.max_model_len)
         args.check_model(model)
-        adapted = adapt(model)
-        main = ModelRunner(adapted, no_full_graphs(config, adapted.host_breaks), args=args,
-                           kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim), state_specs=adapted.state_specs,
-                           downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
+        with adapting(model) as adapted:  # a failure building on it undoes the adaptation
+            main = ModelRunner(adapted, no_full_graphs(config, adapted.host_breaks), args=args,
+                               kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim),
+                               state_specs=adapted.state_specs,
+                               downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
         self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=frozenset())

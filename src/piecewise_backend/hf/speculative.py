@@ -9,6 +9,7 @@ from the target's first layers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -19,7 +20,7 @@ from ..modes import AttentionGraphSupport
 from ..serve.arguments import MODEL_EOS, EngineArgs, engine_args, takes_engine_args
 from ..serve.model_runner import KVLayout
 from ..serve.speculative import SpecModel, SpeculativeEngine, check_speculative_args
-from .adaptation import adapt, kv_shape
+from .adaptation import adapting, kv_shape
 from .engine import check_hf_model, generation_eos
 from .host_breaks import host_read_downgrades, no_full_graphs
 from .tensor_parallel import is_tensor_parallel
@@ -45,7 +46,7 @@ class SpecEngine(SpeculativeEngine):
         args: EngineArgs | None = None, **engine_kwargs: Any,
     ):
         args = engine_args("SpecEngine", args, engine_kwargs, exclude=MODEL_EOS)
-        k = check_speculative_args(num_speculative_tokens, config, drafter_config)
+        k = check_speculative_args(num_speculative_tokens, config, drafter_config, args.max_num_batched_tokens)
         if any(is_tensor_parallel(m) for m in (target, drafter)):
             raise ValueError("SpecEngine does not serve tensor-parallel models (tp_plan) yet: the drafter and the "
                              "verifier would need their collectives agreed per step; use HFEngine")
@@ -56,12 +57,13 @@ class SpecEngine(SpeculativeEngine):
         for role, m, c in (("target", target, config), ("drafter", drafter, drafter_config)):
             check_hf_model(m, c, args.max_model_len)  # HFEngine's refusals (its position limit among them)
             args.check_model(m, role)
-        adapted_target = adapt(target)
-        adapted_drafter = adapted_target if drafter is target else adapt(drafter)
-        self._start_speculative(
-            args, k, _served(adapted_target, config), _served(adapted_drafter, drafter_config), target_attention_support,
-            vocab_size=vocab[0], eos_token_id=frozenset(),
-        )
+        # every check above ran before either model changed; a failure below undoes both adaptations
+        with adapting(target) as adapted_target, (
+                contextlib.nullcontext(adapted_target) if drafter is target else adapting(drafter)) as adapted_drafter:
+            self._start_speculative(
+                args, k, _served(adapted_target, config), _served(adapted_drafter, drafter_config),
+                target_attention_support, vocab_size=vocab[0], eos_token_id=frozenset(),
+            )
         #: the HF models (adapted in place); ``.target.model`` / ``.drafter.model`` are the adapted ones compiled
         self.target_model, self.drafter_model = target, drafter
 

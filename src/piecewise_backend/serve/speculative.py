@@ -429,7 +429,7 @@ class SpeculativeEngine(Engine):
         **engine_kwargs: Any,
     ):
         args = engine_args("SpeculativeEngine", args, engine_kwargs)
-        k = check_speculative_args(num_speculative_tokens, config, drafter_config)
+        k = check_speculative_args(num_speculative_tokens, config, drafter_config, args.max_num_batched_tokens)
         for layout in (target_layout, drafter_layout):
             if not isinstance(layout, KVLayout):
                 raise TypeError(f"target_layout and drafter_layout must be serve.KVLayouts, got {type(layout).__name__}")
@@ -536,12 +536,18 @@ class SpeculativeEngine(Engine):
                                 on_token=on_token, on_step=step)
 
 
-def check_speculative_args(num_speculative_tokens: object, config: object, drafter_config: object) -> int:
-    """The speculative engines' own arguments, before anything is built; returns k."""
+def check_speculative_args(
+    num_speculative_tokens: object, config: object, drafter_config: object, max_num_batched_tokens: int | None = None
+) -> int:
+    """The speculative engines' own arguments, before anything is built (a given ``max_num_batched_tokens`` must
+    hold a request's token and its drafts); returns k."""
     k = num_speculative_tokens
     if not is_int(k) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
     check_config(config)
     if drafter_config is not None:
         check_config(drafter_config, "drafter_config")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < k + 1:  # type: ignore[operator]
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} leaves no room for a request's token and "
+                         f"its {k} drafts: give at least num_speculative_tokens + 1 = {k + 1}")
     return int(k)  # type: ignore[arg-type]
