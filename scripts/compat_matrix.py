@@ -12,6 +12,7 @@ logits for ``GraphRunner`` + ``PagedKVCache`` (tests/support/pbtest's ``PagedTin
 * ``wrong`` / ``crash``: a difference from the reference, or an error after construction: a bug.
 
 Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy spec-sample spec-state] [--out docs/compatibility.md]
+(with every engine it also rewrites docs/engine.md's "What composes" table; ``--composes`` does only that, from --out)
 Dynamo is reset before every cell (each cell compiles its own models).
 """
 
@@ -460,11 +461,64 @@ def parse(page: str) -> dict[Cell, tuple[str, str, str]]:
     return cells
 
 
+#: What each engine of the matrix composes, for docs/engine.md's table (the column a cell counts in: micro-batching).
+FEATURES = {
+    "runner": "`GraphRunner` + `PagedKVCache`",
+    "serve": "`serve.Engine`: online requests, chunked prefill, preemption",
+    "hf": "`HFEngine`: online requests",
+    "spec": "`SpecEngine`: online requests",
+    "spec-lazy": "`SpecEngine` with `lazy_capture`, `capture_idle`, preemption",
+    "spec-sample": "`SpecEngine` sampling (greedy and seeded requests in one batch)",
+    "spec-state": "`SpecEngine` on state layers",
+}
+COMPOSES_BEGIN = "<!-- composes: written by scripts/compat_matrix.py --composes from docs/compatibility.md -->"
+COMPOSES_END = "<!-- end composes -->"
+
+
+def _summary(cells: Sequence[tuple[str, str, str]]) -> str:
+    """``N works, M downgraded (reasons)`` of some cells of one engine."""
+    counts = collections.Counter(o for o, _, _ in cells)
+    reasons = sorted({why.split(":")[0].strip() for o, _, why in cells if o != "works" and why})
+    text = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
+    return text + (f" ({'; '.join(reasons)})" if reasons else "")
+
+
+def composes(cells: dict[Cell, tuple[str, str, str]]) -> str:
+    """docs/engine.md's "What composes" table: each engine's cells of the matrix, without and with micro-batching."""
+    lines = [
+        COMPOSES_BEGIN,
+        "| engine, as the matrix runs it | cells without micro-batching (every mode, both `use_breakable`, every CPU "
+        "attention backend) | with `use_ubatching` |",
+        "| --- | --- | --- |",
+    ]
+    for engine in ENGINES:
+        mine = {c: v for c, v in cells.items() if c.engine == engine}
+        if mine:
+            off = [v for c, v in mine.items() if not c.ubatching]
+            on = [v for c, v in mine.items() if c.ubatching]
+            lines.append(f"| {FEATURES[engine]} | {_summary(off)} | {_summary(on)} |")
+    lines.append(COMPOSES_END)
+    return "\n".join(lines)
+
+
+def write_composes(page: str, table: str) -> str:
+    """``page`` (docs/engine.md) with its composes block replaced by ``table``."""
+    start, end = page.index(COMPOSES_BEGIN), page.index(COMPOSES_END) + len(COMPOSES_END)
+    return page[:start] + table + page[end:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--out", default=str(ROOT / "docs" / "compatibility.md"))
+    parser.add_argument("--composes", action="store_true",
+                        help="only rewrite docs/engine.md's 'What composes' table from --out (run nothing)")
     args = parser.parse_args(argv)
+    engine_md = ROOT / "docs" / "engine.md"
+    if args.composes:
+        engine_md.write_text(write_composes(engine_md.read_text(), composes(parse(Path(args.out).read_text()))))
+        print(f"wrote {engine_md} from {args.out}")
+        return 0
     torch.set_num_threads(1)  # tiny models: threads cost more than they save
 
     def show(r: Result) -> None:
@@ -473,6 +527,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results = run(all_cells(args.engines), show)
     Path(args.out).write_text(render(results))
+    if set(args.engines) == set(ENGINES):  # the table sums every engine's cells
+        engine_md.write_text(write_composes(engine_md.read_text(), composes(parse(render(results)))))
     bugs = [r for r in results if r.outcome in ("wrong", "crash")]
     print(f"wrote {args.out}: {len(results)} cells, {len(bugs)} wrong or crashed")
     return 1 if bugs else 0

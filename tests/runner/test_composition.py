@@ -56,6 +56,15 @@ def test_the_page_lists_every_cell_and_no_bug():
         assert (outcome in ("works",)) == (why == ""), (cell, outcome, why)  # every other outcome says why
 
 
+def test_engine_md_says_what_composes_as_the_matrix_found_it():
+    page = (ROOT / "docs" / "engine.md").read_text()
+    table = matrix.composes(PAGE)
+    assert table in page, "docs/engine.md's 'What composes' is stale: run python scripts/compat_matrix.py --composes"
+    assert "| `HFEngine`: online requests | 20 works |" in table  # 5 modes x 2 use_breakable x 2 CPU backends
+    edited = page.replace("| 20 works |", "| 19 works, 1 wrong |", 1)
+    assert matrix.write_composes(edited, table) == page  # regenerating restores it
+
+
 def test_the_sample_covers_every_engine_and_every_value_of_every_axis():
     for axis, values in (("engine", matrix.ENGINES), ("mode", matrix.MODES), ("ubatching", (False, True)),
                          ("breakable", (False, True)), ("backend", matrix.BACKENDS)):
