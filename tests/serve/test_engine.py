@@ -135,6 +135,23 @@ def test_a_seed_gives_the_same_tokens_at_any_batch_index_and_under_any_id(crowde
     assert {r.request_id: r.token_ids for r in crowded.results()}[rid] == alone
 
 
+def test_requests_sharing_a_seed_draw_independent_noise(crowded):
+    """Noise keyed by (seed, position) only gave a prompt extended by another's first token that
+    request's tokens shifted by one position; the prompt is in the key now (and, within one call,
+    which copy of an identical prompt it is), while a request still reproduces alone, in any batch,
+    through preemption (the crowded engine preempts) and from the online API."""
+    params = serve.SamplingParams(temperature=1.0, seed=1234)
+    alone = crowded.generate([PROMPTS[1]], 12, sampling=params)[0]
+    shifted = PROMPTS[1] + [alone[0]]
+    both = crowded.generate([PROMPTS[1], shifted], 11, sampling=params)
+    assert both[0] == alone[:11]
+    assert both[1] != alone[1:]  # was equal: row 1 was row 0 shifted by one position
+    twins = crowded.generate([PROMPTS[1], shifted, PROMPTS[1]], 11, sampling=params)
+    assert twins[:2] == both and twins[2] != twins[0]  # the second copy of a prompt: its own noise
+    rid = crowded.add_request(shifted, 11, sampling=params, request_id="shifted")
+    assert {r.request_id: r.token_ids for r in crowded.results()}[rid] == both[1]
+
+
 def test_lazy_capture_serves_at_once_and_captures_when_idle(reference):
     engine = make_engine(lazy_capture=True, step_capture_budget_s=0)  # only capture_idle captures
     steps: list[serve.StepInfo] = []

@@ -111,3 +111,5 @@ def test_a_seed_gives_the_same_speculative_tokens_alone_and_in_a_batch():
     alone = engine.generate([PROMPTS[1]], 10, sampling=params)[0]
     crowd = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], 10, sampling=[None, params, params])
     assert crowd[2] == alone and crowd[0] == own.reference(own.make_model(0), PROMPTS[0], 10)
+    shifted = engine.generate([PROMPTS[1], PROMPTS[1] + alone[:1]], 9, sampling=params)
+    assert shifted[0] == alone[:9] and shifted[1] != alone[1:]  # sharing a seed: independent noise

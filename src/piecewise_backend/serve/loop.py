@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from ..modes import CUDAGraphMode
 from .arguments import is_int, prompt_ids
-from .sampling import GREEDY, SamplingParams, resolve_seed
+from .sampling import GREEDY, SamplingParams, request_seed, resolve_seed
 from .scheduler import KVBlocks, Request, Scheduler, StepPlan
 
 
@@ -185,10 +185,12 @@ class ServingLoop:
     def add_internal(
         self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None,
         stop_token_ids: Sequence[int] | None, request_id: Hashable, on_token: Callable[[Hashable, int], None] | None,
-        report: bool = False, tag: Hashable = None,
+        report: bool = False, tag: Hashable = None, seen: dict[tuple[int, ...], int] | None = None,
     ) -> Request:
         """Queue a request under ``request_id``; ``report``: its output goes to :meth:`step`'s results
-        (``generate`` reads its requests' outputs itself); ``tag``: what its callbacks call it."""
+        (``generate`` reads its requests' outputs itself); ``tag``: what its callbacks call it; ``seen``:
+        how often each (seed, prompt) came before in this ``generate`` call (updated here): the request's
+        occurrence in :func:`~.sampling.request_seed` (an online request is occurrence 0)."""
         stops = frozenset(stop_token_ids or ())
         if any(not is_int(t) for t in stops):
             raise ValueError(f"stop_token_ids must be ints, got {sorted(stops, key=repr)!r}")
@@ -198,8 +200,15 @@ class ServingLoop:
             where = f"request {request_id if tag is None else tag!r}"
             ids = self.check_prompt(prompt, max_new_tokens, where)
             params = sampling or GREEDY
+            seed = 0
+            if not params.greedy:
+                seed, occurrence = resolve_seed(params), 0
+                if seen is not None:  # only the same prompt with the same seed would share noise
+                    occurrence = seen.get((seed, *ids), 0)
+                    seen[(seed, *ids)] = occurrence + 1
+                seed = request_seed(seed, ids, occurrence)
             request = Request(
-                request_id, ids, int(max_new_tokens), params, resolve_seed(params) if not params.greedy else 0,
+                request_id, ids, int(max_new_tokens), params, seed,
                 frozenset(int(t) for t in stops), self._arrivals, on_token, report=report, tag=tag,
             )
             self._arrivals += 1
@@ -248,8 +257,11 @@ class ServingLoop:
             self.steps = 0
             self._serving = "generate()"
             try:
+                seen: dict[tuple[int, ...], int] = {}  # identical (seed, prompt)s: occurrence 0, 1, ...
                 for i, p in enumerate(prompts):
-                    requests.append(self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i))
+                    requests.append(
+                        self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i, seen=seen)
+                    )
                 while any(r.finish_reason is None for r in requests):
                     info = self.advance(report=on_step is not None)
                     if on_step is not None:

@@ -71,7 +71,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams
-    seed: int  # its sampling noise's seed (sampling.noise_key)
+    seed: int  # its sampling noise's seed (sampling.request_seed, then noise_key)
     stop_token_ids: frozenset[int]
     order: int
     on_token: Callable[[Hashable, int], None] | None = None

@@ -227,8 +227,8 @@ class Speculate:
     temperature, top-k and top-p); the target's ``p`` accepts it with probability
     ``min(1, p(x) / q(x))``; the first rejected position draws from ``norm(max(0, p - q))`` and a
     round that accepts all ``k`` draws its bonus token from ``p``, so the tokens follow the target's
-    own distribution. Every draw is keyed by (seed, position, purpose): a seeded request's tokens do
-    not depend on the batch around it. Greedy requests are the special case of one-hot ``p`` and
+    own distribution. Every draw is keyed by (request seed, position, purpose) (``Request.seed`` is
+    :func:`~.sampling.request_seed`): a seeded request's tokens do not depend on the batch around it. Greedy requests are the special case of one-hot ``p`` and
     ``q``: the target's own greedy tokens.
 
     State layers: a rejected draft must leave the states as if it never ran. The target's step
