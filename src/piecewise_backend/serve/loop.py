@@ -16,13 +16,17 @@ and a step allocates.
 
 A callback that raises ends its own request (``finish_reason="error"``) after the step's state is
 consistent: the step's other requests keep their tokens, and the exception reaches the caller of
-``step`` (or ``generate``) once every callback of the step has run.
+``step`` (or ``generate``) once every callback of the step has run. A request whose logits hold a
+NaN (the executor reports :data:`~.sampling.NAN_TOKEN` for it) ends the same way, without a token
+and without an exception: ``RequestOutput.error`` and a warning name the NaN, and the step's other
+requests are served on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -30,9 +34,10 @@ from typing import Any, Protocol
 
 from ..modes import CUDAGraphMode
 from .arguments import is_int, prompt_ids
-from .sampling import GREEDY, SamplingParams, request_seed, resolve_seed
+from .sampling import GREEDY, NAN_TOKEN, SamplingParams, request_seed, resolve_seed
 from .scheduler import KVBlocks, Request, Scheduler, StepPlan
 
+logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
@@ -54,13 +59,14 @@ class StepInfo:
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """A finished request: its id, prompt, generated ids, and why it ended ("length", "stop",
-    "cancelled", or "error" when its callback raised)."""
+    "cancelled", or "error" when its callback raised or its logits held a NaN; ``error`` says which)."""
 
     request_id: Hashable
     prompt: list[int]
     token_ids: list[int]
     finish_reason: str
     preemptions: int = 0  # times it was preempted and recomputed
+    error: str = ""  # what ended it with finish_reason "error"
 
 
 @dataclasses.dataclass
@@ -88,7 +94,8 @@ class StepExecutor(Protocol):
 
 def _output(request: Request) -> RequestOutput:
     return RequestOutput(
-        request.request_id, list(request.prompt), list(request.output), request.finish_reason or "", request.preemptions
+        request.request_id, list(request.prompt), list(request.output), request.finish_reason or "", request.preemptions,
+        request.error,
     )
 
 
@@ -344,6 +351,9 @@ class ServingLoop:
             for token in tokens:
                 if r.finish_reason is not None:  # cancelled (or failed) by a callback of this step
                     break
+                if token == NAN_TOKEN:
+                    self._fail_nan(r)
+                    break
                 r.output.append(token)
                 n += 1
                 stop = token in r.stop_token_ids
@@ -354,10 +364,21 @@ class ServingLoop:
                         r.on_token(r.tag, token)
                     except Exception as e:  # noqa: BLE001 (re-raised once the step's state is consistent)
                         if r.finish_reason is None:
+                            r.error = f"its on_token callback raised {type(e).__name__}: {e}"
                             self._finish(r, "error")
                         error = error or e
             kept.append(n)
         return kept, error
+
+    def _fail_nan(self, request: Request) -> None:
+        """End ``request`` with ``finish_reason="error"``: the model's logits for its next token held a NaN."""
+        drafts = f", or for one of its {self.lookahead} drafts after it," if self.lookahead else ""
+        request.error = (
+            f"the model's logits for its token at position {request.length}{drafts} hold NaN (after "
+            f"{len(request.output)} generated tokens): no token can be sampled from them"
+        )
+        logger.warning("request %r ends with finish_reason='error': %s", request.tag, request.error)
+        self._finish(request, "error")
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

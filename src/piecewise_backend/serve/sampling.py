@@ -239,6 +239,17 @@ def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[t
     return masked, torch.tensor([p.greedy for p in params]).to(device)
 
 
+#: The token id a step reports for a request whose logits hold a NaN (argmax would pick the NaN's
+#: index): the serving loop ends that request with ``finish_reason="error"``.
+NAN_TOKEN = -1
+
+
+def mark_nan(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (one per row of ``logits`` ``(rows, vocab)``) with :data:`NAN_TOKEN` where the row holds a
+    NaN; on the device, so the step's one read-back of the tokens carries it."""
+    return torch.where(logits.isnan().any(-1).to(tokens.device), NAN_TOKEN, tokens)
+
+
 #: ``noise_key`` purposes: a request's token itself (plain decoding, and speculative decoding's bonus
 #: token), a drafter's proposal, the acceptance test of a draft, and the draw after a rejection.
 TOKEN, DRAFT, ACCEPT, RESAMPLE = 0, 1, 2, 3

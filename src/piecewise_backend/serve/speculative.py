@@ -41,7 +41,9 @@ from .arguments import EngineArgs, check_config, check_tokens_budget, check_voca
 from .engine import Engine
 from .loop import Executed, StepInfo, chunk_ends
 from .model_runner import KVLayout, ModelRunner
-from .sampling import ACCEPT, DRAFT, RESAMPLE, TOKEN, SamplingParams, noise_key, probabilities, sample_from, uniform_noise
+from .sampling import (
+    ACCEPT, DRAFT, NAN_TOKEN, RESAMPLE, TOKEN, SamplingParams, noise_key, probabilities, sample_from, uniform_noise,
+)
 from .scheduler import Request, StepPlan
 
 
@@ -348,7 +350,18 @@ class Speculate:
         self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, requests: list[Request],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per request, the token after its accepted drafts and how many were accepted (device tensors).
-        ``logits`` ``(requests, k + 1, vocab)``: the target's at the last sequence token and each draft."""
+        ``logits`` ``(requests, k + 1, vocab)``: the target's at the last sequence token and each draft.
+        A request with a NaN in a row its verdict read (its last token's, or an accepted draft's) keeps the
+        drafts accepted before that row and gets :data:`~.sampling.NAN_TOKEN`, as plain decoding would."""
+        token, accepted = self._verdict_tokens(logits, drafts, q, requests)
+        rows = torch.arange(self.k + 1, device=logits.device)
+        first_nan = torch.where(logits.isnan().any(-1), rows, self.k + 1).min(-1).values  # k + 1: none
+        return torch.where(first_nan <= accepted, NAN_TOKEN, token), torch.minimum(accepted, first_nan)
+
+    def _verdict_tokens(
+        self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, requests: list[Request],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_accept` before the NaN check."""
         k = self.k
         drafts = drafts.to(logits.device)
         if q is None:  # all greedy: accept while the draft is the target's argmax
