@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-from pbtest.helpers import CUDA, load_file
+from pbtest.helpers import CUDA, NaNLogitsAt, load_file
 from piecewise_backend import serve
 
 own = load_file("examples/own_model.py")
@@ -20,12 +20,12 @@ M = pb.CUDAGraphMode
 PROMPTS = [[5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8], [42]]
 
 
-def make_engine(platform: str = "simulated", **kw) -> serve.Engine:
+def make_engine(platform: str = "simulated", model: torch.nn.Module | None = None, **kw) -> serve.Engine:
     device = "cuda" if platform == "cuda" else "cpu"
     extra = dict(CUDA) if platform == "cuda" else dict(platform="simulated", compile_pieces="eager")
     config = pb.CompilationConfig(cudagraph_mode=kw.pop("mode", "FULL_AND_PIECEWISE"), capture_sizes=[1, 2, 4, 8], **extra)
     args = dict(kv_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=4, max_model_len=32, block_size=4)
-    return serve.Engine(own.make_model().to(device), config, **{**args, **kw})
+    return serve.Engine((model or own.make_model()).to(device), config, **{**args, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +119,7 @@ def test_a_raising_callback_ends_its_request_and_the_others_finish(crowded, refe
     done.update((r.request_id, r) for r in crowded.step())
     assert errors == 1
     assert done[bad].finish_reason == "error" and len(done[bad].token_ids) == 2
+    assert done[bad].error == "its on_token callback raised KeyError: 'client went away'" and done[good].error == ""
     assert done[good].token_ids == reference[tuple(PROMPTS[0])]
     with pytest.raises(ZeroDivisionError):  # generate re-raises, and frees what its requests held
         crowded.generate(PROMPTS, 4, on_token=lambda i, t: 1 / 0)
@@ -133,6 +134,49 @@ def test_a_seed_gives_the_same_tokens_at_any_batch_index_and_under_any_id(crowde
     crowded.add_request(PROMPTS[3], 3)
     rid = crowded.add_request(PROMPTS[1], 12, sampling=params, request_id="someone")
     assert {r.request_id: r.token_ids for r in crowded.results()}[rid] == alone
+
+
+def test_requests_sharing_a_seed_draw_independent_noise(crowded):
+    """Noise keyed by (seed, position) only gave a prompt extended by another's first token that
+    request's tokens shifted by one position; the prompt is in the key now (and, within one call,
+    which copy of an identical prompt it is), while a request still reproduces alone, in any batch,
+    through preemption (the crowded engine preempts) and from the online API."""
+    params = serve.SamplingParams(temperature=1.0, seed=1234)
+    alone = crowded.generate([PROMPTS[1]], 12, sampling=params)[0]
+    shifted = PROMPTS[1] + [alone[0]]
+    both = crowded.generate([PROMPTS[1], shifted], 11, sampling=params)
+    assert both[0] == alone[:11]
+    assert both[1] != alone[1:]  # was equal: row 1 was row 0 shifted by one position
+    twins = crowded.generate([PROMPTS[1], shifted, PROMPTS[1]], 11, sampling=params)
+    assert twins[:2] == both and twins[2] != twins[0]  # the second copy of a prompt: its own noise
+    rid = crowded.add_request(shifted, 11, sampling=params, request_id="shifted")
+    assert {r.request_id: r.token_ids for r in crowded.results()}[rid] == both[1]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_nan_logits_end_their_request_with_an_error_and_the_others_are_served(reference, sampled, caplog):
+    """PROMPTS[1] (5 tokens) reaches position 7 while decoding: NaN logits for its 4th token (argmax took
+    the NaN's index); PROMPTS[0] and [2] pass position 7 inside a prompt chunk only, in FULL and
+    PIECEWISE steps with preemptions."""
+    engine = make_engine(model=NaNLogitsAt(own.make_model(), 7), num_blocks=14, max_num_batched_tokens=8)
+    engine.capture()
+    prompts = PROMPTS[:3]
+    params = serve.SamplingParams(0.7, seed=5) if sampled else None
+    ids = {engine.add_request(p, 12, sampling=params): p for p in prompts}
+    with caplog.at_level("WARNING", logger="piecewise_backend.serve.loop"):
+        done = {r.request_id: r for r in engine.results()}
+    bad = next(i for i, p in ids.items() if p == PROMPTS[1])
+    assert done[bad].finish_reason == "error" and len(done[bad].token_ids) == 3
+    assert "logits for its token at position 8 hold NaN (after 3 generated tokens)" in done[bad].error
+    assert f"request {bad!r} ends with finish_reason='error'" in caplog.text
+    for i, p in ids.items():
+        if i != bad:
+            assert done[i].finish_reason == "length" and done[i].error == ""
+            if not sampled:
+                assert done[i].token_ids == reference[tuple(p)]
+    assert engine.cache.tables == {} and engine.cache.num_free_blocks == 14
+    out = engine.generate(prompts, 12, sampling=params)  # generate: the tokens before the NaN, the others whole
+    assert [len(o) for o in out] == [12, 3, 12] and out[1] == done[bad].token_ids
 
 
 def test_lazy_capture_serves_at_once_and_captures_when_idle(reference):

@@ -1,5 +1,5 @@
 """SamplingParams and the batched sampler (serve/sampling.py): validated parameters, draws that follow the
-filtered softmax, noise keyed by (seed, request, position) only."""
+filtered softmax, noise keyed by (request seed: seed, prompt and occurrence; position; purpose) only."""
 
 from __future__ import annotations
 
@@ -116,6 +116,20 @@ def test_noise_keys_are_stable_across_processes():
     code = "from piecewise_backend.serve.sampling import noise_key as k; print(k(2**40 + 3, 7), k(1, 2, 3))"
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout for _ in range(2)}
     assert len(runs) == 1 and len(runs.pop().split()) == 2  # pure integer hashing: no per-process salt
+
+
+def test_request_seed_hashes_seed_prompt_and_occurrence_stably():
+    seeds = {sampling.request_seed(seed, prompt, occurrence)
+             for seed in (0, 1, 2**64 - 1) for prompt in ([], [1], [1, 2], [2, 1], [0, 1, 2]) for occurrence in (0, 1)}
+    assert len(seeds) == 30 and all(0 <= s < 2**64 for s in seeds)
+    assert sampling.request_seed(7, (3, 4)) == sampling.request_seed(7, [3, 4], 0)  # any sequence of ids
+    code = "from piecewise_backend.serve.sampling import request_seed as r; print(r(2**40 + 3, [5, 6, 7], 2))"
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout for _ in range(2)}
+    assert runs == {f"{sampling.request_seed(2**40 + 3, [5, 6, 7], 2)}\n"}  # no per-process salt: every rank agrees
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\), got -1"):
+        sampling.request_seed(-1, [1])
+    with pytest.raises(ValueError, match=r"occurrence must be an int >= 0, got 1.5"):
+        sampling.request_seed(1, [1], 1.5)
 
 
 def test_a_temperature_float32_cannot_divide_by_samples_as_greedy():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-from pbtest.helpers import load_file
+from pbtest.helpers import NaNLogitsAt, load_file
 from piecewise_backend import serve
 
 own = load_file("examples/own_model.py")
@@ -111,3 +111,28 @@ def test_a_seed_gives_the_same_speculative_tokens_alone_and_in_a_batch():
     alone = engine.generate([PROMPTS[1]], 10, sampling=params)[0]
     crowd = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], 10, sampling=[None, params, params])
     assert crowd[2] == alone and crowd[0] == own.reference(own.make_model(0), PROMPTS[0], 10)
+    shifted = engine.generate([PROMPTS[1], PROMPTS[1] + alone[:1]], 9, sampling=params)
+    assert shifted[0] == alone[:9] and shifted[1] != alone[1:]  # sharing a seed: independent noise
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_nan_target_logits_end_their_request_with_an_error_and_the_others_are_served(sampled):
+    """PROMPTS[1] (5 tokens) verifies position 7 while decoding, where the target's logits are NaN: it keeps
+    the 3 tokens before (the drafts accepted on finite rows), as plain decoding would; PROMPTS[0] passes
+    position 7 inside its prompt only: it keeps the target's tokens."""
+    config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], platform="simulated",
+                                  compile_pieces="eager")
+    engine = serve.SpeculativeEngine(
+        NaNLogitsAt(own.make_model(0), 7), nudged(0.3), config, num_speculative_tokens=3, target_layout=own.KV_LAYOUT,
+        drafter_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=3, max_model_len=40, block_size=4,
+    )
+    params = serve.SamplingParams(0.8, seed=3) if sampled else None
+    good, bad = engine.add_request(PROMPTS[0], 10, sampling=params), engine.add_request(PROMPTS[1], 10, sampling=params)
+    done = {r.request_id: r for r in engine.results()}
+    assert done[bad].finish_reason == "error" and len(done[bad].token_ids) == 3, done[bad]
+    assert "hold NaN" in done[bad].error and "or for one of its 3 drafts after it" in done[bad].error
+    assert done[good].finish_reason == "length" and len(done[good].token_ids) == 10
+    if not sampled:
+        assert done[good].token_ids == own.reference(own.make_model(0), PROMPTS[0], 10)
+        assert done[bad].token_ids == own.reference(own.make_model(0), PROMPTS[1], 3)
+    assert engine.target.cache.tables == {} == engine.drafter.cache.tables

@@ -16,13 +16,17 @@ and a step allocates.
 
 A callback that raises ends its own request (``finish_reason="error"``) after the step's state is
 consistent: the step's other requests keep their tokens, and the exception reaches the caller of
-``step`` (or ``generate``) once every callback of the step has run.
+``step`` (or ``generate``) once every callback of the step has run. A request whose logits hold a
+NaN (the executor reports :data:`~.sampling.NAN_TOKEN` for it) ends the same way, without a token
+and without an exception: ``RequestOutput.error`` and a warning name the NaN, and the step's other
+requests are served on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -30,9 +34,10 @@ from typing import Any, Protocol
 
 from ..modes import CUDAGraphMode
 from .arguments import is_int, prompt_ids
-from .sampling import GREEDY, SamplingParams, resolve_seed
+from .sampling import GREEDY, NAN_TOKEN, SamplingParams, request_seed, resolve_seed
 from .scheduler import KVBlocks, Request, Scheduler, StepPlan
 
+logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
@@ -54,13 +59,14 @@ class StepInfo:
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """A finished request: its id, prompt, generated ids, and why it ended ("length", "stop",
-    "cancelled", or "error" when its callback raised)."""
+    "cancelled", or "error" when its callback raised or its logits held a NaN; ``error`` says which)."""
 
     request_id: Hashable
     prompt: list[int]
     token_ids: list[int]
     finish_reason: str
     preemptions: int = 0  # times it was preempted and recomputed
+    error: str = ""  # what ended it with finish_reason "error"
 
 
 @dataclasses.dataclass
@@ -88,7 +94,8 @@ class StepExecutor(Protocol):
 
 def _output(request: Request) -> RequestOutput:
     return RequestOutput(
-        request.request_id, list(request.prompt), list(request.output), request.finish_reason or "", request.preemptions
+        request.request_id, list(request.prompt), list(request.output), request.finish_reason or "", request.preemptions,
+        request.error,
     )
 
 
@@ -185,10 +192,12 @@ class ServingLoop:
     def add_internal(
         self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None,
         stop_token_ids: Sequence[int] | None, request_id: Hashable, on_token: Callable[[Hashable, int], None] | None,
-        report: bool = False, tag: Hashable = None,
+        report: bool = False, tag: Hashable = None, seen: dict[tuple[int, ...], int] | None = None,
     ) -> Request:
         """Queue a request under ``request_id``; ``report``: its output goes to :meth:`step`'s results
-        (``generate`` reads its requests' outputs itself); ``tag``: what its callbacks call it."""
+        (``generate`` reads its requests' outputs itself); ``tag``: what its callbacks call it; ``seen``:
+        how often each (seed, prompt) came before in this ``generate`` call (updated here): the request's
+        occurrence in :func:`~.sampling.request_seed` (an online request is occurrence 0)."""
         stops = frozenset(stop_token_ids or ())
         if any(not is_int(t) for t in stops):
             raise ValueError(f"stop_token_ids must be ints, got {sorted(stops, key=repr)!r}")
@@ -198,8 +207,15 @@ class ServingLoop:
             where = f"request {request_id if tag is None else tag!r}"
             ids = self.check_prompt(prompt, max_new_tokens, where)
             params = sampling or GREEDY
+            seed = 0
+            if not params.greedy:
+                seed, occurrence = resolve_seed(params), 0
+                if seen is not None:  # only the same prompt with the same seed would share noise
+                    occurrence = seen.get((seed, *ids), 0)
+                    seen[(seed, *ids)] = occurrence + 1
+                seed = request_seed(seed, ids, occurrence)
             request = Request(
-                request_id, ids, int(max_new_tokens), params, resolve_seed(params) if not params.greedy else 0,
+                request_id, ids, int(max_new_tokens), params, seed,
                 frozenset(int(t) for t in stops), self._arrivals, on_token, report=report, tag=tag,
             )
             self._arrivals += 1
@@ -248,8 +264,11 @@ class ServingLoop:
             self.steps = 0
             self._serving = "generate()"
             try:
+                seen: dict[tuple[int, ...], int] = {}  # identical (seed, prompt)s: occurrence 0, 1, ...
                 for i, p in enumerate(prompts):
-                    requests.append(self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i))
+                    requests.append(
+                        self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i, seen=seen)
+                    )
                 while any(r.finish_reason is None for r in requests):
                     info = self.advance(report=on_step is not None)
                     if on_step is not None:
@@ -332,6 +351,9 @@ class ServingLoop:
             for token in tokens:
                 if r.finish_reason is not None:  # cancelled (or failed) by a callback of this step
                     break
+                if token == NAN_TOKEN:
+                    self._fail_nan(r)
+                    break
                 r.output.append(token)
                 n += 1
                 stop = token in r.stop_token_ids
@@ -342,10 +364,21 @@ class ServingLoop:
                         r.on_token(r.tag, token)
                     except Exception as e:  # noqa: BLE001 (re-raised once the step's state is consistent)
                         if r.finish_reason is None:
+                            r.error = f"its on_token callback raised {type(e).__name__}: {e}"
                             self._finish(r, "error")
                         error = error or e
             kept.append(n)
         return kept, error
+
+    def _fail_nan(self, request: Request) -> None:
+        """End ``request`` with ``finish_reason="error"``: the model's logits for its next token held a NaN."""
+        drafts = f", or for one of its {self.lookahead} drafts after it," if self.lookahead else ""
+        request.error = (
+            f"the model's logits for its token at position {request.length}{drafts} hold NaN (after "
+            f"{len(request.output)} generated tokens): no token can be sampled from them"
+        )
+        logger.warning("request %r ends with finish_reason='error': %s", request.tag, request.error)
+        self._finish(request, "error")
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

@@ -27,7 +27,7 @@ from ..state.cache import StateCache, StateSpec
 from .arguments import EngineArgs, first_parameter, is_int
 from .ladder import Ladder, cover_limits
 from .loop import Executed, chunk_ends
-from .sampling import noise_key, sample
+from .sampling import mark_nan, noise_key, sample
 from .scheduler import StepPlan
 
 
@@ -234,7 +234,8 @@ def check_logits(out: Any, num_tokens: int, vocab_size: int, who: str = "the mod
 
 
 class Decode:
-    """The plain engine's step: one model, one sampled token per request whose chunk ends its sequence."""
+    """The plain engine's step: one model, one sampled token per request whose chunk ends its sequence
+    (:data:`~.sampling.NAN_TOKEN` where its logits hold a NaN)."""
 
     def __init__(self, model: ModelRunner):
         self.model = model
@@ -261,10 +262,11 @@ class Decode:
                 ends = chunk_ends(chunks)
                 rows = logits.index_select(0, torch.tensor([ends[i] for i in emit], device=logits.device))
             if all(r.greedy for r in emitting):  # argmax: no noise keys, no per-row parameters
-                drawn = rows.argmax(-1).tolist()  # read before any other replay
+                chosen = rows.argmax(-1)
             else:
                 keys = [noise_key(r.seed, r.length) for r in emitting]  # the new token's position
-                drawn = sample(rows, [r.sampling for r in emitting], keys).tolist()
+                chosen = sample(rows, [r.sampling for r in emitting], keys)
+            drawn = mark_nan(rows, chosen).tolist()  # read before any other replay
             for i, token in zip(emit, drawn):
                 new[i] = [token]
         return Executed(new, len(tokens), decode, result.mode, result.reason)

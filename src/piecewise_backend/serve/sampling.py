@@ -4,11 +4,14 @@
 ``piecewise_backend.hf`` export it). :func:`sample` draws one token per row of a step's logits with the Gumbel-max trick: the
 token is ``argmax(logits / temperature + g)`` over the tokens top-k and top-p keep, where ``g`` is
 Gumbel noise, which picks each token with exactly its softmax probability. The noise is not drawn
-from a generator's state but computed from a counter-based hash of ``(seed, position, purpose,
-token id)``: a request's token at a position gets the same noise whatever else runs in the step,
-at any batch index, under any request id, in every graph mode, on every run, and again after a
-preemption recomputes the request (vLLM's per-request seed). ``purpose`` keeps draws apart that
-share a position (speculative decoding's draft, accept and resample draws). Every
+from a generator's state but computed from a counter-based hash of ``(request seed, position,
+purpose, token id)``, where the request seed (:func:`request_seed`) hashes the seed with the
+request's prompt (and which occurrence of that prompt it is within one ``generate`` call), so
+requests sharing a seed draw independent noise: a request's token at a position gets the same
+noise whatever else runs in the step, at any batch index, under any request id, in every graph
+mode, on every run, and again after a preemption recomputes the request (vLLM's per-request
+seed). ``purpose`` keeps draws apart that share a position (speculative decoding's draft, accept
+and resample draws). Every
 row's parameters go to the device as one small tensor each, so the step costs no per-request host
 round trip; the caller reads the sampled ids back once per step.
 """
@@ -16,8 +19,10 @@ round trip; the caller reads the sampled ids back once per step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import numbers
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -43,7 +48,9 @@ class SamplingParams:
     tokens reproducible: with a seed, a request's tokens depend only on its prompt, these
     parameters and the seed, not on its batch index, its request id, the other requests or how
     the steps were scheduled (None: a seed drawn from torch's default generator when the request
-    starts, so ``torch.manual_seed`` reproduces them too). A temperature below
+    starts, so ``torch.manual_seed`` reproduces them too). The noise is keyed by the seed and the
+    prompt together (:func:`request_seed`), so requests sharing a seed are not correlated; identical
+    prompts in one ``generate`` call are told apart by their order among themselves. A temperature below
     :data:`MIN_TEMPERATURE` samples as greedy: dividing by it in float32 would overflow the logits,
     and it leaves only the largest logit a chance anyway.
     """
@@ -117,6 +124,25 @@ def resolve_seed(params: SamplingParams) -> int:
         seed = seed.to(device)
         dist.broadcast(seed, 0)
     return int(seed.item())
+
+
+def request_seed(seed: int, prompt: Sequence[int], occurrence: int = 0) -> int:
+    """The 64-bit seed a request's noise is keyed by: a blake2b hash of ``seed``, its prompt's token ids
+    and ``occurrence`` (which copy of an identical prompt it is within one ``generate`` call, 0 first).
+
+    Never the batch index or request id, so a request reproduces alone and in any batch; the prompt
+    keeps requests that share ``seed`` apart (without it, a prompt extended by the other's first
+    token would get the other's tokens shifted by one position). Stable across processes and ranks.
+    """
+    if not _is_int(seed) or not 0 <= seed < _MAX_SEED:
+        raise ValueError(f"request_seed: seed must be an int in [0, 2**64), got {seed!r}")
+    if not _is_int(occurrence) or occurrence < 0:
+        raise ValueError(f"request_seed: occurrence must be an int >= 0, got {occurrence!r}")
+    ids = [int(t) for t in prompt]
+    digest = hashlib.blake2b(digest_size=8, person=b"pb-request-seed")
+    digest.update(struct.pack("<QQQ", int(seed), int(occurrence), len(ids)))
+    digest.update(struct.pack(f"<{len(ids)}q", *ids))
+    return int.from_bytes(digest.digest(), "little")
 
 
 def _mix(x: int) -> int:
@@ -211,6 +237,17 @@ def _filtered(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[t
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     masked = filtered_logits(logits, temperature.to(device), top_k, top_p)
     return masked, torch.tensor([p.greedy for p in params]).to(device)
+
+
+#: The token id a step reports for a request whose logits hold a NaN (argmax would pick the NaN's
+#: index): the serving loop ends that request with ``finish_reason="error"``.
+NAN_TOKEN = -1
+
+
+def mark_nan(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (one per row of ``logits`` ``(rows, vocab)``) with :data:`NAN_TOKEN` where the row holds a
+    NaN; on the device, so the step's one read-back of the tokens carries it."""
+    return torch.where(logits.isnan().any(-1).to(tokens.device), NAN_TOKEN, tokens)
 
 
 #: ``noise_key`` purposes: a request's token itself (plain decoding, and speculative decoding's bonus

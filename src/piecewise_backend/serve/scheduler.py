@@ -71,13 +71,14 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams
-    seed: int  # its sampling noise's seed (sampling.noise_key)
+    seed: int  # its sampling noise's seed (sampling.request_seed, then noise_key)
     stop_token_ids: frozenset[int]
     order: int
     on_token: Callable[[Hashable, int], None] | None = None
     output: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose K/V the cache holds
-    finish_reason: str | None = None  # "length", "stop" or "cancelled" once finished
+    finish_reason: str | None = None  # "length", "stop", "cancelled" or "error" once finished
+    error: str = ""  # what ended it with "error"
     preemptions: int = 0
     report: bool = True  # its output goes to the online API's results (generate reads its own)
     tag: Hashable = None  # what its callbacks and reports call it: the request id, or generate's prompt index

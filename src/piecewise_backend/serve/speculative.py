@@ -41,7 +41,9 @@ from .arguments import EngineArgs, check_config, check_tokens_budget, check_voca
 from .engine import Engine
 from .loop import Executed, StepInfo, chunk_ends
 from .model_runner import KVLayout, ModelRunner
-from .sampling import ACCEPT, DRAFT, RESAMPLE, TOKEN, SamplingParams, noise_key, probabilities, sample_from, uniform_noise
+from .sampling import (
+    ACCEPT, DRAFT, NAN_TOKEN, RESAMPLE, TOKEN, SamplingParams, noise_key, probabilities, sample_from, uniform_noise,
+)
 from .scheduler import Request, StepPlan
 
 
@@ -229,8 +231,8 @@ class Speculate:
     temperature, top-k and top-p); the target's ``p`` accepts it with probability
     ``min(1, p(x) / q(x))``; the first rejected position draws from ``norm(max(0, p - q))`` and a
     round that accepts all ``k`` draws its bonus token from ``p``, so the tokens follow the target's
-    own distribution. Every draw is keyed by (seed, position, purpose): a seeded request's tokens do
-    not depend on the batch around it. Greedy requests are the special case of one-hot ``p`` and
+    own distribution. Every draw is keyed by (request seed, position, purpose) (``Request.seed`` is
+    :func:`~.sampling.request_seed`): a seeded request's tokens do not depend on the batch around it. Greedy requests are the special case of one-hot ``p`` and
     ``q``: the target's own greedy tokens.
 
     State layers: a rejected draft must leave the states as if it never ran. The target's step
@@ -350,7 +352,18 @@ class Speculate:
         self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, requests: list[Request],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per request, the token after its accepted drafts and how many were accepted (device tensors).
-        ``logits`` ``(requests, k + 1, vocab)``: the target's at the last sequence token and each draft."""
+        ``logits`` ``(requests, k + 1, vocab)``: the target's at the last sequence token and each draft.
+        A request with a NaN in a row its verdict read (its last token's, or an accepted draft's) keeps the
+        drafts accepted before that row and gets :data:`~.sampling.NAN_TOKEN`, as plain decoding would."""
+        token, accepted = self._verdict_tokens(logits, drafts, q, requests)
+        rows = torch.arange(self.k + 1, device=logits.device)
+        first_nan = torch.where(logits.isnan().any(-1), rows, self.k + 1).min(-1).values  # k + 1: none
+        return torch.where(first_nan <= accepted, NAN_TOKEN, token), torch.minimum(accepted, first_nan)
+
+    def _verdict_tokens(
+        self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, requests: list[Request],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_accept` before the NaN check."""
         k = self.k
         drafts = drafts.to(logits.device)
         if q is None:  # all greedy: accept while the draft is the target's argmax

@@ -417,3 +417,16 @@ def serve_requests(model: torch.nn.Module, config: pb.CompilationConfig, capture
     steps: list = []
     outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
     return prompts, outputs, steps, engine
+
+
+class NaNLogitsAt(torch.nn.Module):
+    """``model`` (the serving protocol) with NaN logits in the row of the token at ``position`` only: the
+    K/V stay finite, so a prompt chunk's row there (never sampled) harms nothing."""
+
+    def __init__(self, model: torch.nn.Module, position: int):
+        super().__init__()
+        self.inner, self.position = model, position
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(input_ids, position_ids)
+        return logits.masked_fill((position_ids == self.position)[:, None], float("nan"))
