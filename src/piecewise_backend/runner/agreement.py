@@ -67,7 +67,8 @@ def _describe_key(key: tuple[int, ...]) -> str:
     return f"{CUDAGraphMode(mode).name} {desc}"
 
 
-def _gather_keys(key: tuple[int, ...]) -> list[tuple[int, ...]]:
+def gather_ints(key: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every rank's ``key`` (a few int64s, the same count on every rank), in rank order: one small all-gather."""
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mine = torch.tensor(key, dtype=torch.long, device=device)
     keys = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -84,7 +85,7 @@ def check_same_step(mode: CUDAGraphMode, desc: BatchDescriptor | None) -> None:
     """
     if not distributed():
         return
-    keys = _gather_keys(_step_key(mode, desc))
+    keys = gather_ints(_step_key(mode, desc))
     if len(set(keys)) > 1:
         per_rank = ", ".join(f"rank {r}: {_describe_key(k)}" for r, k in enumerate(keys))
         raise RuntimeError(

@@ -33,6 +33,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ..modes import CUDAGraphMode
+from ..runner.agreement import distributed
+from .admission import Admission, AdmissionMismatch
 from .arguments import is_int, prompt_ids
 from .sampling import GREEDY, NAN_TOKEN, SamplingParams, request_seed, resolve_seed
 from .scheduler import KVBlocks, Request, Scheduler, StepPlan
@@ -138,6 +140,8 @@ class ServingLoop:
         self._calls = itertools.count()  # generate() calls: their requests' ids
         #: called at the start of every step, before it is planned (the engine's lazy catch-up)
         self.before_step: Callable[[], None] | None = None
+        #: under tensor parallelism: the requests added since the last step, checked across ranks before the next
+        self._admission = Admission() if distributed() else None
 
     # ------------------------------------------------------------------ requests
 
@@ -221,6 +225,8 @@ class ServingLoop:
             self._arrivals += 1
             self.scheduler.add(request)
             self._live[request_id] = request
+            if self._admission is not None:
+                self._admission.note(request)
             return request
 
     def cancel(self, request_id: Hashable) -> bool:
@@ -323,6 +329,8 @@ class ServingLoop:
         with self.lock:
             if self.before_step is not None:
                 self.before_step()
+            if self._admission is not None:
+                self._check_admission()
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 raise RuntimeError(  # cannot happen while every request fits the cache alone
@@ -379,6 +387,18 @@ class ServingLoop:
         )
         logger.warning("request %r ends with finish_reason='error': %s", request.tag, request.error)
         self._finish(request, "error")
+
+    def _check_admission(self) -> None:
+        """Every rank added the same requests since the last step; else each is ended with ``"error"`` on every
+        rank and the step raises (:mod:`.admission`)."""
+        try:
+            self._admission.check()  # type: ignore[union-attr]
+        except AdmissionMismatch as e:
+            for r in e.requests:
+                if r.finish_reason is None:
+                    r.error = str(e)
+                    self._finish(r, "error")
+            raise
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
