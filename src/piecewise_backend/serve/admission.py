@@ -44,9 +44,9 @@ def _values(r: Request) -> tuple[Any, ...]:
     return (r.prompt, r.max_new_tokens, sorted(r.stop_token_ids), sampling)
 
 
-def request_fields(r: Request) -> tuple[int, ...]:
-    """A digest of each of ``r``'s :data:`FIELDS` (the resolved seed: seedless requests take rank 0's)."""
-    return tuple(_digest(v) for v in _values(r))
+def request_fields(request: Request) -> tuple[int, ...]:
+    """A digest of each of ``request``'s :data:`FIELDS` (the resolved seed: seedless requests take rank 0's)."""
+    return tuple(_digest(v) for v in _values(request))
 
 
 class Admission:
