@@ -65,8 +65,9 @@ def test_engine_serves_each_call_site_like_generate(arch):
 
 def test_one_kv_per_module_would_change_the_tokens(monkeypatch):
     """The control: every call of a module sharing the slot of its first call (one K/V per module, as a
-    per-layer cache would hold) serves other tokens, so the tiny model tests the mechanism (dory's and hrm_text's
-    random loops stay too close to each other for a shared K/V to change more than a near-tie)."""
+    per-layer cache would hold) would serve other tokens; the engine's first step now refuses it, naming the
+    cache layers no attention reached (dory's and hrm_text's random loops stay too close to each other for a
+    shared K/V to change more than a near-tie)."""
     next_site = CallSites.next
 
     def first_of_module(self, module):
@@ -75,9 +76,8 @@ def test_one_kv_per_module_would_change_the_tokens(monkeypatch):
 
     monkeypatch.setattr(CallSites, "next", first_of_module)
     model = hf.tiny_random_model("diffllama")
-    reference = hf.tiny_random_model("diffllama")
-    prompts, outputs, _, _ = serve(model)
-    assert check(reference, prompts, outputs) != []
+    with pytest.raises(ValueError, match=r"never read or wrote KV cache layers \[1, 3\] of its KVLayout\(num_layers=4\)"):
+        serve(model)
 
 
 def test_call_sites_with_chunked_prefill_preemption_and_lazy_capture():

@@ -543,3 +543,30 @@ def test_a_refused_spec_engine_leaves_both_models_as_they_were():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=2 leaves no room .* at least num_speculative_tokens \+ 1 = 3"):
         spec.SpecEngine(target, target, config, num_speculative_tokens=2, max_num_batched_tokens=2)
     assert target.config._attn_implementation == before
+
+
+SIM_NONE = pb.CompilationConfig(cudagraph_mode="NONE", platform="simulated", compile_pieces="eager")
+
+
+def test_a_state_layer_target_rolls_back_to_its_last_token_not_its_chunk_start():
+    """qwen3_next verified against an unrelated drafter (every draft rejected), with a prompt longer than the
+    step budget: a rejection recomputes at most k + 1 tokens in a catch-up step, so the target's work stays
+    linear in the tokens (the old rollback re-ran the prompt's last chunk and everything since, every round,
+    until a chunk outgrew the budget and an empty drafter step raised); tokens equal HFEngine's (issue 46 item 2)."""
+    target = hf.tiny_random_model("qwen3_next")
+    vocab = target.config.get_text_config().vocab_size
+    drafter = hf.tiny_random_model("llama", num_hidden_layers=1, vocab_size=vocab)
+    plain = hf.HFEngine(copy.deepcopy(target), SIM_NONE, max_model_len=96, max_num_batched_tokens=8)
+    k, new = 2, 24
+    prompts = [list(range(3, 23)), [9, 8, 7]]  # 20 tokens: prefilled in chunks of the 8-token budget
+    expected = plain.generate(prompts, new, eos_token_id=[])
+    engine = spec.SpecEngine(target, drafter, SIM_NONE, num_speculative_tokens=k, max_model_len=96,
+                             max_num_batched_tokens=8)
+    rounds: list = []
+    assert engine.generate(prompts, new, eos_token_id=[], on_step=lambda _: rounds.append(engine.last_round)) == expected
+    s = engine.stats
+    assert s.accepted < s.proposed
+    prompt_tokens = sum(map(len, prompts))
+    assert s.target_tokens <= prompt_tokens + s.rounds * 2 * (1 + k) + s.emitted * (k + 1)  # linear
+    late = rounds[len(rounds) // 2:]
+    assert late and all(r.catch_up_tokens <= len(r.requests) * (k + 1) for r in late), late

@@ -60,6 +60,8 @@ class RoundInfo:
     drafter_modes: tuple[CUDAGraphMode, ...]  # one per drafter step (k of them when a request was verified)
     accepted: tuple[int, ...]  # per request: drafts equal to the target's argmax (0..k)
     emitted: tuple[int, ...]  # per request: tokens appended (accepted + 1, cut at eos or budget)
+    #: tokens of the target's catch-up step before the verify (state layers: a final chunk's tokens but its last)
+    catch_up_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -71,6 +73,7 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+    target_tokens: int = 0  # tokens the target's steps ran (verify steps and catch-ups, drafts included)
 
     @property
     def acceptance_rate(self) -> float:
@@ -156,7 +159,12 @@ class RoundPlan:
     request's last token, so they carry ``k`` drafts and are verified), the requests drafting (those
     of final chunks, in step order), the target's layout (each chunk, plus ``k`` positions after a
     final one), its input ids with the drafts' rows (``draft_rows``) left 0 to be filled on the
-    device, and whether every request has exactly ``k + 1`` query tokens (a verify-only step)."""
+    device, and whether every request has exactly ``k + 1`` query tokens (a verify-only step).
+
+    ``split`` (a target with state layers): a final chunk of more than one token runs all but its last
+    token first, in a committed catch-up step (``catch_up``, ``catch_up_ids``), and verifies from its
+    last token, so a rejected draft rolls the states back to the last token before the drafts, never
+    to the chunk's start (at most ``k + 1`` tokens are recomputed next round)."""
 
     chunks: list[tuple[Request, int, int]]
     final: list[bool]
@@ -165,22 +173,30 @@ class RoundPlan:
     host_ids: list[int]
     draft_rows: list[int]
     verify_only: bool
+    catch_up: list[tuple[Hashable, int, int]] = dataclasses.field(default_factory=list)
+    catch_up_ids: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, chunks: list[tuple[Request, int, int]], k: int) -> RoundPlan:
+    def of(cls, chunks: list[tuple[Request, int, int]], k: int, split: bool = False) -> RoundPlan:
         final = [start + count == r.length for r, start, count in chunks]
         host: list[int] = []
         draft_rows: list[int] = []
+        layout: list[tuple[Hashable, int, int]] = []
+        catch_up: list[tuple[Hashable, int, int]] = []
+        catch_up_ids: list[int] = []
         for (r, start, count), f in zip(chunks, final):
+            if f and split and count > 1:  # all but the last token: states committed before the drafts
+                catch_up.append((r.slot, start, count - 1))
+                catch_up_ids += r.tokens(start, count - 1)
+                start, count = start + count - 1, 1
             host += r.tokens(start, count)
+            layout.append((r.slot, start, count + (k if f else 0)))
             if f:
                 draft_rows += range(len(host), len(host) + k)
                 host += [0] * k
-        return cls(
-            chunks, final, [r for (r, _, _), f in zip(chunks, final) if f],
-            [(r.slot, start, count + (k if f else 0)) for (r, start, count), f in zip(chunks, final)],
-            host, draft_rows, all(f and count == 1 for (_, _, count), f in zip(chunks, final)),
-        )
+        verify_only = all(f and n == 1 + k for (_, _, n), f in zip(layout, final))
+        return cls(chunks, final, [r for (r, _, _), f in zip(chunks, final) if f], layout, host, draft_rows,
+                   verify_only, catch_up, catch_up_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +237,7 @@ class PendingRound:
     verify_only: bool
     drafter_modes: tuple[CUDAGraphMode, ...]
     verified: tuple[tuple[Request, int], ...]
+    catch_up: int = 0
 
 
 class Speculate:
@@ -235,10 +252,12 @@ class Speculate:
     :func:`~.sampling.request_seed`): a seeded request's tokens do not depend on the batch around it. Greedy requests are the special case of one-hot ``p`` and
     ``q``: the target's own greedy tokens.
 
-    State layers: a rejected draft must leave the states as if it never ran. The target's step
-    writes its states without committing them; a request whose drafts were all accepted commits,
-    one with a rejection keeps the states from before the step and recomputes its accepted tokens
-    in its next round (its K/V rolled back to the same point). The drafter's states are copied after
+    State layers: a rejected draft must leave the states as if it never ran. A final chunk of more
+    than one token first runs all but its last token in a committed catch-up step (:class:`RoundPlan`);
+    the verify step then writes its states without committing them; a request whose drafts were all
+    accepted commits, one with a rejection keeps the states from before the verify (after its last
+    token but one) and recomputes its accepted tokens, at most ``k + 1``, in its next round's catch-up
+    (its K/V rolled back to the same point): the target's work stays linear in the tokens. The drafter's states are copied after
     its first step of the round (``ModelRunner.snapshot``: one request's state bytes, for the round)
     and put back when fewer than ``k - 1`` drafts were accepted.
     """
@@ -252,8 +271,10 @@ class Speculate:
     def execute(self, plan: StepPlan) -> Executed:
         """One round: the plan, the drafts, the target's verifying step, its verdict and the rollback of
         what the verdict rejected."""
-        round_plan = RoundPlan.of(plan.chunks, self.k)
+        round_plan = RoundPlan.of(plan.chunks, self.k, split=self.target.states is not None)
         drafts = self._draft(round_plan)
+        if round_plan.catch_up:  # mixed-shaped (the runner's uniform decode is k + 1 tokens a request)
+            self.target.run(round_plan.catch_up, round_plan.catch_up_ids, False, commit=True)
         ids = torch.tensor(round_plan.host_ids, dtype=torch.long, device=self.target.cache.device)
         if round_plan.drafting:
             ids[torch.tensor(round_plan.draft_rows, device=ids.device)] = drafts.tokens.flatten().to(ids.device)
@@ -262,7 +283,7 @@ class Speculate:
         new, verified = self._roll_back(round_plan, verdict, drafts.saved)
         num_tokens = len(round_plan.host_ids)
         self._pending = PendingRound(step.mode, step.descriptor, num_tokens, round_plan.verify_only, drafts.modes,
-                                     tuple(verified))
+                                     tuple(verified), len(round_plan.catch_up_ids))
         return Executed(new, num_tokens, round_plan.verify_only, step.mode, step.reason)
 
     def _draft(self, round_plan: RoundPlan) -> Drafts:
@@ -272,6 +293,8 @@ class Speculate:
         feed = [(r, start + count - r.draft_computed) for r, start, count in chunks]
         layout = [(r.slot, r.draft_computed, n) for r, n in feed if n > 0]
         tokens = [t for r, n in feed if n > 0 for t in r.tokens(r.draft_computed, n)]
+        if not layout:  # the drafter has every scheduled token already (and nothing drafts): never an empty step
+            return Drafts(torch.empty(0, k, dtype=torch.long), None, (), None)
         first = self.drafter.run(layout, tokens, all(n == 1 for _, _, n in layout))
         logits, modes = first.output, [first.mode]
         if not drafting:
@@ -333,8 +356,8 @@ class Speculate:
             if a == k or not stateful_target:
                 r.computed = length + a  # valid K/V: the sequence and the accepted drafts
                 commit.append(r.slot)
-            else:  # the states after the step hold rejected drafts: keep those from before it, recompute
-                r.computed = start
+            else:  # the states after the step hold rejected drafts: keep those from before it (after the
+                r.computed = length - 1  # catch-up: every token but the last), recompute from there
             self.target.cache.truncate(r.slot, r.computed)
             if saved is not None and a < k - 1:  # the drafter's states ran past the last accepted draft
                 self.drafter.restore([r.slot], [saved[d]])
@@ -403,9 +426,10 @@ class Speculate:
         s.accepted += sum(a for _, a in p.verified)
         emitted = tuple(by_request[id(r)] for r, _ in p.verified)
         s.emitted += sum(emitted)
+        s.target_tokens += p.tokens + p.catch_up
         self.last = RoundInfo(
             s.rounds - 1, tuple(r.tag for r, _ in p.verified), p.mode, p.key, p.tokens, p.verify_only,
-            p.drafter_modes, tuple(a for _, a in p.verified), emitted,
+            p.drafter_modes, tuple(a for _, a in p.verified), emitted, p.catch_up,
         )
 
 
