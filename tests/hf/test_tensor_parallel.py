@@ -5,6 +5,7 @@ cache holds its share of the KV heads; the refusals (heads, no process group, ra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -56,6 +57,8 @@ def test_two_ranks_serve_the_unsharded_models_tokens(ranks, arch):
         assert r["greedy"] == r["expected"], r
         assert r["peers_same"], r  # greedy and seeded sampling: every rank drew the same tokens
         assert r["full_decode"] >= 4, r  # pure decode steps replayed FULL graphs
+        if tensor_parallel.distributed_config_class() is not None:  # the plan went in a DistributedConfig
+            assert r["tp_plan_warnings"] == [], r
         # every FULL replay ran the collectives inside the graph: embedding + 2 per layer + lm_head gather
         assert r["full_collectives"] == [2 * r["layers"] + 2], r
         assert r["kv_heads"] == max(1, r["model_kv_heads"] // 2), r  # this rank's share of the KV heads (or its one)
@@ -79,6 +82,60 @@ def test_tp_plan_without_a_process_group_is_refused(tmp_path, monkeypatch):
     hf.tiny_random_model("llama").config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no process group is initialized.*torchrun"):
         hf.HFEngine.from_pretrained(tmp_path, CONFIG, tp_plan="auto")
+
+
+class _Loaded(Exception):
+    """Raised by the patched AutoModelForCausalLM.from_pretrained: the keywords it got, and nothing loaded."""
+
+
+@pytest.fixture
+def load_kwargs(tmp_path, monkeypatch):
+    """``load(**kwargs)``: the keywords HFEngine.from_pretrained hands transformers (no process group joined;
+    ``overrides``: what ``_join_tensor_parallel`` says the K/V need)."""
+    hf.tiny_random_model("llama").config.save_pretrained(tmp_path)
+    overrides: dict[str, str] = {}
+    monkeypatch.setattr(hf.engine, "_join_tensor_parallel", lambda folder: dict(overrides))
+
+    def fake(folder, **kwargs):
+        raise _Loaded(kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake)
+
+    def load(extra: dict[str, str] | None = None, **kwargs) -> dict:
+        overrides.clear()
+        overrides.update(extra or {})
+        with pytest.raises(_Loaded) as loaded:
+            hf.HFEngine.from_pretrained(tmp_path, CONFIG, **kwargs)
+        return loaded.value.args[0]
+    return load
+
+
+REPLICATED = {"model.layers.*.self_attn.k_proj": "replicate"}
+
+
+def test_tp_plan_goes_to_transformers_in_a_distributed_config_where_it_takes_one(load_kwargs, monkeypatch):
+    """transformers 5.24 deprecates from_pretrained(tp_plan=...) (a FutureWarning on every rank) for
+    distributed_config=DistributedConfig(tp_plan=...); older versions get the keyword."""
+    if tensor_parallel.distributed_config_class() is None:
+        pytest.skip(f"transformers {transformers.__version__} has no DistributedConfig(tp_plan=...)")
+    kwargs = load_kwargs(tp_plan="auto")
+    assert "tp_plan" not in kwargs and kwargs["distributed_config"].tp_plan == "auto"
+    assert load_kwargs(REPLICATED, tp_plan="auto")["distributed_config"].tp_plan == REPLICATED
+    own = transformers.DistributedConfig(tp_plan="auto", fsdp_cpu_offload=True)  # the caller's own: kept, K/V overridden
+    given = load_kwargs(REPLICATED, distributed_config=own)["distributed_config"]
+    assert given.tp_plan == REPLICATED and given.fsdp_cpu_offload and own.tp_plan == "auto"
+    with pytest.raises(ValueError, match="pass tp_plan= or distributed_config=DistributedConfig"):
+        load_kwargs(tp_plan="auto", distributed_config=own)
+
+    @dataclasses.dataclass
+    class ExpertsOnly:  # transformers 4.5x's DistributedConfig: no tp_plan
+        enable_expert_parallel: bool = False
+
+    for old in (None, ExpertsOnly):
+        # the module the package reads now: building a tiny model can replace sys.modules["transformers"]
+        monkeypatch.setattr(tensor_parallel.transformers_module(), "DistributedConfig", old)
+        kwargs = load_kwargs(REPLICATED, tp_plan="auto")
+        assert kwargs["tp_plan"] == REPLICATED and "distributed_config" not in kwargs, (old, kwargs)
 
 
 def test_a_world_size_that_does_not_divide_the_heads_is_refused():

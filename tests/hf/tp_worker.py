@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,9 @@ def serve(folder: str) -> dict:
                                      eos_token_id=None, pad_token_id=0)
             expected.append(out[0, len(prompt):].tolist())
     config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
-    engine = hf.HFEngine.from_pretrained(folder, config, tp_plan="auto", max_num_reqs=3, max_model_len=32, block_size=4)
+    with warnings.catch_warnings(record=True) as caught:  # transformers 5.24 deprecates a tp_plan= keyword
+        warnings.simplefilter("always")
+        engine = hf.HFEngine.from_pretrained(folder, config, tp_plan="auto", max_num_reqs=3, max_model_len=32, block_size=4)
     engine.capture()
     modes = []
 
@@ -61,6 +64,7 @@ def serve(folder: str) -> dict:
         "full_collectives": sorted({c for m, d, c in modes if m == "FULL"}),
         "layers": reference.config.num_hidden_layers, "kv_heads": cache.key_caches[0].shape[2],
         "model_kv_heads": reference.config.num_key_value_heads, "memory_bytes": cache.memory_bytes,
+        "tp_plan_warnings": [str(w.message) for w in caught if "tp_plan" in str(w.message)],
     }
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)

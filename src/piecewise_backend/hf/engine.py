@@ -41,6 +41,8 @@ from .tensor_parallel import (
     is_tensor_parallel,
     localize,
     replicated_kv_plan,
+    shards,
+    tp_load_kwargs,
 )
 from .transformers_lib import transformers_module
 
@@ -108,10 +110,18 @@ class HFEngine(Engine):
             )
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
         kwargs["local_files_only"] = True
-        if kwargs.get("tp_plan") is not None:
+        plan, given = kwargs.pop("tp_plan", None), kwargs.pop("distributed_config", None)
+        if plan is not None and given is not None:
+            raise ValueError("HFEngine.from_pretrained: pass tp_plan= or distributed_config=DistributedConfig(tp_plan=...), "
+                             "not both")
+        if plan is not None or shards(given):
             overrides = _join_tensor_parallel(folder)
-            if overrides and kwargs["tp_plan"] == "auto":  # fewer KV heads than ranks: K/V loaded whole
-                kwargs["tp_plan"] = overrides
+            plan = plan if plan is not None else given.tp_plan
+            if overrides and plan in ("auto", None):  # fewer KV heads than ranks: K/V loaded whole
+                plan = overrides
+            kwargs.update(tp_load_kwargs(plan, given))
+        elif given is not None:
+            kwargs["distributed_config"] = given
         model = transformers_module().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         return cls(model.eval(), config, **engine_kwargs)
 

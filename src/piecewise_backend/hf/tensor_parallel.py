@@ -20,7 +20,9 @@ the engine's arguments at construction (ranks built differently would capture di
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from .transformers_lib import transformers_module
 
 #: plan styles :func:`localize` serves; each module style maps to its forward below
 MODULE_STYLES = frozenset({
@@ -92,6 +96,44 @@ def replicated_kv_plan(config: Any, world: int) -> dict[str, str]:
 
 
 _KV_PROJECTIONS = ("k_proj", "v_proj")
+
+
+def tp_load_kwargs(plan: str | Mapping[str, str], base: Any = None) -> dict[str, Any]:
+    """The ``from_pretrained`` keyword that loads with ``plan``: ``distributed_config=DistributedConfig(tp_plan=plan)``
+    (``base`` with its ``tp_plan`` replaced, when given) where transformers takes it (5.24 deprecates a
+    ``tp_plan=`` keyword, warning on every rank), else ``tp_plan=plan``."""
+    if base is not None:
+        return {"distributed_config": dataclasses.replace(base, tp_plan=plan)}
+    config_class = distributed_config_class()
+    if config_class is None:
+        return {"tp_plan": plan}
+    return {"distributed_config": config_class(tp_plan=plan)}
+
+
+def shards(distributed_config: Any) -> bool:
+    """Whether a ``DistributedConfig`` given to ``from_pretrained`` loads tensor-parallel (a ``tp_plan``, or
+    ``tp_size`` above 1: the model's own plan)."""
+    if distributed_config is None:
+        return False
+    return getattr(distributed_config, "tp_plan", None) is not None or (getattr(distributed_config, "tp_size", None) or 1) > 1
+
+
+def distributed_config_class() -> Any:
+    """transformers' ``DistributedConfig`` where it takes a ``tp_plan`` and ``from_pretrained`` takes it as
+    ``distributed_config`` (transformers >= 5.24); None for older versions (a ``DistributedConfig`` without
+    ``tp_plan`` only switched expert parallelism on)."""
+    transformers = transformers_module()
+    config_class = getattr(transformers, "DistributedConfig", None)
+    if config_class is None:
+        return None
+    try:
+        takes_plan = "tp_plan" in inspect.signature(config_class).parameters
+    except (TypeError, ValueError):
+        return None
+    load = transformers.PreTrainedModel.from_pretrained
+    # from_pretrained pops it from **kwargs: its documentation names it where the signature does not
+    takes_config = "distributed_config" in inspect.signature(load).parameters or "distributed_config" in (load.__doc__ or "")
+    return config_class if takes_plan and takes_config else None
 
 
 #: layer kinds of state layers (the state cache's): their mixers are not sharded by this module yet
