@@ -41,6 +41,10 @@ class CompilationConfig:
     dbo_decode_token_threshold: int = 32  # a pure-decode step is micro-batched from this many tokens
     dbo_prefill_token_threshold: int = 512  # a step with a prefill, from this many tokens
     use_inductor_graph_partition: bool = False  # one Inductor compile partitioned at the splitting ops (not yet)
+    #: plain torch.compile calls (no runner, no forward context) capture and replay graphs (backend/standalone.py)
+    standalone_capture: bool = False  # (default off until it has run through the whole suite)
+    standalone_max_graphs: int = 16  # input signatures each compiled graph captures outside a runner; then eager
+    standalone_memory_budget: int | None = None  # graph pool bytes those captures may add (None: no limit)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__.__get__(self)
@@ -127,6 +131,13 @@ class CompilationConfig:
                     f"CompilationConfig.use_inductor_graph_partition=True is refused: {why}; or use the default "
                     "(False): each piece between splitting ops is compiled on its own (compile_pieces)"
                 )
+        if not isinstance(self.standalone_capture, bool):
+            raise ValueError(f"CompilationConfig.standalone_capture must be a bool, got {self.standalone_capture!r}")
+        if not is_int(self.standalone_max_graphs) or self.standalone_max_graphs < 0:
+            raise ValueError(f"CompilationConfig.standalone_max_graphs must be an int >= 0, got {self.standalone_max_graphs!r}")
+        budget = self.standalone_memory_budget
+        if budget is not None and (not is_int(budget) or budget < 0):
+            raise ValueError(f"CompilationConfig.standalone_memory_budget must be None or bytes >= 0, got {budget!r}")
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             value = getattr(self, name)
             if not is_int(value) or value < 2:  # a micro-batched step has two non-empty halves

@@ -133,7 +133,7 @@ def test_default_splitting_ops_are_the_registry_at_compile_time():
         torch.testing.assert_close(torch.compile(second, backend=backend)(x), second(x))
 
 
-def test_backend_accepts_mode_and_options_keywords():
+def test_backend_honors_torch_compile_modes_and_refuses_options_naming_why():
     backend = pb.make_backend(eager_config(splitting_ops=["pb_test::double"]))
     x = torch.randn(3)
 
@@ -143,9 +143,18 @@ def test_backend_accepts_mode_and_options_keywords():
     def g(x):
         return torch.ops.pb_test.double(x) - 2
 
-    torch.testing.assert_close(torch.compile(f, backend=backend, options={"anything": 1})(x), f(x))
+    def h(x):
+        return torch.ops.pb_test.double(x) - 3
+
+    with pytest.raises(Exception, match=r"options=\{'anything': 1\}\) is refused by piecewise_breakable: options are Inductor's"):
+        torch.compile(f, backend=backend, options={"anything": 1})(x)
     torch.testing.assert_close(torch.compile(g, backend=backend, mode="max-autotune")(x), g(x))
-    assert [kinds(s) for s in backend.splits] == ["SC", "SC"]
+    plain = torch.compile(h, backend=backend, mode="max-autotune-no-cudagraphs")
+    with pb.expect(captures=0):  # a mode without CUDA graphs: every plain call runs eagerly
+        for _ in range(3):
+            torch.testing.assert_close(plain(x), h(x))
+    with pytest.raises(Exception, match=r"mode=.fastest.\) is not a mode piecewise_breakable knows"):
+        torch.compile(f, backend=backend, mode="fastest")(x)
 
 
 def test_make_backend_rejects_non_config():

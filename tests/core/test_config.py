@@ -140,6 +140,9 @@ BAD = [
     ("dbo_prefill_token_threshold", 0),
     ("dbo_prefill_token_threshold", "512"),
     ("use_inductor_graph_partition", "yes"),
+    ("standalone_capture", "yes"),
+    ("standalone_max_graphs", -1),
+    ("standalone_memory_budget", 1.5),
 ]
 
 

@@ -25,6 +25,7 @@ from .dump import dump_split
 from .keys import CompileState, describe_piece
 from .partition import PartitionWrappers, compile_partitioned
 from .split import Piece, SplitGraph, split_graph
+from .standalone import StandaloneGraphs, random_ops, static_inputs
 
 _graph_ids = iter(range(1 << 62))
 
@@ -107,8 +108,13 @@ class PiecewiseBackend:
         self._logged_lock = threading.Lock()
         self.piece_artifacts: dict[int, Any] = {}  # id(piece.module) -> its artifact (what aot_compile saves)
 
+    def __deepcopy__(self, memo: dict) -> PiecewiseBackend:
+        """A new backend of the same (frozen) config: it shares nothing else (no compiled pieces, splits,
+        wrappers or graphs). transformers deep-copies its ``CompileConfig``, backend included."""
+        return PiecewiseBackend(self.config)
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-        # torch passes mode=/options= only when the user set them; they have no meaning here.
+        asked_off = _compile_kwargs(kwargs)  # torch passes mode=/options= only when the user set them
         graph_index = next(_graph_ids)
         self._state = CompileState()
         counters["graphs"] += 1
@@ -127,7 +133,8 @@ class PiecewiseBackend:
         counters["splitting_pieces"] += split.num_splitting
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
-        return direct_forward(split_gm)
+        return StandaloneGraphs(direct_forward(split_gm), self.config, static=static_inputs(gm), random=random_ops(gm),
+                                name=f"graph {graph_index}", off=asked_off)
 
     def _partitioned(self, gm: fx.GraphModule, ops: Sequence[Any]) -> Callable[..., Any]:
         """``use_inductor_graph_partition``: one Inductor compile of ``gm`` partitioned at ``ops``, each
@@ -232,6 +239,32 @@ class PiecewiseBackend:
         self.splits.clear()
         self.piece_wrappers.clear()
         self.partitioned.clear()
+
+
+#: torch.compile's ``mode=`` values: those with CUDA graphs, and the one without.
+MODES_WITH_GRAPHS = ("default", "reduce-overhead", "max-autotune")
+MODES_WITHOUT_GRAPHS = ("max-autotune-no-cudagraphs",)
+
+
+def _compile_kwargs(kwargs: dict[str, Any]) -> str | None:
+    """torch.compile's ``mode``/``options`` honored (a mode without CUDA graphs turns standalone capture off:
+    returns why) or refused naming what is valid."""
+    unknown = set(kwargs) - {"mode", "options"}
+    if unknown:
+        raise TypeError(f"piecewise_breakable: unexpected arguments {sorted(unknown)} from torch.compile")
+    if kwargs.get("options"):
+        raise ValueError(
+            f"torch.compile(options={kwargs['options']!r}) is refused by piecewise_breakable: options are Inductor's "
+            "settings for a whole-graph compile; this backend compiles pieces (CompilationConfig(compile_pieces=...)) "
+            "and its CUDA graphs follow CompilationConfig(cudagraph_mode=..., standalone_capture=...)"
+        )
+    mode = kwargs.get("mode") or "default"
+    if mode in MODES_WITHOUT_GRAPHS:
+        return f"torch.compile(mode={mode!r}) asks for no CUDA graphs"
+    if mode not in MODES_WITH_GRAPHS:
+        raise ValueError(f"torch.compile(mode={mode!r}) is not a mode piecewise_breakable knows: one of "
+                         f"{list(MODES_WITH_GRAPHS + MODES_WITHOUT_GRAPHS)}")
+    return None
 
 
 def make_backend(config: CompilationConfig | None = None) -> PiecewiseBackend:
