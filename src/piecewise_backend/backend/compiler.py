@@ -133,7 +133,10 @@ class PiecewiseBackend:
         counters["splitting_pieces"] += split.num_splitting
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
-        return StandaloneGraphs(direct_forward(split_gm), self.config, static=static_inputs(gm), random=random_ops(gm),
+        forward = direct_forward(split_gm)
+        if not self.config.standalone_capture:  # nothing to decide per call: the runner's path stays one call
+            return forward
+        return StandaloneGraphs(forward, self.config, static=static_inputs(gm), random=random_ops(gm),
                                 name=f"graph {graph_index}", off=asked_off)
 
     def _partitioned(self, gm: fx.GraphModule, ops: Sequence[Any]) -> Callable[..., Any]:
