@@ -39,26 +39,31 @@ import torch
 
 import piecewise_backend as pb
 from piecewise_backend.hf import HFEngine, SamplingParams, StepInfo, tiny_random_model
+from piecewise_backend.hf.engine import UNAPPLIED
 from piecewise_backend.parallel import init_tensor_parallel
 
 PROMPT_LENS = (5, 12, 3, 9, 7)
 NEW_TOKENS = (6, 3, 9, 4, 7)  # per request: they finish at different steps
-#: Logits processors some configs turn on (bart's forced EOS, marian's banned pad, ...): the engine is plain greedy.
-PLAIN_GREEDY = dict(forced_bos_token_id=None, forced_eos_token_id=None, bad_words_ids=None, suppress_tokens=None,
-                    begin_suppress_tokens=None, min_length=0, min_new_tokens=None, no_repeat_ngram_size=0,
-                    repetition_penalty=1.0)
+#: generation_config settings no engine applies (it warns naming them), off in the reference too.
+UNAPPLIED_OFF = {name: off for name, off in UNAPPLIED.items() if name != "do_sample"}
+#: The per-token settings (bart's forced EOS, marian's banned pad, ...): HFEngine applies them as generate
+#: does; off in the reference of an engine that does not (SpecEngine: ``check(..., rules_applied=False)``).
+RULES_OFF = dict(forced_bos_token_id=None, forced_eos_token_id=None, bad_words_ids=None, suppress_tokens=None,
+                 begin_suppress_tokens=None, min_length=0, min_new_tokens=None, no_repeat_ngram_size=0,
+                 repetition_penalty=1.0)
 #: A token whose reference logit is within this of the best is a tie (float32 logits, float order differs).
 LOGIT_TOL = 1e-3
 
 
 def check(
     reference: torch.nn.Module, prompts: list[list[int]], outputs: list[list[int]], new_tokens: Sequence[int],
-    eos: int | list[int] | None, ties: list[int] | None = None,
+    eos: int | list[int] | None, ties: list[int] | None = None, rules_applied: bool = True,
 ) -> list[int]:
     """Indices of the requests the engine served wrongly, compared with ``reference``.
 
     ``eos`` is what the engine was given: an int or a list of stop tokens, or None for the model's
-    own (``generation_config.eos_token_id``), which ``generate`` then uses too.
+    own (``generation_config.eos_token_id``), which ``generate`` then uses too; ``rules_applied``: whether
+    the engine applies the model's per-token settings (:data:`RULES_OFF` are off in the reference otherwise).
 
     A request passes if its tokens equal ``reference.generate(do_sample=False)``, or if every token
     the engine picked is within ``LOGIT_TOL`` of the reference's best logit given the engine's own
@@ -71,7 +76,7 @@ def check(
     bad = []
     device = next(reference.parameters()).device
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        expected = reference_tokens(reference, prompt, new_tokens[i], eos)
+        expected = reference_tokens(reference, prompt, new_tokens[i], eos, rules_applied)
         if out == expected:
             continue
         with torch.no_grad():  # the reference's logits at every engine token, given the engine's prefix
@@ -103,7 +108,9 @@ def check(
 RECOMPUTED: list[str] = []
 
 
-def reference_tokens(reference: torch.nn.Module, prompt: list[int], new_tokens: int, eos: int | list[int] | None) -> list[int]:
+def reference_tokens(
+    reference: torch.nn.Module, prompt: list[int], new_tokens: int, eos: int | list[int] | None, rules_applied: bool = True,
+) -> list[int]:
     """``reference.generate(do_sample=False)``'s new tokens, or, where generate itself raises (transformers 5.24's
     recurrent_gemma without an attention layer: its cache's ``get_seq_length`` refuses a cache of recurrent layers
     only), greedy decoding by a full recompute: the model's own forward over the whole sequence, without a cache,
@@ -115,7 +122,8 @@ def reference_tokens(reference: torch.nn.Module, prompt: list[int], new_tokens: 
     try:
         with torch.no_grad():
             full = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new_tokens, pad_token_id=pad, **stop, **PLAIN_GREEDY)
+                                      max_new_tokens=new_tokens, pad_token_id=pad, **stop, **UNAPPLIED_OFF,
+                                      **({} if rules_applied else RULES_OFF))
         return full[0, len(prompt):].tolist()
     except Exception as e:  # noqa: BLE001  (the reference's own generate, whatever it raises: its forward judges instead)
         if not RECOMPUTED:

@@ -21,6 +21,7 @@ lists every type's outcome):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..config import CompilationConfig
 from ..serve.arguments import MODEL_EOS, EngineArgs, check_config, engine_args, engine_keywords, takes_engine_args
 from ..serve.engine import Engine
 from ..serve.model_runner import Decode, KVLayout, ModelRunner
+from ..serve.token_rules import RULE_FIELDS, TokenRules
 from .adaptation import TokensFirst, adapt, adapting, kv_shape
 from .adapter import length_refusal
 from .host_breaks import host_read_downgrades, no_full_graphs
@@ -48,8 +50,10 @@ from .transformers_lib import transformers_module
 
 __all__ = [  # adapt and the paged attention live in .adaptation and .paged_attention; named here as documented
     "ATTN_IMPLEMENTATION", "HFEngine", "TokensFirst", "adapt", "check_hf_model", "chunked_layers", "generation_eos",
-    "kv_shape", "paged_attention_forward", "register_attention",
+    "generation_rules", "kv_shape", "paged_attention_forward", "register_attention",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class HFEngine(Engine):
@@ -82,6 +86,7 @@ class HFEngine(Engine):
             localize(model)
         vocab_size = check_hf_model(model, config, args.max_model_len)
         args.check_model(model)
+        rules = resolve_rules(model, args.token_rules, "HFEngine", vocab_size)
         with adapting(model) as adapted:  # a failure building on it undoes the adaptation
             main = ModelRunner(adapted, no_full_graphs(config, adapted.host_breaks), args=args,
                                kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim),
@@ -89,7 +94,8 @@ class HFEngine(Engine):
                                downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
-        self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=frozenset())
+        self._start(args, [main], Decode(main, rules), main.cache, main.states, vocab_size=vocab_size,
+                    eos_token_id=frozenset(), token_rules=rules)
 
     def default_eos(self) -> Any:
         """The model's ``generation_config.eos_token_id``, as ``model.generate`` uses by default."""
@@ -149,6 +155,47 @@ def _join_tensor_parallel(folder: str) -> dict[str, str]:
 def generation_eos(model: Any) -> Any:
     """The stop token(s) ``model.generate`` uses by default: ``model.generation_config.eos_token_id`` (None without one)."""
     return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+
+
+#: generation_config settings the engines do not apply, with the value that means "off".
+UNAPPLIED = {"do_sample": False, "num_beams": 1, "guidance_scale": 1, "sequence_bias": None,
+             "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "remove_invalid_values": False,
+             "exponential_decay_length_penalty": None, "renormalize_logits": False, "penalty_alpha": None,
+             "watermarking_config": None}
+
+
+def generation_rules(model: Any) -> tuple[TokenRules, tuple[str, ...]]:
+    """The per-token settings of ``model.generation_config`` (what ``model.generate`` applies to each
+    step's scores by default), as :class:`~piecewise_backend.serve.TokenRules`, and those of its
+    settings no engine applies, as ``name=value`` (``do_sample=True``: the engine samples as its
+    ``sampling=`` says, greedy by default)."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return TokenRules(), ()
+    given = {f: getattr(config, f, None) for f in RULE_FIELDS}
+    given["bad_words_ids"] = given["bad_words_ids"] or ()
+    for name in ("forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens"):
+        given[name] = given[name] if given[name] is not None else ()
+    unapplied = tuple(f"{name}={value!r}" for name, off in UNAPPLIED.items()
+                      if (value := getattr(config, name, None)) is not None and value != off)
+    return TokenRules(**given), unapplied
+
+
+def resolve_rules(model: Any, given: TokenRules | None, engine: str, vocab_size: int, applies: bool = True) -> TokenRules:
+    """An engine's rules: ``given`` (``token_rules=``), else the model's :func:`generation_rules`; checked
+    against the vocabulary. One warning names the model's settings the engine leaves out (all of them
+    when it applies none: ``applies=False``)."""
+    rules, unapplied = generation_rules(model)
+    if given is not None:
+        rules, unapplied = given, ()
+    elif not applies:
+        unapplied = (*(f"{n}={getattr(rules, n)!r}" for n in rules.names()), *unapplied)
+        rules = TokenRules()
+    if unapplied:
+        logger.warning("%s does not apply these generation_config settings of %s: %s (model.generate does; tokens "
+                       "may differ from its)", engine, type(model).__name__, ", ".join(unapplied))
+    rules.check(vocab_size)
+    return rules
 
 
 def check_hf_model(model: Any, config: CompilationConfig, max_model_len: int) -> int:

@@ -21,7 +21,7 @@ from ..serve.arguments import MODEL_EOS, EngineArgs, engine_args, takes_engine_a
 from ..serve.model_runner import KVLayout
 from ..serve.speculative import SpecModel, SpeculativeEngine, check_speculative_args
 from .adaptation import adapting, kv_shape
-from .engine import check_hf_model, generation_eos
+from .engine import check_hf_model, generation_eos, resolve_rules
 from .host_breaks import host_read_downgrades, no_full_graphs
 from .tensor_parallel import is_tensor_parallel
 
@@ -46,13 +46,15 @@ class SpecEngine(SpeculativeEngine):
         args: EngineArgs | None = None, **engine_kwargs: Any,
     ):
         args = engine_args("SpecEngine", args, engine_kwargs, exclude=MODEL_EOS)
-        k = check_speculative_args(num_speculative_tokens, config, drafter_config, args.max_num_batched_tokens)
+        k = check_speculative_args(num_speculative_tokens, config, drafter_config, args.max_num_batched_tokens,
+                                   args.token_rules)
         if any(is_tensor_parallel(m) for m in (target, drafter)):
             raise ValueError("SpecEngine does not serve tensor-parallel models (tp_plan) yet: the drafter and the "
                              "verifier would need their collectives agreed per step; use HFEngine")
         vocab = [m.config.get_text_config().vocab_size for m in (target, drafter)]
         if vocab[0] != vocab[1]:
             raise ValueError(f"the drafter's vocabulary ({vocab[1]} tokens) must be the target's ({vocab[0]})")
+        resolve_rules(target, None, "SpecEngine", vocab[0], applies=False)  # warns what generate would apply
         drafter_config = drafter_config or config
         for role, m, c in (("target", target, config), ("drafter", drafter, drafter_config)):
             check_hf_model(m, c, args.max_model_len)  # HFEngine's refusals (its position limit among them)

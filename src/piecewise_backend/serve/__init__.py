@@ -7,12 +7,14 @@ from .model_runner import KVLayout, ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler
 from .speculative import RoundInfo, SpecStats, SpeculativeEngine
+from .token_rules import TokenRules
 
 __all__ = [
     "Engine",
     "EngineArgs",
     "KVLayout",
     "SamplingParams",
+    "TokenRules",
     "RequestOutput",
     "StepInfo",
     "SpeculativeEngine",

@@ -30,6 +30,7 @@ import torch
 from ..attention.backends import attention_backends, describe, select_attention_backends
 from ..config import CompilationConfig
 from ..validation import is_int  # noqa: F401  (serve's modules import it from here)
+from .token_rules import TokenRules
 
 #: What a prompt may be, for the error messages.
 PROMPT_KINDS = "a list or tuple of ints, a 1-D integer tensor or a 1-D numpy integer array"
@@ -155,6 +156,8 @@ class EngineArgs:
     graph_memory_budget: int | None = None  # bytes the engine's graphs may add to the graph pool
     eos_token_id: int | Sequence[int] | None = None  # the default stop token(s) of generate, add_request (kept as a tuple)
     step_capture_budget_s: float | None = None  # seconds a lazy engine's step may capture (None: 0.05 lazy, else 0)
+    #: generate's per-token settings on every step's logits (None: none; HF engines: the model's generation_config's)
+    token_rules: TokenRules | None = None
 
     def __post_init__(self) -> None:
         for name, meaning in (
@@ -173,6 +176,8 @@ class EngineArgs:
         if self.lazy_capture is not True and self.lazy_capture is not False:
             raise ValueError(f"lazy_capture must be a bool, got {_show(self.lazy_capture)}")
         check_tokens_budget(self.max_num_batched_tokens)
+        if self.token_rules is not None and not isinstance(self.token_rules, TokenRules):
+            raise ValueError(f"token_rules must be None or a serve.TokenRules(...), got {_show(self.token_rules)}")
         g = self.graph_memory_budget
         if g is not None and (not is_int(g) or g < 0):
             raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {_show(g)}")

@@ -38,6 +38,7 @@ from .arguments import (
 from .loop import RequestOutput, ServingLoop, StepExecutor, StepInfo
 from .model_runner import Decode, KVLayout, ModelRunner
 from .sampling import SamplingParams, per_request
+from .token_rules import TokenRules
 from .scheduler import KVBlocks
 
 
@@ -87,21 +88,27 @@ class Engine:
                             "model's state layers keep")
         args.check_model(model)
         eos = args.stop_tokens(vocab_size)  # refused before anything is built
+        if args.token_rules:
+            args.token_rules.check(vocab_size)
         main = ModelRunner(model, config, kv_layout=kv_layout, args=args, state_specs=specs, vocab_size=vocab_size)
         self.model = model
-        self._start(args, [main], Decode(main), main.cache, main.states, vocab_size=vocab_size, eos_token_id=eos)
+        self._start(args, [main], Decode(main, args.token_rules), main.cache, main.states, vocab_size=vocab_size,
+                    eos_token_id=eos)
 
     def _start(
         self, args: EngineArgs, model_runners: Sequence[ModelRunner], executor: StepExecutor, blocks: KVBlocks,
         states: Any, *, vocab_size: int, eos_token_id: frozenset[int], lookahead: int = 0,
-        max_num_batched_tokens: int | None = None,
+        max_num_batched_tokens: int | None = None, token_rules: TokenRules | None = None,
     ) -> None:
         """Every engine's constructor ends here, with its arguments checked and its model runners built:
         the serving loop over ``executor``, which plans ``blocks`` (and frees ``states``) for its requests.
         ``max_num_batched_tokens``: the step's token budget when the engine chose one (default:
-        ``args``', else the largest capture size, else ``max_model_len``: a whole prompt)."""
+        ``args``', else the largest capture size, else ``max_model_len``: a whole prompt); ``token_rules``:
+        the rules ``executor`` applies (``args``' unless the engine chose others)."""
         #: the engine's arguments, checked (a :class:`~.arguments.EngineArgs`)
         self.args = args
+        #: the per-token rules every step's logits get (a :class:`~.token_rules.TokenRules`; None: none)
+        self.token_rules = (token_rules if token_rules is not None else args.token_rules) or None
         #: the :class:`~.model_runner.ModelRunner` of each model (a speculative engine: the target's, then the drafter's)
         self.model_runners = list(model_runners)
         main = self.model_runners[0]

@@ -29,6 +29,7 @@ from .ladder import Ladder, cover_limits
 from .loop import Executed, chunk_ends
 from .sampling import mark_nan, noise_key, sample
 from .scheduler import StepPlan
+from .token_rules import TokenRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,10 +236,11 @@ def check_logits(out: Any, num_tokens: int, vocab_size: int, who: str = "the mod
 
 class Decode:
     """The plain engine's step: one model, one sampled token per request whose chunk ends its sequence
-    (:data:`~.sampling.NAN_TOKEN` where its logits hold a NaN)."""
+    (:data:`~.sampling.NAN_TOKEN` where its logits hold a NaN), under ``rules`` (none: skipped)."""
 
-    def __init__(self, model: ModelRunner):
+    def __init__(self, model: ModelRunner, rules: TokenRules | None = None):
         self.model = model
+        self.rules = rules or None
 
     def execute(self, plan: StepPlan) -> Executed:
         chunks = plan.chunks
@@ -261,6 +263,8 @@ class Decode:
             else:
                 ends = chunk_ends(chunks)
                 rows = logits.index_select(0, torch.tensor([ends[i] for i in emit], device=logits.device))
+            if self.rules is not None:
+                rows = self.rules.apply(rows, emitting)
             if all(r.greedy for r in emitting):  # argmax: no noise keys, no per-row parameters
                 chosen = rows.argmax(-1)
             else:

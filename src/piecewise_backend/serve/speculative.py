@@ -466,7 +466,8 @@ class SpeculativeEngine(Engine):
         **engine_kwargs: Any,
     ):
         args = engine_args("SpeculativeEngine", args, engine_kwargs)
-        k = check_speculative_args(num_speculative_tokens, config, drafter_config, args.max_num_batched_tokens)
+        k = check_speculative_args(num_speculative_tokens, config, drafter_config, args.max_num_batched_tokens,
+                                   args.token_rules)
         for layout in (target_layout, drafter_layout):
             if not isinstance(layout, KVLayout):
                 raise TypeError(f"target_layout and drafter_layout must be serve.KVLayouts, got {type(layout).__name__}")
@@ -574,10 +575,15 @@ class SpeculativeEngine(Engine):
 
 
 def check_speculative_args(
-    num_speculative_tokens: object, config: object, drafter_config: object, max_num_batched_tokens: int | None = None
+    num_speculative_tokens: object, config: object, drafter_config: object, max_num_batched_tokens: int | None = None,
+    token_rules: object = None,
 ) -> int:
     """The speculative engines' own arguments, before anything is built (a given ``max_num_batched_tokens`` must
-    hold a request's token and its drafts); returns k."""
+    hold a request's token and its drafts; ``token_rules`` are not applied to verified tokens yet, so none is
+    taken); returns k."""
+    if token_rules:
+        raise ValueError(f"a speculative engine does not apply token_rules yet (given: {', '.join(token_rules.names())}): "  # type: ignore[attr-defined]
+                         "its verified tokens would not follow them; use Engine / HFEngine for these rules")
     k = num_speculative_tokens
     if not is_int(k) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
