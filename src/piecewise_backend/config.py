@@ -42,7 +42,7 @@ class CompilationConfig:
     dbo_prefill_token_threshold: int = 512  # a step with a prefill, from this many tokens
     use_inductor_graph_partition: bool = False  # one Inductor compile partitioned at the splitting ops (not yet)
     #: plain torch.compile calls (no runner, no forward context) capture and replay graphs (backend/standalone.py)
-    standalone_capture: bool = False  # (default off until it has run through the whole suite)
+    standalone_capture: bool = True  # False: such calls run the compiled graph as it is (engines' runners set it)
     standalone_max_graphs: int = 16  # input signatures each compiled graph captures outside a runner; then eager
     standalone_memory_budget: int | None = None  # graph pool bytes those captures may add (None: no limit)
 

@@ -98,6 +98,8 @@ class PiecewiseBackend:
         self.splits: list[SplitGraph] = []  # every split made, for inspection and tests
         self.piece_wrappers: list[CUDAGraphWrapper] = []  # use_breakable=False: one per compiled piece
         self.partitioned: list[PartitionWrappers] = []  # use_inductor_graph_partition: one per compile
+        #: standalone_capture: each compiled graph's capture for calls outside a runner (backend/standalone.py)
+        self.standalone: list[StandaloneGraphs] = []
         self._cache = PieceCache(self.config.cache_dir) if self.config.cache_dir is not None else None
         self._serializable = False  # True: every piece compiles to a savable artifact (the AOT path)
         self._artifacts: dict[str, Any] = {}  # in-process key -> savable artifact, when there is one
@@ -115,6 +117,7 @@ class PiecewiseBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         asked_off = _compile_kwargs(kwargs)  # torch passes mode=/options= only when the user set them
+        warn_last_compile()
         graph_index = next(_graph_ids)
         self._state = CompileState()
         counters["graphs"] += 1
@@ -134,10 +137,15 @@ class PiecewiseBackend:
         self.splits.append(split)
         dump_split(split, graph_index, self.config.debug_dump_dir)
         forward = direct_forward(split_gm)
-        if not self.config.standalone_capture:  # nothing to decide per call: the runner's path stays one call
+        # nothing to decide per call (the runner's path stays one call) where no plain call may capture, as asked
+        if not self.config.standalone_capture or self.config.cudagraph_mode == CUDAGraphMode.NONE or asked_off:
+            if asked_off:
+                logger.debug("graph %d: no capture outside a runner: %s", graph_index, asked_off)
             return forward
-        return StandaloneGraphs(forward, self.config, static=static_inputs(gm), random=random_ops(gm),
-                                name=f"graph {graph_index}", off=asked_off)
+        graphs = StandaloneGraphs(forward, self.config, static=static_inputs(gm), random=random_ops(gm),
+                                  name=f"graph {graph_index}")
+        self.standalone.append(graphs)
+        return graphs
 
     def _partitioned(self, gm: fx.GraphModule, ops: Sequence[Any]) -> Callable[..., Any]:
         """``use_inductor_graph_partition``: one Inductor compile of ``gm`` partitioned at ``ops``, each
@@ -241,6 +249,7 @@ class PiecewiseBackend:
         self.piece_artifacts.clear()
         self.splits.clear()
         self.piece_wrappers.clear()
+        self.standalone.clear()
         self.partitioned.clear()
 
 
@@ -268,6 +277,26 @@ def _compile_kwargs(kwargs: dict[str, Any]) -> str | None:
         raise ValueError(f"torch.compile(mode={mode!r}) is not a mode piecewise_breakable knows: one of "
                          f"{list(MODES_WITH_GRAPHS + MODES_WITHOUT_GRAPHS)}")
     return None
+
+
+def warn_last_compile() -> bool:
+    """Called while Dynamo compiles a graph: when this is the last compile Dynamo makes of the frame
+    (``torch._dynamo.config.recompile_limit``), warn that later calls failing its guards run uncompiled,
+    without any graph (Dynamo itself says so only at debug level); returns whether it warned."""
+    import torch._dynamo.config as dynamo_config
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    limit = getattr(dynamo_config, "recompile_limit", None) or getattr(dynamo_config, "cache_size_limit", 8)
+    if compile_id is None or compile_id.frame_compile_id is None or compile_id.frame_compile_id + 1 != limit:
+        return False
+    logger.warning(
+        "Dynamo compiles frame %s for the %d-th time, its last (torch._dynamo.config.recompile_limit=%d): later calls "
+        "that fail its guards run uncompiled, without CUDA graphs. Cause: a value the guards pin changes between "
+        "calls (TORCH_LOGS=recompiles names it; a Python int that grows every step, such as a sliding-window "
+        "StaticCache's length, recompiles every call); or many models share one compiled forward (transformers' "
+        "generate after %d models in one process): raise recompile_limit", compile_id.frame_id, limit, limit, limit)
+    return True
 
 
 def make_backend(config: CompilationConfig | None = None) -> PiecewiseBackend:

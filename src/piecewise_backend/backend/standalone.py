@@ -42,7 +42,7 @@ from ..modes import CUDAGraphMode
 from ..observability import counters, logger
 from ..platforms.registry import config_platform_name
 
-__all__ = ["RANDOM_OPS", "StandaloneGraphs", "random_ops", "static_inputs"]
+__all__ = ["RANDOM_OPS", "RUNAWAY", "SIGNATURES_PER_GRAPH", "StandaloneGraphs", "random_ops", "static_inputs"]
 
 _FULL, _PIECEWISE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE
 
@@ -77,6 +77,28 @@ def random_ops(gm: fx.GraphModule) -> list[str]:
             continue  # dropout with training=False is the identity
         found.append(name)
     return found
+
+
+#: Signatures in a row without a repeat after which :class:`StandaloneGraphs` says that nothing replays.
+RUNAWAY = 4
+#: Signatures a graph keeps at most, per ``standalone_max_graphs``; later new ones run eagerly, untracked.
+SIGNATURES_PER_GRAPH = 4
+
+
+def _difference(before: tuple, after: tuple, num_static: int) -> str:
+    """What differs between two signatures (``StandaloneGraphs._key``: one part per input, then the static
+    inputs' addresses), in words."""
+    n = len(after) - num_static
+    for i, (a, b) in enumerate(zip(before, after)):
+        if a == b:
+            continue
+        if i >= n:
+            return f"static input {i - n} moved (its address changed)"
+        if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4:
+            return f"input {i}'s shape/stride/dtype went from {a[:3]} to {b[:3]}"
+        return (f"input {i} went from {a!r} to {b!r} (a Python value the graph takes: a dynamic size or a "
+                "counter such as a sliding-window StaticCache's length; a graph holds one value)")
+    return "the number of inputs changed"
 
 
 class _Signature:
@@ -143,6 +165,9 @@ class StandaloneGraphs:
         key = self._key(args)
         sig = self.signatures.get(key)
         if sig is None:
+            if len(self.signatures) >= SIGNATURES_PER_GRAPH * self.config.standalone_max_graphs:
+                return self.fn(*args)  # bounded: said when they started to run away (_new_signature)
+            self._new_signature(key)
             sig = self.signatures[key] = _Signature(len(self.signatures))
         sig.calls += 1
         if sig.mode is not None:
@@ -157,6 +182,18 @@ class StandaloneGraphs:
                       "signatures run eagerly (a new shape every call? mark the dimension dynamic, or pad)")
             return self.fn(*args)
         return self._capture(sig, args)
+
+    def _new_signature(self, key: tuple) -> None:
+        """Say once when calls bring a new signature each (none seen twice yet): nothing is ever replayed;
+        name what changed from the last one."""
+        if ("runaway" in self.said or len(self.signatures) + 1 < RUNAWAY
+                or any(s.calls > 1 for s in self.signatures.values())):
+            return
+        self.said.add("runaway")
+        last = next(reversed(self.signatures))
+        self._say(f"every call brings a new input signature ({RUNAWAY} so far, none seen twice), so no graph is "
+                  f"replayed: {_difference(last, key, len(self.static))}; at most "
+                  f"{SIGNATURES_PER_GRAPH * self.config.standalone_max_graphs} are kept")
 
     def _capture(self, sig: _Signature, args: tuple) -> Any:
         platform = self.wrapper.platform

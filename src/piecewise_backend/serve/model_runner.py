@@ -127,7 +127,8 @@ class ModelRunner:
         #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
         self.states = (StateCache(list(state_specs), num_slots=args.max_num_reqs, device=param.device)
                        if state_specs else None)
-        self.backend = make_backend(config)  # .splits: the split of every graph Dynamo compiled
+        # every call of the runner's graphs is in a forward context: no per-call standalone check (backend/standalone.py)
+        self.backend = make_backend(config.replace(standalone_capture=False))  # .splits: every graph Dynamo compiled
         step = own_code(ProtocolStep)(model)
         compiled = torch.compile(step, backend=self.backend)
         inputs = [StaticInput("input_ids"), *self.cache.static_inputs()]
