@@ -11,8 +11,9 @@ logits for ``GraphRunner`` + ``PagedKVCache`` (tests/support/pbtest's ``PagedTin
 * ``not offered``: the engine has no option for this axis (named);
 * ``wrong`` / ``crash``: a difference from the reference, or an error after construction: a bug.
 
-Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy spec-sample spec-state] [--out docs/compatibility.md]
-(with every engine it also rewrites docs/engine.md's "What composes" table; ``--composes`` does only that, from --out)
+Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy spec-sample spec-state compile] [--out docs/compatibility.md]
+(some engines: their sections are rerun, the others kept from --out; docs/engine.md's "What composes" table is
+rewritten from the whole page; ``--composes`` does only that, from --out)
 Dynamo is reset before every cell (each cell compiles its own models).
 """
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # PagedTinyLM: the toy mode
 import piecewise_backend as pb  # noqa: E402
 from piecewise_backend import attention, kv  # noqa: E402
 
-ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy", "spec-sample", "spec-state")
+ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy", "spec-sample", "spec-state", "compile")
 MODES = tuple(m.name for m in pb.CUDAGraphMode)
 OUTCOMES = ("works", "downgraded", "refused", "not offered", "wrong", "crash")
 BLOCK = 4
@@ -343,13 +344,57 @@ def _spec_state_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps
     return [engine.target.runner, engine.drafter.runner], workload
 
 
+class _Standalone:
+    """What a plain torch.compile cell reports in the place of a runner: its downgrades, after the workload."""
+
+    def __init__(self) -> None:
+        self.downgrades: list[str] = []
+
+
+def _compile_cell(cell: Cell) -> tuple[list[Any], Callable[[_Steps], str | None]]:
+    """Plain torch.compile, no runner: a tiny llama's forward compiled with the backend, served by transformers'
+    own generate with a static cache (its decode steps capture and replay by themselves) vs plain generate."""
+    from piecewise_backend.hf import tiny_random_model
+
+    model = tiny_random_model("llama", num_hidden_layers=2)
+    backend = pb.make_backend(cell.config())
+    model.forward = torch.compile(model.forward, backend=backend)
+    report = _Standalone()
+
+    def workload(steps: _Steps) -> str | None:
+        replays = pb.counters["replays"]
+        outputs = []
+        with torch.no_grad():
+            for p in (*PROMPTS, LATE):
+                ids = torch.tensor([p])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN_TOKENS,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0, cache_implementation="static")
+                outputs.append(out[0, len(p):].tolist())
+        replayed = pb.counters["replays"] - replays
+        modes = sorted({m.name for g in backend.standalone for m in g.captured()}, key=MODES.index)
+        for m in modes:
+            steps.modes[m] += replayed // len(modes)
+        if cell.mode != "NONE" and not replayed:
+            report.downgrades.append("no graph replayed")
+        steps.modes["NONE"] += len(PROMPTS) + 1 + (len(PROMPTS) + 1) * (GEN_TOKENS - 1) - replayed
+        return _compare(outputs, _generate("llama", 2, (*PROMPTS, LATE), GEN_TOKENS))
+
+    return [report], workload
+
+
 BUILDERS = {"runner": _runner_cell, "serve": _serve_cell, "hf": _hf_cell, "spec": _spec_cell,
-            "spec-lazy": _spec_lazy_cell, "spec-sample": _spec_sample_cell, "spec-state": _spec_state_cell}
+            "spec-lazy": _spec_lazy_cell, "spec-sample": _spec_sample_cell, "spec-state": _spec_state_cell,
+            "compile": _compile_cell}
 
 
 def not_offered(cell: Cell) -> str | None:
-    """Why the engine has no way to ask for this cell, or None (today every engine takes every axis:
-    ``SpecEngine`` took no ``attention_backend`` before it had one)."""
+    """Why the engine has no way to ask for this cell, or None (every engine takes every axis, but plain
+    torch.compile: no batch to split, and the model's own attention over its own cache)."""
+    if cell.engine == "compile":
+        if cell.ubatching:
+            return "plain torch.compile: micro-batching splits a runner's batch of requests; a plain call has none"
+        if cell.backend != BACKENDS[0]:
+            return f"plain torch.compile: the model keeps its own attention and cache (the column {BACKENDS[0]} runs it)"
     return None
 
 
@@ -365,7 +410,6 @@ def run_cell(cell: Cell) -> Result:
     except (ValueError, TypeError) as e:
         return Result(cell, "refused", f"{type(e).__name__}: {e}", seconds=time.perf_counter() - start)
     names = ["", "drafter: "] if cell.engine.startswith("spec") else [""]
-    downgrades = [name + d for name, r in zip(names, runners) for d in r.downgrades]
     steps = _Steps()
     try:
         wrong = workload(steps)
@@ -373,6 +417,7 @@ def run_cell(cell: Cell) -> Result:
         first = str(e).splitlines()[0] if str(e) else ""
         return Result(cell, "crash", f"{type(e).__name__}: {first}", steps.text(), time.perf_counter() - start)
     seconds = time.perf_counter() - start
+    downgrades = [name + d for name, r in zip(names, runners) for d in r.downgrades]
     if wrong is not None:
         return Result(cell, "wrong", wrong, steps.text(), seconds)
     return Result(cell, "downgraded" if downgrades else "works", "; ".join(downgrades), steps.text(), seconds)
@@ -403,6 +448,9 @@ TITLES = {
                    "the greedy ones, a second run for the seeded ones)",
     "spec-state": "`SpecEngine` on state layers (tiny qwen3_next, its first layer as the drafter, k=2; reference: "
                   "the target's `model.generate`)",
+    "compile": "plain `torch.compile` (a tiny llama's forward compiled with the backend, no runner; transformers' "
+               "`generate` with a static cache: each graph captured by the compiled call itself; reference: plain "
+               "`generate`)",
 }
 HEADER = "| cudagraph_mode | use_ubatching | use_breakable | attention backend | outcome | steps ran | why |"
 
@@ -470,6 +518,7 @@ FEATURES = {
     "spec-lazy": "`SpecEngine` with `lazy_capture`, `capture_idle`, preemption",
     "spec-sample": "`SpecEngine` sampling (greedy and seeded requests in one batch)",
     "spec-state": "`SpecEngine` on state layers",
+    "compile": "plain `torch.compile` (no runner)",
 }
 COMPOSES_BEGIN = "<!-- composes: written by scripts/compat_matrix.py --composes from docs/compatibility.md -->"
 COMPOSES_END = "<!-- end composes -->"
@@ -526,9 +575,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
 
     results = run(all_cells(args.engines), show)
-    Path(args.out).write_text(render(results))
-    if set(args.engines) == set(ENGINES):  # the table sums every engine's cells
-        engine_md.write_text(write_composes(engine_md.read_text(), composes(parse(render(results)))))
+    out = Path(args.out)
+    if set(args.engines) != set(ENGINES) and out.exists():  # the other engines' sections as the page has them
+        kept = [Result(c, o, why, ran) for c, (o, ran, why) in parse(out.read_text()).items()
+                if c.engine not in args.engines]
+        results = sorted(kept + results, key=lambda r: ENGINES.index(r.cell.engine))
+    out.write_text(render(results))
+    engine_md.write_text(write_composes(engine_md.read_text(), composes(parse(render(results)))))
     bugs = [r for r in results if r.outcome in ("wrong", "crash")]
     print(f"wrote {args.out}: {len(results)} cells, {len(bugs)} wrong or crashed")
     return 1 if bugs else 0

@@ -42,6 +42,7 @@ SAMPLE = [
     Cell("spec-lazy", "FULL_AND_PIECEWISE", False, True, "bounded"),  # served before and after capture_idle
     Cell("spec-sample", "FULL_AND_PIECEWISE", False, True, "bounded"),  # greedy and seeded requests together
     Cell("spec-state", "FULL", True, False, "reference"),  # state layers: PIECEWISE verify, said why
+    Cell("compile", "PIECEWISE", False, True, "bounded"),  # plain torch.compile: generate captures by itself
 ]
 
 
