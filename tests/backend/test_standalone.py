@@ -155,3 +155,33 @@ def test_dynamos_last_compile_of_a_frame_is_said(caplog):
             assert torch.equal(compiled(torch.ones(2), k), torch.ones(2) * k)
     said = [r.getMessage() for r in caplog.records if "recompile_limit=3" in r.getMessage()]
     assert len(said) == 1 and "run uncompiled, without CUDA graphs" in said[0], said
+
+
+def test_a_second_thread_runs_eagerly_while_one_replays_never_raises():
+    """Two threads call one compiled loop; each call equals eager (the one holding the graph replays, the
+    other runs the graph eagerly), none raises."""
+    import threading
+
+    lin = torch.nn.Linear(8, 8).eval()
+    compiled = torch.compile(lambda t: lin(t).relu() * 2, backend=pb.make_backend(CFG))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = lin(x).relu() * 2
+        errors: list[BaseException] = []
+
+        def work():
+            try:
+                with torch.no_grad():
+                    for _ in range(20):
+                        torch.testing.assert_close(compiled(x), expected)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        replays = pb.counters["replays"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert pb.counters["replays"] > replays
