@@ -28,7 +28,7 @@ def counted_replay(self: collectives.CollectiveOp) -> None:
 collectives.CollectiveOp.replay = counted_replay  # counts the collectives the graphs replay
 
 PROMPTS = [list(range(10, 13)), list(range(40, 47)), [77]]
-#: the config's compile_pieces ("none": tests/hf/test_no_dynamo.py serves the ranks without Dynamo)
+#: the config's compile_pieces ("none": tests/hf/test_hf_no_dynamo.py serves the ranks without Dynamo)
 PIECES = os.environ.get("PB_TP_COMPILE_PIECES", "eager")
 NEW = [5, 3, 6]
 

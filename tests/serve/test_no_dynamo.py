@@ -102,9 +102,9 @@ def test_micro_batching_composes_with_full_graphs(no_compile, reference):
     engine = serve.Engine(own.make_model(), config(cudagraph_mode="FULL_DECODE_ONLY", use_ubatching=True,
                                                     dbo_decode_token_threshold=2), **ARGS)
     engine.capture()
-    steps: list[serve.StepInfo] = []
-    assert engine.generate(PROMPTS, 8, on_step=steps.append) == reference
-    assert M.FULL in {s.mode for s in steps}
+    steps: list[tuple[M, bool]] = []
+    assert engine.generate(PROMPTS, 8, on_step=lambda s: steps.append((s.mode, engine.runner.last_ubatched))) == reference
+    assert (M.FULL, True) in steps  # a micro-batched step replayed its FULL graph
 
 
 def test_a_compiled_model_is_refused_by_the_runner():

@@ -1,5 +1,5 @@
 """HFEngine with ``compile_pieces="none"`` (issue 45 point 2), simulated platform: llama, and models Dynamo cuts
-into several graphs (diffllama, xglm), served with FULL and PIECEWISE replays and ``model.generate``'s tokens,
+into several graphs (diffllama, xglm) and a hybrid with state layers (qwen3_next), served with FULL and PIECEWISE replays and ``model.generate``'s tokens,
 no Dynamo graph compiled; tensor parallel on 2 gloo ranks."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def reference_tokens(model: torch.nn.Module, prompt: list[int], new: int) -> lis
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "diffllama", "xglm"])
+@pytest.mark.parametrize("arch", ["llama", "diffllama", "xglm", "qwen3_next"])  # qwen3_next: state ops break too
 def test_served_with_full_and_piecewise_replays_and_generates_tokens(arch, monkeypatch):
     want = [reference_tokens(hf.tiny_random_model(arch), p, 5) for p in PROMPTS]
 
