@@ -89,6 +89,11 @@ class GraphRunner:
     for no Dynamo trace (:attr:`needs_compile`, :mod:`.lazy`). ``downgrades``: ways the caller
     already knows its steps fall short of ``config`` (an engine's ladder not covering a limit),
     listed first in :attr:`downgrades`.
+
+    With ``compile_pieces="none"`` ``model`` is the model uncompiled (a ``torch.compile``d one is refused):
+    no Dynamo at all, PIECEWISE captures break at its splitting ops at run time
+    (:mod:`piecewise_backend.capture.op_breaks`), token views are never marked dynamic and ``eager_model``
+    is not used (there is nothing to compile).
     """
 
     def __init__(
