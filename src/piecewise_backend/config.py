@@ -107,7 +107,7 @@ class CompilationConfig:
             raise ValueError(f"CompilationConfig.platform must be one of {PLATFORMS}, got {self.platform!r}")
         if self.platform == "simulated" and self.compile_pieces == "inductor":
             raise ValueError(
-                "CompilationConfig: platform='simulated' needs compile_pieces='eager' (Inductor's fused CPU "
+                "CompilationConfig: platform='simulated' needs compile_pieces='eager' or 'none' (Inductor's fused CPU "
                 "kernels bypass the ATen dispatcher the simulator records); got compile_pieces='inductor'"
             )
         if self.compile_pieces == "none":

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 import piecewise_backend as pb
 from pbtest.helpers import load_file

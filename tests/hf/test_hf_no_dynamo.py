@@ -1,6 +1,6 @@
-"""HFEngine with ``compile_pieces="none"`` (issue 45 point 2), simulated platform: llama, and models Dynamo cuts
-into several graphs (diffllama, xglm) and a hybrid with state layers (qwen3_next), served with FULL and PIECEWISE replays and ``model.generate``'s tokens,
-no Dynamo graph compiled; tensor parallel on 2 gloo ranks."""
+"""HFEngine with ``compile_pieces="none"`` (issue 45 point 2), simulated platform: llama, models Dynamo cuts into
+several graphs (diffllama, xglm) and a hybrid with state layers (qwen3_next), served with FULL and PIECEWISE
+replays and ``model.generate``'s tokens, no Dynamo graph compiled; tensor parallel on 2 gloo ranks."""
 
 from __future__ import annotations
 

@@ -103,7 +103,8 @@ def test_micro_batching_composes_with_full_graphs(no_compile, reference):
                                                     dbo_decode_token_threshold=2), **ARGS)
     engine.capture()
     steps: list[tuple[M, bool]] = []
-    assert engine.generate(PROMPTS, 8, on_step=lambda s: steps.append((s.mode, engine.runner.last_ubatched))) == reference
+    out = engine.generate(PROMPTS, 8, on_step=lambda s: steps.append((s.mode, engine.runner.last_ubatched)))
+    assert out == reference
     assert (M.FULL, True) in steps  # a micro-batched step replayed its FULL graph
 
 

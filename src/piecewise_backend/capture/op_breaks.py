@@ -19,7 +19,6 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch.overrides import TorchFunctionMode, get_overridable_functions
 
 from ..ops import OpMatcher, OpSpec, canonicalize_op
@@ -59,7 +58,9 @@ def uninterceptable(ops: Iterable[Any]) -> list[OpSpec]:
 
 
 def _name(spec: OpSpec) -> str:
-    return spec if isinstance(spec, str) else f"{getattr(spec, '__module__', None) or '?'}.{getattr(spec, '__qualname__', repr(spec))}"
+    if isinstance(spec, str):
+        return spec
+    return f"{getattr(spec, '__module__', None) or '?'}.{getattr(spec, '__qualname__', repr(spec))}"
 
 
 class OpBreaks(TorchFunctionMode):
