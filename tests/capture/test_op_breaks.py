@@ -144,3 +144,16 @@ def test_a_backend_of_none_is_refused_with_what_to_use():
 def test_what_needs_compiled_pieces_is_refused_by_the_config(kw, match):
     with pytest.raises(ValueError, match=match):
         none_config(**kw)
+
+
+def test_the_mode_also_breaks_a_breakable_graph_of_plain_code():
+    model, x = Model(), x4(0)
+    g = pb.BreakableGraph(platform="simulated")
+    with torch.no_grad(), OpBreaks(["pbtest_opbreaks::double"]), pb.expect(breaks=1):
+        with pb.breakable_graph(g):
+            out = model(x)
+    assert sum(1 for s in g.segments if type(s).__name__ == "EagerSegment") == 1
+    x.copy_(x4(1))
+    g.replay()
+    with torch.no_grad():
+        assert_close(out, model(x4(1)))
