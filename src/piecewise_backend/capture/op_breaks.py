@@ -90,17 +90,17 @@ class OpBreaks(TorchFunctionMode):
         return call_break(func, args, kwargs, name=_name(spec))  # inline inside another break, or a FULL capture
 
 
-def op_breaks(ops: Iterable[Any], *, what: str = 'compile_pieces="none"') -> OpBreaks:
-    """An :class:`OpBreaks` for ``ops`` (canonical splitting-op specs); ValueError naming every one that is a
-    plain Python callable, which nothing intercepts without Dynamo (``what`` names the setting refused)."""
+def op_breaks(ops: Iterable[Any]) -> OpBreaks:
+    """An :class:`OpBreaks` for ``ops`` (splitting-op specs); ValueError naming every one that is a plain Python
+    callable, which nothing intercepts without Dynamo (an ``eager_break`` function is left to break on its own)."""
     ops = list(ops)
     bad = uninterceptable(ops)
     if bad:
         names = ", ".join(_name(op) for op in bad)
         raise ValueError(
-            f"CompilationConfig({what}) is refused: the splitting op(s) {names} are plain Python callables. "
-            "Without Dynamo a splitting op becomes a break at run time only when a TorchFunctionMode sees its "
-            "call: a torch op ('ns::name', torch.library.custom_op) or a torch function such as "
+            f"CompilationConfig(compile_pieces=\"none\") is refused: the splitting op(s) {names} are plain Python "
+            "callables. Without Dynamo a splitting op becomes a break at run time only when a TorchFunctionMode "
+            "sees its call: a torch op ('ns::name', torch.library.custom_op) or a torch function such as "
             "F.scaled_dot_product_attention. Register a torch.library custom op instead, decorate the function "
             "with pb.eager_break (it then breaks on its own), drop it from splitting_ops, or compile the model "
             "with compile_pieces='eager' or 'inductor' (Dynamo splits at any callable)"
