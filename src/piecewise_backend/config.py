@@ -14,7 +14,9 @@ PLATFORMS = ("auto", "cuda", "simulated")
 DEFAULT_MAX_CAPTURE_SIZE = 512
 # One graph per capture size, and a padding table entry per token count: bound both (vLLM caps near 8k).
 MAX_CAPTURE_SIZE_LIMIT = 1 << 16
-COMPILE_PIECES = ("inductor", "eager")
+#: "none": no Dynamo at all; the engine serves the model's own forward, splitting ops break at run time
+#: (capture/op_breaks.py)
+COMPILE_PIECES = ("inductor", "eager", "none")
 
 
 def default_capture_sizes(max_capture_size: int) -> tuple[int, ...]:
@@ -105,9 +107,11 @@ class CompilationConfig:
             raise ValueError(f"CompilationConfig.platform must be one of {PLATFORMS}, got {self.platform!r}")
         if self.platform == "simulated" and self.compile_pieces == "inductor":
             raise ValueError(
-                "CompilationConfig: platform='simulated' needs compile_pieces='eager' (Inductor's fused CPU "
+                "CompilationConfig: platform='simulated' needs compile_pieces='eager' or 'none' (Inductor's fused CPU "
                 "kernels bypass the ATen dispatcher the simulator records); got compile_pieces='inductor'"
             )
+        if self.compile_pieces == "none":
+            _check_no_dynamo(self)
         if not is_int(self.num_warmups) or self.num_warmups < 0:
             raise ValueError(f"CompilationConfig.num_warmups must be an int >= 0, got {self.num_warmups!r}")
         for name in ("debug_dump_dir", "cache_dir"):
@@ -164,6 +168,21 @@ class CompilationConfig:
         if getattr(self, "_max_derived", False) and "max_capture_size" not in changes:
             changes["max_capture_size"] = None
         return dataclasses.replace(self, **changes)
+
+
+def _check_no_dynamo(config: CompilationConfig) -> None:
+    """Refuse what ``compile_pieces="none"`` cannot do, naming the field: each of these needs compiled pieces."""
+    if not config.use_breakable:
+        raise ValueError(
+            "CompilationConfig(compile_pieces='none', use_breakable=False) is refused: use_breakable=False captures "
+            "one graph per compiled piece, and without Dynamo there are no pieces; PIECEWISE steps of an uncompiled "
+            "model are captured by the breakable wrapper (use_breakable=True), or compile with compile_pieces='eager'"
+        )
+    if config.cache_dir is not None:
+        raise ValueError(
+            "CompilationConfig(compile_pieces='none', cache_dir=...) is refused: cache_dir saves compiled pieces, "
+            "and compile_pieces='none' compiles nothing; pass cache_dir=None"
+        )
 
 
 def _partition_refusal(config: CompilationConfig) -> str:

@@ -5,6 +5,7 @@ to a file."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
@@ -27,6 +28,8 @@ def counted_replay(self: collectives.CollectiveOp) -> None:
 collectives.CollectiveOp.replay = counted_replay  # counts the collectives the graphs replay
 
 PROMPTS = [list(range(10, 13)), list(range(40, 47)), [77]]
+#: the config's compile_pieces ("none": tests/hf/test_hf_no_dynamo.py serves the ranks without Dynamo)
+PIECES = os.environ.get("PB_TP_COMPILE_PIECES", "eager")
 NEW = [5, 3, 6]
 
 
@@ -40,7 +43,7 @@ def serve(folder: str) -> dict:
             out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
                                      eos_token_id=None, pad_token_id=0)
             expected.append(out[0, len(prompt):].tolist())
-    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    config = pb.CompilationConfig(platform="simulated", compile_pieces=PIECES, capture_sizes=[2, 4])
     with warnings.catch_warnings(record=True) as caught:  # transformers 5.24 deprecates a tp_plan= keyword
         warnings.simplefilter("always")
         engine = hf.HFEngine.from_pretrained(folder, config, tp_plan="auto", max_num_reqs=3, max_model_len=32, block_size=4)
@@ -61,6 +64,7 @@ def serve(folder: str) -> dict:
     result = {
         "rank": dist.get_rank(), "greedy": greedy, "expected": expected, "sampled": sampled, "unseeded": unseeded,
         "full_decode": sum(1 for m, d, _ in modes if m == "FULL" and d), "steps": len(modes),
+        "piecewise": sum(1 for m, _, _ in modes if m == "PIECEWISE"),
         "full_collectives": sorted({c for m, d, c in modes if m == "FULL"}),
         "layers": reference.config.num_hidden_layers, "kv_heads": cache.key_caches[0].shape[2],
         "model_kv_heads": reference.config.num_key_value_heads, "memory_bytes": cache.memory_bytes,
@@ -77,7 +81,7 @@ def disagree(folder: str) -> str:
     """The error HFEngine raises on every rank when the ranks pass different max_num_reqs."""
     transformers = hf.adapter.transformers_module()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
-    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    config = pb.CompilationConfig(platform="simulated", compile_pieces=PIECES, capture_sizes=[2, 4])
     try:
         hf.HFEngine(model, config, max_num_reqs=3 + dist.get_rank(), max_model_len=32, block_size=4)
     except ValueError as e:
@@ -87,7 +91,7 @@ def disagree(folder: str) -> str:
 
 def refused_lazy(folder: str) -> str:
     """The error a tensor-parallel HFEngine with lazy_capture=True raises (before it changes the model)."""
-    config = pb.CompilationConfig(platform="simulated", compile_pieces="eager", capture_sizes=[2, 4])
+    config = pb.CompilationConfig(platform="simulated", compile_pieces=PIECES, capture_sizes=[2, 4])
     try:
         hf.HFEngine.from_pretrained(folder, config, tp_plan="auto", lazy_capture=True, max_model_len=32)
     except ValueError as e:

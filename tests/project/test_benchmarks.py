@@ -186,6 +186,7 @@ def test_cold_start_and_soak_benchmarks_print_their_tables():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
     assert "Cold start: seconds per captured graph, up-front vs capture_idle" in out and "| 2      | capture_idle" in out
+    assert "| 2      | no Dynamo" in out  # compile_pieces="none"'s capture() beside the compiled one
     assert "Cold start: a lazy engine under traffic that never drains (soak)" in out
     assert re.search(r"\| round 2 +\| lazy +\| \d+ +\| \d+ \(\d+%\)", out), out
 

@@ -93,6 +93,13 @@ class PiecewiseBackend:
 
     def __init__(self, config: CompilationConfig | None = None):
         self.config = config or CompilationConfig()
+        if self.config.compile_pieces == "none":
+            raise ValueError(
+                "a torch.compile backend of CompilationConfig(compile_pieces='none') is refused: 'none' means no "
+                "Dynamo at all (the engine or a GraphRunner serves the model uncompiled, its splitting ops breaking "
+                "at run time); under torch.compile use compile_pieces='eager' or 'inductor', or pass the model "
+                "uncompiled to serve.Engine / GraphRunner with compile_pieces='none'"
+            )
         # in-process key -> (compiled code, the objects the key names by id, kept alive so no id is reused)
         self._compiled: dict[str, tuple[Callable[..., Any], list[Any]]] = {}
         self.splits: list[SplitGraph] = []  # every split made, for inspection and tests

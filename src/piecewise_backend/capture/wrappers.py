@@ -19,10 +19,12 @@ from ..context import BatchDescriptor, ForwardContext, current_forward_context
 from ..inputs import InputSpec
 from ..modes import CUDAGraphMode
 from ..observability import counters, eager_counts, logger
+from ..ops import registered_splitting_ops
 from ..platforms.base import Platform
 from ..platforms.registry import config_platform_name, get_platform, warm_up
 from .entry import GraphEntry
 from .memory import poison_stale_outputs, release_cached, release_capture_memory
+from .op_breaks import OpBreaks, op_breaks
 from .session import CaptureDisabledError, CaptureSession, capture_active, capture_allowed, run_session
 
 __all__ = ["BreakableCUDAGraphWrapper", "CUDAGraphWrapper", "GraphEntry", "GraphWrapper", "unwrap_model"]
@@ -179,8 +181,9 @@ class GraphWrapper:
         # Under FULL nothing breaks: attention is part of the one graph.
         session = CaptureSession(self.platform, breakable=self.breakable and mode != CUDAGraphMode.FULL,
                                  watch_escapes=self.config.debug_checks or self.platform.name == "simulated")
+        runnable = self.runnable if not session.breakable else self._breaking(self.runnable)
         try:
-            output = run_session(session, self.runnable, bound_args, bound_kwargs)
+            output = run_session(session, runnable, bound_args, bound_kwargs)
         except RuntimeError as e:
             if HOST_READ not in str(e):
                 raise
@@ -204,6 +207,11 @@ class GraphWrapper:
         result = entry.result()  # the caller gets the capture-time tensors: alive while it uses them,
         release_capture_memory(self, entry)  # while the entry keeps them only weakly
         return result
+
+    def _breaking(self, runnable: Callable[..., Any]) -> Callable[..., Any]:
+        """What a breakable capture of this wrapper runs: ``runnable`` (a breakable wrapper of an uncompiled
+        model wraps it so that its splitting ops break, :mod:`.op_breaks`)."""
+        return runnable
 
     def unwrap(self) -> Any:
         """The innermost runnable below this library's wrappers."""
@@ -313,7 +321,10 @@ class BreakableCUDAGraphWrapper(GraphWrapper):
     """Captures the call as graph segments split at break points, which run eagerly on replay.
 
     ``runtime_mode=None`` matches any non-NONE mode; a set mode matches only itself and
-    lets every other mode through eagerly without creating an entry.
+    lets every other mode through eagerly without creating an entry. With ``compile_pieces="none"``
+    the runnable is the model uncompiled: its captures break at every splitting op of the config (or
+    of the registry, read here) through :class:`~.op_breaks.OpBreaks`; a splitting op no mode can see
+    (a plain Python callable) is refused here, naming it.
     """
 
     breakable = True
@@ -326,6 +337,21 @@ class BreakableCUDAGraphWrapper(GraphWrapper):
         config: CompilationConfig | None = None,
     ):
         super().__init__(runnable, runtime_mode, config)
+        self._op_breaks: OpBreaks | None = None
+        if self.config.compile_pieces == "none":
+            ops = self.config.splitting_ops if self.config.splitting_ops is not None else registered_splitting_ops()
+            self._op_breaks = op_breaks(ops)
+
+    def _breaking(self, runnable: Callable[..., Any]) -> Callable[..., Any]:
+        mode = self._op_breaks
+        if mode is None:
+            return runnable
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with mode:  # inside the session: captures are serialized, so one thread enters the mode at a time
+                return runnable(*args, **kwargs)
+
+        return run
 
     def matches(self, mode: CUDAGraphMode) -> bool:
         """Any non-NONE mode when ``runtime_mode`` is None, else that mode only."""

@@ -24,11 +24,14 @@ _PLANS = 4096  # filling plans kept per StepBuffers (one per row counts seen; bo
 
 class StepBuffers:
     """One persistent buffer per :class:`StaticInput`, filled with its ``pad``; ``tokens`` rows for
-    per-token inputs (the largest capture size), ``max_num_reqs`` for per-request ones."""
+    per-token inputs (the largest capture size), ``max_num_reqs`` for per-request ones. ``mark_tokens=False``
+    (a model no Dynamo compiles): views are never marked dynamic (:meth:`mark_token_views` does nothing)."""
 
     def __init__(
-        self, inputs: Sequence[StaticInput], *, tokens: int, max_num_reqs: int | None, device: torch.device
+        self, inputs: Sequence[StaticInput], *, tokens: int, max_num_reqs: int | None, device: torch.device,
+        mark_tokens: bool = True,
     ) -> None:
+        self.mark_tokens = mark_tokens
         #: The inputs' specs, by name, in the order given.
         self.specs: dict[str, StaticInput] = {i.name: i for i in inputs}
         self.device = device
@@ -159,7 +162,8 @@ class StepBuffers:
 
     def mark_token_views(self, views: dict[str, torch.Tensor]) -> None:
         """Mark the per-token views' token dim dynamic (one Dynamo graph for every size, 1 included)."""
-        mark_token_views(views, self.specs)
+        if self.mark_tokens:
+            mark_token_views(views, self.specs)
 
 
 def fill(buf: torch.Tensor, value: torch.Tensor, rows: int, pad: int | float) -> None:

@@ -16,6 +16,7 @@ returns its output).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,6 +89,11 @@ class GraphRunner:
     for no Dynamo trace (:attr:`needs_compile`, :mod:`.lazy`). ``downgrades``: ways the caller
     already knows its steps fall short of ``config`` (an engine's ladder not covering a limit),
     listed first in :attr:`downgrades`.
+
+    With ``compile_pieces="none"`` ``model`` is the model uncompiled (a ``torch.compile``d one is refused):
+    no Dynamo at all, PIECEWISE captures break at its splitting ops at run time
+    (:mod:`piecewise_backend.capture.op_breaks`), token views are never marked dynamic and ``eager_model``
+    is not used (there is nothing to compile).
     """
 
     def __init__(
@@ -124,6 +130,9 @@ class GraphRunner:
         #: empty when it does all that was asked. Micro-batching's also log a warning.
         self.downgrades: tuple[str, ...] = (*downgrades, *modes.downgrades)
         self.config = config.replace(cudagraph_mode=modes.mode)
+        no_dynamo = config.compile_pieces == "none"
+        if no_dynamo:
+            _refuse_compiled(model)
         self._ubatching = modes.ubatching
         self.max_num_reqs, self.drafter, self.attention_backend = max_num_reqs, drafter, attention_backend
         wrapped = wrap_model(model, self.config, drafter=drafter)
@@ -133,14 +142,15 @@ class GraphRunner:
         self.device = torch.device(device) if device is not None else _model_device(model)
         #: The persistent input buffers and the views a step reads (``.buffers`` is its dict of tensors).
         self.step_buffers: StepBuffers = StepBuffers(
-            inputs, tokens=self.dispatcher.max_size, max_num_reqs=max_num_reqs, device=self.device
+            inputs, tokens=self.dispatcher.max_size, max_num_reqs=max_num_reqs, device=self.device,
+            mark_tokens=not no_dynamo,
         )
         #: The step function: the wrapped model run once on laid-out views (steps, warm-ups, captures).
         self.step = ModelStep(
             wrapped, self.step_buffers, model_args=args, model_kwargs=kwargs, context_fn=context_fn,
             uniform_decode_query_len=uniform_decode_query_len,
             ubatch_threshold=self.config.dbo_decode_token_threshold if self._ubatching else None,
-            eager_model=eager_model if lazy_capture is True and modes.mode != _NONE else None,
+            eager_model=eager_model if lazy_capture is True and modes.mode != _NONE and not no_dynamo else None,
         )
         #: Every check of a step's arguments (:mod:`.batch_checks`).
         self.checks: BatchChecks = BatchChecks(
@@ -401,6 +411,18 @@ class GraphRunner:
 def _unpad(out: torch.Tensor, n: int, padded: int) -> torch.Tensor:
     """A step output without its padding rows (one of ``padded`` rows per token)."""
     return out[:n] if n != padded and out.dim() and out.shape[0] == padded else out
+
+
+def _refuse_compiled(model: Any) -> None:
+    """``compile_pieces="none"`` takes the model uncompiled: refuse a ``torch.compile``d one, naming what to pass."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # never imported for it: a compiled model has loaded it
+    compiled = dynamo is not None and isinstance(model, getattr(dynamo, "OptimizedModule", ()))
+    if compiled or callable(getattr(model, "_torchdynamo_orig_callable", None)):
+        raise ValueError(
+            "GraphRunner with CompilationConfig(compile_pieces='none') takes the model uncompiled (no Dynamo at "
+            f"all), got a torch.compile'd {type(model).__name__}: pass the model itself (for an OptimizedModule, "
+            "its ._orig_mod), or use compile_pieces='eager' or 'inductor' with the compiled model"
+        )
 
 
 def _model_device(model: Any) -> torch.device:

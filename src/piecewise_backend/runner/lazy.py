@@ -56,7 +56,7 @@ CAPTURE_COST_STEPS = 8
 #: The predicted seconds of the compile before the first capture (Dynamo's trace and the pieces), by
 #: ``compile_pieces``, until one is measured: a tiny model's cold trace with eager pieces took 1.3-1.5 s
 #: on a 2-core CPU, Inductor pieces add the first Inductor compile of the process (about 7 s) and more.
-COMPILE_ESTIMATE_S = {"eager": 2.0, "inductor": 20.0}
+COMPILE_ESTIMATE_S = {"eager": 2.0, "inductor": 20.0, "none": 0.0}  # "none": nothing is compiled
 _last_compile: dict[str, float] = {}  # compile_pieces -> seconds the last compile in this process took
 
 Key = tuple[CUDAGraphMode, BatchDescriptor]

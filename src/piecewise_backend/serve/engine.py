@@ -4,7 +4,8 @@ The protocol (docs/engine.md has a complete example): ``model(input_ids=(T,) lon
 position_ids=(T,) long) -> logits (T, vocab)`` for one flat step, every request's tokens one after
 the other; attention through ``torch.ops.pb_kv.paged_attention`` (or an op of the model's own,
 registered as a splitting op, that reads ``kv.current_metadata()``), state layers through the state
-ops. :class:`Engine` compiles the model with ``make_backend(config)``, builds its paged KV cache
+ops. :class:`Engine` compiles the model with ``make_backend(config)`` (with ``compile_pieces="none"`` it serves
+it uncompiled), builds its paged KV cache
 from ``kv_layout`` (and a state cache from ``state_specs``) in the dtype and device of its first
 parameter, and serves requests: steps with prompt tokens replay PIECEWISE graphs, pure decode steps
 one FULL graph; chunked prefill, preemption, sampling, streaming, the online API and lazy capture

@@ -3,7 +3,9 @@
 :class:`ModelRunner` is what an engine builds per model: the cache sized by a :class:`KVLayout`,
 a :class:`~piecewise_backend.state.StateCache` when the model has state layers, the model compiled
 with ``make_backend(config)`` (inside a wrapper whose ``forward`` has a code object of its own, see
-:func:`own_code`) and the :class:`~piecewise_backend.GraphRunner` that pads, dispatches and replays.
+:func:`own_code`), or uncompiled with ``compile_pieces="none"`` (no Dynamo; its splitting ops break at
+run time, :mod:`piecewise_backend.capture.op_breaks`), and the :class:`~piecewise_backend.GraphRunner`
+that pads, dispatches and replays.
 :meth:`ModelRunner.run` runs one step's layout. :class:`Decode` is the plain engine's
 :class:`~.loop.StepExecutor`: one step, one sampled token per request whose chunk ends its sequence.
 """
@@ -127,10 +129,13 @@ class ModelRunner:
         #: one slot per running request for the state layers' conv and recurrent states (None: no state layer)
         self.states = (StateCache(list(state_specs), num_slots=args.max_num_reqs, device=param.device)
                        if state_specs else None)
-        # every call of the runner's graphs is in a forward context: no per-call standalone check (backend/standalone.py)
-        self.backend = make_backend(config.replace(standalone_capture=False))  # .splits: every graph Dynamo compiled
-        step = own_code(ProtocolStep)(model)
-        compiled = torch.compile(step, backend=self.backend)
+        no_dynamo = config.compile_pieces == "none"  # the model's own forward: splitting ops break at run time
+        #: the backend Dynamo compiles with (``.splits``: the split of every graph it compiled); None with
+        #: ``compile_pieces="none"``. Every call of the runner's graphs is in a forward context: no per-call
+        #: standalone check (backend/standalone.py)
+        self.backend = None if no_dynamo else make_backend(config.replace(standalone_capture=False))
+        step = (ProtocolStep if no_dynamo else own_code(ProtocolStep))(model)
+        compiled = step if no_dynamo else torch.compile(step, backend=self.backend)
         inputs = [StaticInput("input_ids"), *self.cache.static_inputs()]
         support = min(attention_support, self.cache.attention_graph_support)
         context_fn = self.cache.context_fn
@@ -145,7 +150,7 @@ class ModelRunner:
             attention_backend=self.attention_backend, lazy_capture=args.lazy_capture,
             graph_memory_budget=args.graph_memory_budget,
             uniform_decode_query_len=uniform_decode_query_len, drafter=drafter,
-            eager_model=step,  # lazy: served uncompiled until capture_idle compiles
+            eager_model=None if no_dynamo else step,  # lazy: served uncompiled until capture_idle compiles
             downgrades=(*downgrades, *self.ladder.downgrades),
         )
 
