@@ -11,7 +11,7 @@ logits for ``GraphRunner`` + ``PagedKVCache`` (tests/support/pbtest's ``PagedTin
 * ``not offered``: the engine has no option for this axis (named);
 * ``wrong`` / ``crash``: a difference from the reference, or an error after construction: a bug.
 
-Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy spec-sample spec-state compile] [--out docs/compatibility.md]
+Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy spec-sample spec-state compile runner-none serve-none hf-none] [--out docs/compatibility.md]
 (some engines: their sections are rerun, the others kept from --out; docs/engine.md's "What composes" table is
 rewritten from the whole page; ``--composes`` does only that, from --out)
 Dynamo is reset before every cell (each cell compiles its own models).
@@ -40,7 +40,10 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # PagedTinyLM: the toy mode
 import piecewise_backend as pb  # noqa: E402
 from piecewise_backend import attention, kv  # noqa: E402
 
-ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy", "spec-sample", "spec-state", "compile")
+ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy", "spec-sample", "spec-state", "compile",
+           "runner-none", "serve-none", "hf-none")
+#: Engines run with ``compile_pieces="none"``: no Dynamo, the model's own forward (splitting ops break at run time).
+NO_DYNAMO = ("runner-none", "serve-none", "hf-none")
 MODES = tuple(m.name for m in pb.CUDAGraphMode)
 OUTCOMES = ("works", "downgraded", "refused", "not offered", "wrong", "crash")
 BLOCK = 4
@@ -71,7 +74,8 @@ class Cell:
     def config(self) -> pb.CompilationConfig:
         return pb.CompilationConfig(
             cudagraph_mode=self.mode, use_ubatching=self.ubatching, use_breakable=self.breakable,
-            platform="simulated", compile_pieces="eager", capture_sizes=CAPTURE_SIZES, **UBATCH_THRESHOLDS,
+            platform="simulated", compile_pieces="none" if self.engine in NO_DYNAMO else "eager",
+            capture_sizes=CAPTURE_SIZES, **UBATCH_THRESHOLDS,
         )
 
     def key(self) -> tuple[str, str, str, str]:
@@ -137,8 +141,9 @@ def _runner_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], s
     model = PagedTinyLM().eval()
     cache = paged_cache(model, max_model_len=32, attention_backend=cell.backend)
     ref_cache = paged_cache(model, max_model_len=32, attention_backend="reference")
+    served = model if config.compile_pieces == "none" else torch.compile(model, backend=pb.make_backend(config))
     runner = pb.GraphRunner(
-        torch.compile(model, backend=pb.make_backend(config)), config,
+        served, config,
         [pb.StaticInput("input_ids"), *cache.static_inputs()], model_args=["input_ids"], context_fn=cache.context_fn,
         max_num_reqs=4, attention_support=cache.attention_graph_support, attention_backend=cache.attention_backend,
     )
@@ -384,7 +389,7 @@ def _compile_cell(cell: Cell) -> tuple[list[Any], Callable[[_Steps], str | None]
 
 BUILDERS = {"runner": _runner_cell, "serve": _serve_cell, "hf": _hf_cell, "spec": _spec_cell,
             "spec-lazy": _spec_lazy_cell, "spec-sample": _spec_sample_cell, "spec-state": _spec_state_cell,
-            "compile": _compile_cell}
+            "compile": _compile_cell, "runner-none": _runner_cell, "serve-none": _serve_cell, "hf-none": _hf_cell}
 
 
 def not_offered(cell: Cell) -> str | None:
@@ -451,6 +456,10 @@ TITLES = {
     "compile": "plain `torch.compile` (a tiny llama's forward compiled with the backend, no runner; transformers' "
                "`generate` with a static cache: each graph captured by the compiled call itself; reference: plain "
                "`generate`)",
+    "runner-none": "`GraphRunner` + `PagedKVCache` with `compile_pieces=\"none\"` (no Dynamo: the toy LM's own forward, "
+                   "its attention op a break at run time; reference: eager logits of every step)",
+    "serve-none": "`serve.Engine` with `compile_pieces=\"none\"` (as `serve`, no Dynamo; reference: a full recompute)",
+    "hf-none": "`HFEngine` with `compile_pieces=\"none\"` (as `hf`, no Dynamo; reference: `model.generate`)",
 }
 HEADER = "| cudagraph_mode | use_ubatching | use_breakable | attention backend | outcome | steps ran | why |"
 
@@ -519,6 +528,9 @@ FEATURES = {
     "spec-sample": "`SpecEngine` sampling (greedy and seeded requests in one batch)",
     "spec-state": "`SpecEngine` on state layers",
     "compile": "plain `torch.compile` (no runner)",
+    "runner-none": "`GraphRunner` + `PagedKVCache`, `compile_pieces=\"none\"`",
+    "serve-none": "`serve.Engine`, `compile_pieces=\"none\"`",
+    "hf-none": "`HFEngine`, `compile_pieces=\"none\"`",
 }
 COMPOSES_BEGIN = "<!-- composes: written by scripts/compat_matrix.py --composes from docs/compatibility.md -->"
 COMPOSES_END = "<!-- end composes -->"

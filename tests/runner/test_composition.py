@@ -43,6 +43,8 @@ SAMPLE = [
     Cell("spec-sample", "FULL_AND_PIECEWISE", False, True, "bounded"),  # greedy and seeded requests together
     Cell("spec-state", "FULL", True, False, "reference"),  # state layers: PIECEWISE verify, said why
     Cell("compile", "PIECEWISE", False, True, "bounded"),  # plain torch.compile: generate captures by itself
+    Cell("serve-none", "FULL_AND_PIECEWISE", False, True, "bounded"),  # no Dynamo: breaks at run time
+    Cell("hf-none", "PIECEWISE", False, False, "bounded"),  # refused: no pieces without Dynamo
 ]
 
 
