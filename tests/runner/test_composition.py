@@ -44,6 +44,7 @@ SAMPLE = [
     Cell("spec-state", "FULL", True, False, "reference"),  # state layers: PIECEWISE verify, said why
     Cell("compile", "PIECEWISE", False, True, "bounded"),  # plain torch.compile: generate captures by itself
     Cell("serve-none", "FULL_AND_PIECEWISE", False, True, "bounded"),  # no Dynamo: breaks at run time
+    Cell("runner-none", "FULL", True, True, "reference"),  # no Dynamo, micro-batched
     Cell("hf-none", "PIECEWISE", False, False, "bounded"),  # refused: no pieces without Dynamo
 ]
 
