@@ -229,8 +229,9 @@ class PagedKVCache:
         return blocks
 
     def _release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each of ``blocks``: a block no other table holds is freed, or kept cached."""
-        self.allocator.free([b for b in blocks if self.prefix.release(b)])
+        """Drop one reference to each of ``blocks``: a block no other table holds is freed, or kept cached.
+        Last block first: a chain's tail is evicted before its head, which more prompts share."""
+        self.allocator.free([b for b in reversed(blocks) if self.prefix.release(b)])
 
     def attach(self, request: Hashable, blocks: Sequence[int]) -> None:
         """Start ``request``'s block table with cached ``blocks`` (:meth:`match`), one more reference each."""

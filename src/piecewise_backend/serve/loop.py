@@ -339,7 +339,7 @@ class ServingLoop:
                     f"{len(self.scheduler.running)} running requests, {self.cache.num_free_blocks} free KV blocks"
                 )
             executed = self.executor.execute(plan)
-            self.scheduler.register(plan)  # before _emit frees finished requests' blocks
+            self.scheduler.register()  # before _emit frees finished requests' blocks
             kept, error = self._emit(plan, executed)
             self.executor.kept(plan, executed, kept)
             info = StepInfo(

@@ -147,6 +147,7 @@ class Scheduler:
         self.cache = cache
         #: prefix caching: joining requests reuse cached prompt blocks, filled prompt blocks are cached
         self.prefix = prefix
+        self._filling: list[Request] = []  # running requests with prompt blocks still to register
         self.lookahead = lookahead
         self.states = states  # the engine's StateCache (None without state layers): slots freed with the blocks
         self.max_num_reqs = max_num_reqs
@@ -190,6 +191,8 @@ class Scheduler:
             self.cache.free(request.slot)
         if self.states is not None and request.slot in self.states.slots:
             self.states.free(request.slot)
+        if request in self._filling:
+            self._filling.remove(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -248,6 +251,8 @@ class Scheduler:
                 break
             if hit:
                 cache.attach(request.slot, hit)
+            if request.registered < len(request.keys):
+                self._filling.append(request)
             if not request.scheduled:
                 request.scheduled = True
                 if self.prefix:
@@ -269,18 +274,19 @@ class Scheduler:
         request.computed, request.registered = len(hit) * bs, len(hit)
         return hit
 
-    def register(self, plan: StepPlan) -> int:
-        """Cache the prompt blocks ``plan``'s step filled (their K/V now written); returns how many were cached.
-        A request past its prompt costs one comparison."""
-        if not self.prefix:
+    def register(self) -> int:
+        """Cache the prompt blocks the last step filled (their K/V now written); returns how many were cached.
+        Only requests with prompt blocks left to fill are looked at: a decode step past the prompts costs nothing."""
+        if not self._filling:
             return 0
         bs, done = self.cache.block_size, 0
-        for r, _, _ in plan.chunks:
-            if r.registered < len(r.keys):
-                end = min(r.computed // bs, len(r.keys))
-                if end > r.registered:
-                    done += self.cache.register(r.slot, r.keys, r.registered, end, r.prompt)  # type: ignore[attr-defined]
-                    r.registered = end
+        for r in list(self._filling):
+            end = min(r.computed // bs, len(r.keys))
+            if end > r.registered:
+                done += self.cache.register(r.slot, r.keys, r.registered, end, r.prompt)  # type: ignore[attr-defined]
+                r.registered = end
+            if r.registered == len(r.keys):
+                self._filling.remove(r)
         return done
 
     def _extra(self, request: Request, start: int, count: int) -> int:
