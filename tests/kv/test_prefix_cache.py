@@ -1,4 +1,5 @@
-"""kv.prefix_cache and PagedKVCache's shared blocks: chained keys, token-compared lookups, reference counts, LRU eviction."""
+"""kv.prefix_cache and PagedKVCache's shared blocks: chained keys, token-compared lookups, reference counts,
+LRU eviction."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ ROOT = b""
 
 
 def block_keys(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
-    """The chained key of every full block of ``tokens`` (a prompt), in order; ``salt`` (a tenant's) enters every key."""
+    """The chained key of every full block of ``tokens`` (a prompt), in order; ``salt`` (a tenant's) enters
+    every key."""
     keys: list[bytes] = []
     parent = ROOT
     ids = np.asarray(tokens, dtype=np.int64)
@@ -39,7 +40,7 @@ def block_keys(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> lis
 
 
 class PrefixCache:
-    """Cached blocks by key, their reference counts, and the unreferenced ones in LRU order (see the module docstring)."""
+    """Cached blocks by key, their reference counts, and the unreferenced ones in LRU order (module docstring)."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size

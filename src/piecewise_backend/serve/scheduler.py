@@ -17,11 +17,14 @@ and the logits at its last one; a step gives it a *chunk* of its uncomputed toke
    row, the budget and free blocks allow, unless this step preempted (they would take the blocks
    the running requests need).
 
-Blocks are reserved while planning, so each check sees what the chunks before it took. With prefix caching (``prefix=True``, :mod:`..kv.prefix_cache`) a joining request first takes the
-longest chain of cached full blocks of its prompt (at most up to its last token, whose logits are
-needed: a prompt cached whole recomputes its last block into a fresh one) and starts its prefill after
-them (``computed``); after each step (:meth:`Scheduler.register`) the prompt blocks the step filled are
-cached for later requests. A request that needs more blocks than the whole cache is refused when it is added (:meth:`Scheduler.check_fits`).
+Blocks are reserved while planning, so each check sees what the chunks before it took. A request
+that needs more blocks than the whole cache is refused when it is added (:meth:`Scheduler.check_fits`).
+
+With prefix caching (``prefix=True``, :mod:`..kv.prefix_cache`) a joining request first takes the
+longest chain of cached full blocks of its prompt (never the block of its last token, whose logits
+are needed: a prompt cached whole recomputes its last block into a fresh one) and starts its prefill
+after them (``computed``); after each step (:meth:`Scheduler.register`) the prompt blocks the step
+filled are cached for later requests. Its keys are hashed once, when it is added.
 
 ``lookahead`` (speculative decoding's k) makes room after every *final* chunk (one that reaches its
 request's last token, so the step produces a token): the step appends ``lookahead`` drafted tokens
