@@ -94,12 +94,12 @@ def test_a_cancel_while_blocks_are_shared_leaves_the_other_request_exact(model):
     a = engine.add_request(SYSTEM + [2], 8, stop_token_ids=[])
     b = engine.add_request(SYSTEM + [3], 8, stop_token_ids=[])
     engine.step()
-    shared = engine.cache.tables[0][:3] if 0 in engine.cache.tables else None
+    slots = list(engine.cache.tables)
+    assert engine.cache.tables[slots[0]][:3] == engine.cache.tables[slots[1]][:3]  # both hold the cached blocks
     assert engine.cancel_request(a)
     done = {o.request_id: o for o in engine.results()}
     assert done[a].finish_reason == "cancelled"
     assert done[b].token_ids == expected(model, [SYSTEM + [3]], 8)[0] and done[b].num_cached_tokens == 12
-    del shared
     assert_all_free(engine)
 
 
@@ -140,3 +140,18 @@ def test_an_engine_with_state_layers_serves_with_caching_off_said_once(caplog):
     with caplog.at_level(logging.WARNING):
         make_engine(enable_prefix_caching=False)
     assert "prefix caching is off" not in caplog.text  # turned off by the caller: nothing to say
+
+
+def test_micro_batching_composes_shared_blocks_are_only_read(model):
+    config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], platform="simulated",
+                                  compile_pieces="eager", use_ubatching=True, dbo_decode_token_threshold=2,
+                                  dbo_prefill_token_threshold=2)
+    engine = serve.Engine(own.make_model(), config, kv_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=4,
+                          max_model_len=40, block_size=4, max_num_batched_tokens=32)
+    prompts = [SYSTEM + [i] for i in range(1, 5)]
+    engine.generate(prompts[:1], 3, eos_token_id=[])
+    steps: list[serve.StepInfo] = []
+    before = pb.counters["prefix_cache_hits"]
+    assert engine.generate(prompts, 6, eos_token_id=[], on_step=steps.append) == expected(model, prompts, 6)
+    assert pb.counters["prefix_cache_hits"] - before == 48 and steps[0].num_tokens == 4  # 4 requests, 1 token each
+    assert_all_free(engine)
