@@ -32,6 +32,8 @@ COUNTER_KEYS = (
     "eager_steps_not_captured",  # ... their graph not captured yet (lazy capture, graph_memory_budget)
     "eager_steps_capture_failed",  # ... their graph's idle-time capture (or the compile before it) failed
     "capture_failures",  # idle-time captures and compiles that raised (recorded in GraphRunner.capture_failures)
+    "prefix_cache_hits",  # prompt tokens a request found cached when first scheduled (prefix caching)
+    "prefix_cache_misses",  # ... and those it computed
 )
 
 

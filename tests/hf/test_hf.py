@@ -226,6 +226,7 @@ def test_engine_serves_every_mode_and_matches_generate(llama_engine, budget):
     max_num_batched_tokens), or, with a larger budget, runs in one eager step; prompts join mid-decode
     (PIECEWISE), pure decode replays FULL graphs; all tokens equal HF greedy generate's."""
     engine, reference = llama_engine
+    engine.reset_prefix_cache()  # the step shapes below are those of whole prompts (each parameter runs them again)
     # each Dynamo graph (one per compile; size 1 specializes) holds the whole model, no graph break,
     # and splits at each layer's paged attention
     assert engine.backend.splits
@@ -250,7 +251,7 @@ def test_engine_serves_every_mode_and_matches_generate(llama_engine, budget):
     assert all((s.mode == pb.CUDAGraphMode.FULL) == (s.uniform_decode and s.num_tokens <= 8) for s in steps), steps
     assert [len(o) for o in outputs] == budgets
     assert load_example().check(reference, prompts, outputs, budgets, eos=None) == []
-    assert engine.cache.tables == {} and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert engine.cache.tables == {} and engine.cache.num_free_blocks == engine.cache.total_blocks  # free or evictable
 
 
 def test_example_check_reports_a_difference(llama_engine, capsys):
@@ -431,7 +432,7 @@ def test_engine_frees_blocks_when_a_step_fails(llama_engine):
 
     with pytest.raises(KeyboardInterrupt):
         engine.generate([[3, 4, 5], [6, 7]], 4, on_step=stop)
-    assert engine.cache.tables == {} and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert engine.cache.tables == {} and engine.cache.num_free_blocks == engine.cache.total_blocks  # free or evictable
     assert [len(o) for o in engine.generate([[3, 4, 5]], 2)] == [2]  # still serves
 
 

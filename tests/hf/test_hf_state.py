@@ -285,3 +285,23 @@ def test_state_layers_with_the_reference_attention_backend():
     outputs = engine.generate(prompts, [5, 7, 9], on_step=steps.append)
     assert {s.mode for s in steps if s.uniform_decode} == {pb.CUDAGraphMode.FULL}
     assert _example().check(reference, prompts, outputs, [5, 7, 9], eos=None) == []
+
+
+def test_a_state_layer_model_is_served_with_prefix_caching_off_said_once(caplog):
+    """Its states are not cached at block boundaries: prefix caching is off (one warning), prompts sharing a
+    prefix are computed whole and served like generate."""
+    model = hf.tiny_random_model("qwen3_next")
+    reference = copy.deepcopy(model)
+    from piecewise_backend.serve import engine as engine_module
+
+    engine_module._said.clear()
+    with caplog.at_level("WARNING"):
+        engine = hf.HFEngine(model, CONFIG, max_num_reqs=2, max_model_len=32, block_size=4)
+        hf.HFEngine(copy.deepcopy(reference), CONFIG, max_num_reqs=2, max_model_len=32, block_size=4)
+    assert caplog.text.count("prefix caching is off for this engine: the model has state layers") == 1
+    assert not engine.prefix_caching
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 1], [5, 6, 7, 8, 9, 10, 11, 12, 2]]
+    outputs = [engine.generate([p], 4, eos_token_id=[])[0] for p in prompts]
+    for p, out in zip(prompts, outputs):
+        want = reference.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, min_new_tokens=4)[0, len(p):]
+        assert out == want.tolist()

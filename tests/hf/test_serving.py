@@ -114,15 +114,16 @@ def test_unseeded_sampling_follows_torch_manual_seed(engine):
 
 
 def test_online_requests_join_while_others_run_and_cancel_frees_blocks_at_once(engine, reference):
+    engine.reset_prefix_cache()  # the steps below are counted from whole prompts: none found cached
     first = engine.add_request(PROMPTS[0], 6)
     second = engine.add_request(PROMPTS[1], 4, request_id="b")
     assert (first, second) == (0, "b") and engine.has_unfinished_requests()
     assert engine.step() == [] and engine.step() == []  # two steps: both prompts prefilled, one decode
     late = engine.add_request(PROMPTS[3], 3)  # joins the next step
     engine.step()
-    held = engine.cache.allocator.num_free
+    held = engine.cache.num_free_blocks
     assert engine.cancel_request("b") and "b" not in {r.request_id for r in engine._loop.scheduler.running}
-    assert engine.cache.allocator.num_free > held  # its blocks are free before the next step
+    assert engine.cache.num_free_blocks > held  # its blocks are free before the next step
     assert not engine.cancel_request("b") and not engine.cancel_request("nope")
     results = {r.request_id: r for r in engine.results()}
     assert set(results) == {first, "b", late} and not engine.has_unfinished_requests()
@@ -130,7 +131,7 @@ def test_online_requests_join_while_others_run_and_cancel_frees_blocks_at_once(e
     assert results[first].token_ids == reference_tokens(reference, PROMPTS[0], 6)
     assert results[late].token_ids == reference_tokens(reference, PROMPTS[3], 3)
     assert results[late].finish_reason == "length" and results[late].prompt == PROMPTS[3]
-    assert engine.cache.tables == {} and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert engine.cache.tables == {} and engine.cache.num_free_blocks == engine.cache.total_blocks  # free or evictable
 
 
 def test_stop_token_ids_end_a_request_and_keep_the_stop_token(engine):
@@ -222,7 +223,7 @@ def test_preempted_requests_are_recomputed_and_complete_with_their_own_tokens(sm
     out = engine.generate(prompts, 6, on_step=steps.append)
     assert any(s.preempted for s in steps) and engine._loop.scheduler.preemptions > 0
     assert out == [reference_tokens(reference, p, 6) for p in prompts]
-    assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert engine.cache.num_free_blocks == engine.cache.total_blocks  # free or evictable
     sampled = engine.generate(prompts, 6, sampling=SAMPLED, on_step=steps.append)
     alone = []
     for i, p in enumerate(prompts):  # one at a time (nothing to preempt), under the same request ids
@@ -295,3 +296,24 @@ def test_from_pretrained_serves_a_local_save_pretrained_folder(tmp_path, referen
     assert engine.generate([PROMPTS[0]], 4) == [reference_tokens(reference, PROMPTS[0], 4)]
     with pytest.raises(ValueError, match=r"is not a folder written by save_pretrained \(no config.json there\)"):
         hf.HFEngine.from_pretrained(tmp_path / "missing", CONFIG)
+
+
+# ------------------------------------------------------------------ prefix caching
+
+
+def test_prompts_sharing_a_prefix_reuse_its_blocks_and_match_generate(engine, reference):
+    """A 12-token shared prefix (3 blocks): later requests start their prefill after it, tokens equal
+    model.generate's and caching off's; every block free or evictable at the end."""
+    engine.reset_prefix_cache()
+    system = list(range(100, 112))
+    prompts = [system + [5, 6], system + [7], system, system[:8] + [9, 9, 9]]
+    first = engine.add_request(prompts[0], 4, stop_token_ids=[])
+    done = {o.request_id: o for o in engine.results()}
+    ids = [engine.add_request(p, 4, stop_token_ids=[]) for p in prompts[1:]]
+    done.update({o.request_id: o for o in engine.results()})
+    outs = [done[i] for i in [first, *ids]]
+    assert [o.num_cached_tokens for o in outs] == [0, 12, 8, 8]  # the whole-prompt one recomputes its last block
+    assert [o.token_ids for o in outs] == [reference_tokens(reference, p, 4) for p in prompts]
+    off = hf.HFEngine(hf.tiny_random_model("llama"), CONFIG, enable_prefix_caching=False, **ENGINE)
+    assert off.generate(prompts, 4, eos_token_id=[]) == [o.token_ids for o in outs]
+    assert engine.cache.tables == {} and engine.cache.num_free_blocks == engine.cache.total_blocks

@@ -217,3 +217,13 @@ def test_tp_benchmark_reports_both_engines_side_by_side():
     kv = [int(k) for k in re.findall(r"^\| TP=[12] +\| .*\| (\d+) +\|$", proc.stdout, re.MULTILINE)]
     assert len(kv) == 2 and kv[0] == 2 * kv[1], proc.stdout  # each TP=2 rank holds half the KV heads
     assert "tokens are equal" in proc.stdout, proc.stdout
+
+
+def test_prefix_benchmark_compares_caching_on_and_off_on_equal_tokens(monkeypatch):
+    from benchmarks import bench_prefix
+
+    monkeypatch.setattr(bench_prefix, "SYSTEM_TOKENS", 48)  # smoke-sized: 3 blocks of 16
+    section, same = bench_prefix.run(quick=True)
+    assert same and section.data["identical"]
+    assert "caching on" in section.body and "caching off" in section.body and "hit rate" in section.body
+    assert section.data["ttft_ratio"] > 0

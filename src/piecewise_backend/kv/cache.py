@@ -4,6 +4,10 @@
   K/V tensors and each request's block table, and turns a step's scheduled tokens into the
   per-token and per-request metadata tensors a :class:`~piecewise_backend.GraphRunner` keeps in
   persistent buffers (:meth:`PagedKVCache.static_inputs`, :meth:`PagedKVCache.step_inputs`).
+* Prefix caching (:mod:`.prefix_cache`): full prompt blocks may be shared by several tables
+  (reference-counted); :meth:`PagedKVCache.attach` starts a table with cached blocks,
+  :meth:`PagedKVCache.register` caches a table's blocks once their K/V is written, and cached blocks no
+  table holds count as free and are evicted, least recently used first, when blocks run out.
 * ``pb_kv::paged_attention`` (:mod:`.kv_op`, re-exported here with its metadata, ``write_kv`` and
   ``current_metadata``) writes the step's K/V into the cache and attends each token to its
   request's cached prefix with the cache's attention backends (:mod:`.attention`: ``bounded`` on
@@ -33,6 +37,7 @@ from ..attention.backends import (
 )
 from ..modes import AttentionGraphSupport
 from ..runner.graph_runner import StaticInput
+from .prefix_cache import ROOT, PrefixCache
 from .op import PAD_SLOT, PagedAttentionMetadata, current_metadata, paged_attention, write_kv  # noqa: F401
 
 #: Names of the metadata inputs the cache adds to a runner (besides the model's own inputs).
@@ -125,6 +130,8 @@ class PagedKVCache:
             torch.zeros(shape[:2] + (indexer_dim,), dtype=dtype, device=device) for _ in range(num_layers if indexer_dim else 0)
         ]
         self.tables: dict[Hashable, list[int]] = {}
+        #: the cached (shareable) blocks, their references and the evictable ones (:mod:`.prefix_cache`)
+        self.prefix = PrefixCache(block_size)
         self._device = torch.device(device)
         self._noting: tuple[_NotingList, _NotingList] | None = None  # while the layers are checked (check_layers)
         # A host mirror of the block tables, one zero-padded row per request with a table: a step's
@@ -166,8 +173,8 @@ class PagedKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no request holds."""
-        return self.allocator.num_free
+        """Blocks no request holds: never used ones and cached ones no table references (evictable)."""
+        return self.allocator.num_free + self.prefix.num_evictable
 
     @property
     def total_blocks(self) -> int:
@@ -198,10 +205,10 @@ class PagedKVCache:
     def _reserve_all(self, needs: Sequence[tuple[Hashable, int]]) -> None:
         """Reserve every ``(request, num_tokens)`` or, raising, none (checked before allocating)."""
         missing = [self._missing(r, n) for r, n in needs]
-        if sum(missing) > self.allocator.num_free:
+        if sum(missing) > self.num_free_blocks:
             per = ", ".join(f"{r!r}: {m}" for (r, _), m in zip(needs, missing) if m)
             raise RuntimeError(
-                f"out of KV blocks: {sum(missing)} needed ({per}), {self.allocator.num_free} of "
+                f"out of KV blocks: {sum(missing)} needed ({per}), {self.num_free_blocks} of "
                 f"{self.allocator.num_blocks} free; nothing was reserved"
             )
         for (request, _), m in zip(needs, missing):
@@ -210,9 +217,57 @@ class PagedKVCache:
                 table = self.tables[request] = []
                 self._rows[request] = self._new_row()
             if m:
-                blocks = self.allocator.allocate(m)
+                blocks = self._take(m)
                 self._mirror[self._rows[request], len(table):len(table) + m] = blocks
                 table.extend(blocks)
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` blocks: never used ones first, then cached ones no table holds, least recently used first."""
+        fresh = min(n, self.allocator.num_free)
+        blocks = self.allocator.allocate(fresh)
+        blocks.extend(self.prefix.evict() for _ in range(n - fresh))
+        return blocks
+
+    def _release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each of ``blocks``: a block no other table holds is freed, or kept cached.
+        Last block first: a chain's tail is evicted before its head, which more prompts share."""
+        self.allocator.free([b for b in reversed(blocks) if self.prefix.release(b)])
+
+    def attach(self, request: Hashable, blocks: Sequence[int]) -> None:
+        """Start ``request``'s block table with cached ``blocks`` (:meth:`match`), one more reference each."""
+        if request in self.tables:
+            raise ValueError(f"attach: request {request!r} holds KV blocks already; cached blocks start a new table")
+        self.prefix.acquire(blocks)
+        table = self.tables[request] = list(blocks)
+        row = self._rows[request] = self._new_row()
+        self._mirror[row, :len(table)] = table
+
+    def match(self, keys: Sequence[bytes], tokens: Sequence[int], limit: int) -> list[int]:
+        """The cached blocks of the longest cached prefix of ``tokens`` (``keys``: their
+        :func:`~.prefix_cache.block_keys`), at most ``limit``; :meth:`attach` takes them."""
+        return self.prefix.match(keys, tokens, limit)
+
+    def blocks_to_attach(self, blocks: Sequence[int]) -> int:
+        """Free blocks attaching ``blocks`` uses up (the cached ones no table holds now)."""
+        return self.prefix.evictable_among(blocks)
+
+    def register(self, request: Hashable, keys: Sequence[bytes], first: int, end: int, tokens: Sequence[int]) -> int:
+        """Cache ``request``'s blocks ``first .. end - 1`` (their K/V written) under ``keys[first:end]`` (``keys``:
+        :func:`~.prefix_cache.block_keys` of ``tokens``, the prompt); returns how many were cached (a key
+        cached already keeps its own block, this one stays the request's)."""
+        table, bs = self.tables[request], self.block_size
+        done = 0
+        for i in range(first, end):
+            parent = keys[i - 1] if i else ROOT
+            done += self.prefix.register(table[i], keys[i], parent, tokens[i * bs:(i + 1) * bs])
+        return done
+
+    def reset_prefix_cache(self) -> int:
+        """Uncache every block: those no table holds are freed (returned as a count); those in use stay with
+        their tables until released (after a weight update the cached K/V would be stale)."""
+        free = self.prefix.reset()
+        self.allocator.free(free)
+        return len(free)
 
     def _new_row(self) -> int:
         if not self._free_rows:  # grow the mirror (doubling): rows stay where they are
@@ -232,7 +287,7 @@ class PagedKVCache:
         """Return ``request``'s blocks; KeyError naming the live requests when it has none."""
         if request not in self.tables:
             raise KeyError(f"request {request!r} holds no KV blocks; live requests: {list(self.tables)}")
-        self.allocator.free(self.tables.pop(request))
+        self._release(self.tables.pop(request))
         self._release_row(request)
 
     def truncate(self, request: Hashable, num_tokens: int) -> None:
@@ -252,7 +307,7 @@ class PagedKVCache:
                 f"0..{held}, got {num_tokens!r}"
             )
         keep = math.ceil(num_tokens / self.block_size)
-        self.allocator.free(table[keep:])
+        self._release(table[keep:])
         self._mirror[self._rows[request], keep:len(table)] = 0
         del table[keep:]
 

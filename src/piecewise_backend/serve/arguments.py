@@ -158,6 +158,8 @@ class EngineArgs:
     step_capture_budget_s: float | None = None  # seconds a lazy engine's step may capture (None: 0.05 lazy, else 0)
     #: generate's per-token settings on every step's logits (None: none; HF engines: the model's generation_config's)
     token_rules: TokenRules | None = None
+    #: reuse the KV blocks of prompt prefixes other requests computed (docs/engine.md "Prefix caching")
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name, meaning in (
@@ -175,6 +177,8 @@ class EngineArgs:
                              f"positive int, got {_show(n)}")
         if self.lazy_capture is not True and self.lazy_capture is not False:
             raise ValueError(f"lazy_capture must be a bool, got {_show(self.lazy_capture)}")
+        if self.enable_prefix_caching is not True and self.enable_prefix_caching is not False:
+            raise ValueError(f"enable_prefix_caching must be a bool, got {_show(self.enable_prefix_caching)}")
         check_tokens_budget(self.max_num_batched_tokens)
         if self.token_rules is not None and not isinstance(self.token_rules, TokenRules):
             raise ValueError(f"token_rules must be None or a serve.TokenRules(...), got {_show(self.token_rules)}")

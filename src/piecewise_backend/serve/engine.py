@@ -14,6 +14,7 @@ are the :mod:`.loop`'s and the GraphRunner's.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
@@ -42,6 +43,9 @@ from .sampling import SamplingParams, per_request
 from .token_rules import TokenRules
 from .scheduler import KVBlocks
 
+
+logger = logging.getLogger(__name__)
+_said: set[str] = set()  # why prefix caching was turned off, said once per process each
 
 #: A lazy engine's default ``step_capture_budget_s``: what a step may add to its latency to catch up.
 STEP_CAPTURE_BUDGET_S = 0.05
@@ -126,7 +130,14 @@ class Engine:
         self.max_num_reqs, self.max_model_len = args.max_num_reqs, args.max_model_len
         self.max_step_tokens = main.runner.dispatcher.max_size
         budget = max_num_batched_tokens or args.max_num_batched_tokens or self.max_step_tokens or args.max_model_len
-        self._loop = ServingLoop(executor, blocks, vocab_size, args.max_num_reqs, budget, states, lookahead)
+        off = prefix_caching_off(args, states, lookahead)
+        if off and args.enable_prefix_caching and off not in _said:
+            _said.add(off)
+            logger.warning("prefix caching is off for this engine: %s (tokens are exact, prompts are computed whole)", off)
+        #: whether requests reuse cached prompt blocks (``enable_prefix_caching``, unless the model cannot)
+        self.prefix_caching = not off
+        self._loop = ServingLoop(executor, blocks, vocab_size, args.max_num_reqs, budget, states, lookahead,
+                                 self.prefix_caching)
         self._loop.before_step = self._catch_up
         self._capture_credit = 0.0  # catch-up seconds accrued and not spent (see _catch_up)
 
@@ -156,6 +167,12 @@ class Engine:
             with torch.inference_mode():
                 m.runner.capture_idle(max(0.0, deadline - time.perf_counter()))
         self._capture_credit = max(0.0, self._capture_credit - (time.perf_counter() - began))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prompt block (after a weight update the cached K/V is stale): returns how many
+        blocks no request held were freed; blocks in use are no longer found and are freed when released."""
+        with self._loop.lock:
+            return sum(m.cache.reset_prefix_cache() for m in self.model_runners)
 
     def default_eos(self) -> Any:
         """The stop token(s) used when ``generate`` or ``add_request`` is given none."""
@@ -271,6 +288,17 @@ class Engine:
         params = per_request(sampling, len(args.prompts))
         with torch.inference_mode():
             return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step)
+
+
+def prefix_caching_off(args: EngineArgs, states: Any, lookahead: int) -> str:
+    """Why an engine serves with prefix caching off ("" when it is on)."""
+    if not args.enable_prefix_caching:
+        return "enable_prefix_caching=False"
+    if states is not None:
+        return "the model has state layers, whose states are not cached at block boundaries"
+    if lookahead:
+        return "speculative decoding does not register blocks yet (drafts are never cached)"
+    return ""
 
 
 def _inference(results: Iterator[RequestOutput]) -> Iterator[RequestOutput]:

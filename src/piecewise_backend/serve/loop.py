@@ -69,6 +69,7 @@ class RequestOutput:
     finish_reason: str
     preemptions: int = 0  # times it was preempted and recomputed
     error: str = ""  # what ended it with finish_reason "error"
+    num_cached_tokens: int = 0  # prompt tokens it reused from the prefix cache when first scheduled
 
 
 @dataclasses.dataclass
@@ -97,7 +98,7 @@ class StepExecutor(Protocol):
 def _output(request: Request) -> RequestOutput:
     return RequestOutput(
         request.request_id, list(request.prompt), list(request.output), request.finish_reason or "", request.preemptions,
-        request.error,
+        request.error, request.num_cached_tokens,
     )
 
 
@@ -123,12 +124,12 @@ class ServingLoop:
 
     def __init__(
         self, executor: StepExecutor, cache: KVBlocks, vocab_size: int, max_num_reqs: int, max_num_batched_tokens: int,
-        states: Any = None, lookahead: int = 0,
+        states: Any = None, lookahead: int = 0, prefix: bool = False,
     ):
         self.executor = executor
         self.cache = cache
         self.vocab_size = vocab_size
-        self.scheduler = Scheduler(cache, max_num_reqs, max_num_batched_tokens, states, lookahead)
+        self.scheduler = Scheduler(cache, max_num_reqs, max_num_batched_tokens, states, lookahead, prefix)
         self.lookahead = lookahead
         self.lock = threading.RLock()
         self._serving: str | None = None  # the call whose steps run now ("generate()", "step()"): no re-entry
@@ -338,6 +339,7 @@ class ServingLoop:
                     f"{len(self.scheduler.running)} running requests, {self.cache.num_free_blocks} free KV blocks"
                 )
             executed = self.executor.execute(plan)
+            self.scheduler.register()  # before _emit frees finished requests' blocks
             kept, error = self._emit(plan, executed)
             self.executor.kept(plan, executed, kept)
             info = StepInfo(

@@ -20,6 +20,12 @@ and the logits at its last one; a step gives it a *chunk* of its uncomputed toke
 Blocks are reserved while planning, so each check sees what the chunks before it took. A request
 that needs more blocks than the whole cache is refused when it is added (:meth:`Scheduler.check_fits`).
 
+With prefix caching (``prefix=True``, :mod:`..kv.prefix_cache`) a joining request first takes the
+longest chain of cached full blocks of its prompt (never the block of its last token, whose logits
+are needed: a prompt cached whole recomputes its last block into a fresh one) and starts its prefill
+after them (``computed``); after each step (:meth:`Scheduler.register`) the prompt blocks the step
+filled are cached for later requests. Its keys are hashed once, when it is added.
+
 ``lookahead`` (speculative decoding's k) makes room after every *final* chunk (one that reaches its
 request's last token, so the step produces a token): the step appends ``lookahead`` drafted tokens
 to it, so it costs ``count + lookahead`` of the budget and reserves K/V for them. A final chunk the
@@ -36,6 +42,8 @@ from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from ..kv.cache import PagedKVCache
+from ..kv.prefix_cache import block_keys
+from ..observability import counters
 from ..state.cache import StateCache
 from .sampling import SamplingParams
 
@@ -83,6 +91,10 @@ class Request:
     report: bool = True  # its output goes to the online API's results (generate reads its own)
     tag: Hashable = None  # what its callbacks and reports call it: the request id, or generate's prompt index
     draft_computed: int = 0  # tokens whose K/V a drafter's cache holds (speculative decoding)
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # its prompt's full blocks' keys (prefix caching)
+    registered: int = 0  # blocks of its table that are cached (found cached, or registered after their step)
+    num_cached_tokens: int = 0  # prompt tokens it found cached when first scheduled
+    scheduled: bool = False  # it ran in a step once
 
     #: its sampling is argmax (``sampling.greedy``), kept as a field: a step reads it per request
     greedy: bool = dataclasses.field(init=False, default=True)
@@ -133,9 +145,12 @@ class Scheduler:
 
     def __init__(
         self, cache: PagedKVCache | KVBlocks, max_num_reqs: int, max_num_batched_tokens: int, states: StateCache | None = None,
-        lookahead: int = 0,
+        lookahead: int = 0, prefix: bool = False,
     ):
         self.cache = cache
+        #: prefix caching: joining requests reuse cached prompt blocks, filled prompt blocks are cached
+        self.prefix = prefix
+        self._filling: list[Request] = []  # running requests with prompt blocks still to register
         self.lookahead = lookahead
         self.states = states  # the engine's StateCache (None without state layers): slots freed with the blocks
         self.max_num_reqs = max_num_reqs
@@ -158,6 +173,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_fits(len(request.prompt), request.max_new_tokens)
+        if self.prefix:  # hashed once, here: no step hashes
+            request.keys = block_keys(request.prompt, self.cache.block_size)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -177,11 +194,13 @@ class Scheduler:
             self.cache.free(request.slot)
         if self.states is not None and request.slot in self.states.slots:
             self.states.free(request.slot)
+        if request in self._filling:
+            self._filling.remove(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
-        request.computed = request.draft_computed = 0
+        request.computed = request.draft_computed = request.registered = 0
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
@@ -225,16 +244,53 @@ class Scheduler:
             budget -= count + extra
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_reqs:
             request = self.waiting[0]
+            hit = self._lookup(request)
             count, extra = self._chunk(request, budget)
-            if count == 0:
+            need = cache.blocks_needed(request.slot, request.computed + count + extra)
+            if hit:
+                need += cache.blocks_to_attach(hit) - len(hit)
+            if count == 0 or need > cache.num_free_blocks:
+                request.computed = request.registered = 0
                 break
-            if self.cache.blocks_needed(request.slot, request.computed + count + extra) > self.cache.num_free_blocks:
-                break
-            self.cache.reserve(request.slot, request.computed + count + extra)
+            if hit:
+                cache.attach(request.slot, hit)
+            if request.registered < len(request.keys):
+                self._filling.append(request)
+            if not request.scheduled:
+                request.scheduled = True
+                if self.prefix:
+                    request.num_cached_tokens = request.computed
+                    counters["prefix_cache_hits"] += request.computed
+                    counters["prefix_cache_misses"] += len(request.prompt) - request.computed
+            cache.reserve(request.slot, request.computed + count + extra)
             self.running.append(self.waiting.popleft())
             chunks.append((request, request.computed, count))
             budget -= count + extra
         return StepPlan(chunks, preempted)
+
+    def _lookup(self, request: Request) -> list[int]:
+        """The cached blocks ``request`` (joining, holding none) starts with; its ``computed`` moves past them."""
+        if not self.prefix or not request.keys:
+            return []
+        bs = self.cache.block_size
+        hit = self.cache.match(request.keys, request.prompt, (request.length - 1) // bs)  # type: ignore[attr-defined]
+        request.computed, request.registered = len(hit) * bs, len(hit)
+        return hit
+
+    def register(self) -> int:
+        """Cache the prompt blocks the last step filled (their K/V now written); returns how many were cached.
+        Only requests with prompt blocks left to fill are looked at: a decode step past the prompts costs nothing."""
+        if not self._filling:
+            return 0
+        bs, done = self.cache.block_size, 0
+        for r in list(self._filling):
+            end = min(r.computed // bs, len(r.keys))
+            if end > r.registered:
+                done += self.cache.register(r.slot, r.keys, r.registered, end, r.prompt)  # type: ignore[attr-defined]
+                r.registered = end
+            if r.registered == len(r.keys):
+                self._filling.remove(r)
+        return done
 
     def _extra(self, request: Request, start: int, count: int) -> int:
         """Drafted tokens a chunk carries after its own: ``lookahead`` for a final chunk, else 0."""

@@ -1,0 +1,157 @@
+"""Prefix caching in serve.Engine (examples/own_model.py's decoder, simulated platform): shared prompt blocks
+reused, tokens equal to caching off and to a full recompute, under chunked prefill, eviction, preemption and
+cancels; every block free (or evictable) at the end."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import piecewise_backend as pb
+from pbtest.helpers import load_file
+from piecewise_backend import serve
+
+own = load_file("examples/own_model.py")
+SYSTEM = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]  # 12 tokens: 3 blocks of 4
+
+
+def make_engine(**kw) -> serve.Engine:
+    config = pb.CompilationConfig(cudagraph_mode=kw.pop("mode", "FULL_AND_PIECEWISE"), capture_sizes=[1, 2, 4, 8],
+                                  platform="simulated", compile_pieces="eager")
+    args = dict(kv_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=4, max_model_len=40, block_size=4)
+    return serve.Engine(own.make_model(), config, **{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return own.make_model()
+
+
+def expected(model, prompts, n):
+    return [own.reference(model, p, n) for p in prompts]
+
+
+def served(engine: serve.Engine, prompts, n) -> list[serve.RequestOutput]:
+    ids = [engine.add_request(p, n, stop_token_ids=[]) for p in prompts]
+    done = {o.request_id: o for o in engine.results()}
+    return [done[i] for i in ids]
+
+
+def assert_all_free(engine: serve.Engine) -> None:
+    assert engine.cache.tables == {}
+    assert engine.cache.num_free_blocks == engine.cache.total_blocks
+
+
+def test_a_shared_system_prompt_is_computed_once_and_tokens_equal_caching_off(model):
+    prompts = [SYSTEM + [7, 8], SYSTEM + [9], SYSTEM + [1, 2, 3, 4, 5]]
+    on, off = make_engine(), make_engine(enable_prefix_caching=False)
+    assert on.prefix_caching and not off.prefix_caching
+    first = served(on, prompts[:1], 6)
+    assert first[0].num_cached_tokens == 0
+    before = pb.counters["prefix_cache_hits"]
+    later = served(on, prompts[1:], 6)
+    assert [o.num_cached_tokens for o in later] == [12, 12]
+    assert pb.counters["prefix_cache_hits"] - before == 24
+    tokens = [o.token_ids for o in first + later]
+    assert tokens == [o.token_ids for o in served(off, prompts, 6)] == expected(model, prompts, 6)
+    assert_all_free(on)
+    assert on.cache.prefix.num_evictable > 0  # kept cached, counted free
+
+
+def test_a_prompt_cached_whole_recomputes_its_last_block_and_an_exact_multiple_of_the_block_size(model):
+    engine = make_engine()
+    prompt = SYSTEM  # 12 tokens: an exact multiple of block_size 4
+    a = served(engine, [prompt], 5)[0]
+    b = served(engine, [prompt], 5)[0]
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 8)  # the last block is computed again (its logits)
+    assert a.token_ids == b.token_ids == expected(model, [prompt], 5)[0]
+    assert_all_free(engine)
+
+
+def test_two_requests_with_the_same_prompt_in_the_same_step(model):
+    engine = make_engine(max_num_batched_tokens=32)  # both prompts whole in the first step
+    out = served(engine, [SYSTEM + [5], SYSTEM + [5]], 6)
+    assert [o.num_cached_tokens for o in out] == [0, 0]  # neither was computed when both joined
+    assert out[0].token_ids == out[1].token_ids == expected(model, [SYSTEM + [5]], 6)[0]
+    assert engine.cache.prefix.num_cached == 3  # one block per key: the twin's blocks were freed
+    assert_all_free(engine)
+    assert served(engine, [SYSTEM + [6]], 2)[0].num_cached_tokens == 12
+
+
+def test_chunked_prefill_and_lazy_capture_compose(model):
+    engine = make_engine(max_num_batched_tokens=4, lazy_capture=True)
+    prompts = [SYSTEM + [1, 2], SYSTEM + [3], SYSTEM[:8] + [4, 4, 4]]
+    out = served(engine, prompts[:1], 4) + served(engine, prompts[1:], 4)
+    assert [o.num_cached_tokens for o in out] == [0, 12, 8]
+    assert [o.token_ids for o in out] == expected(model, prompts, 4)
+    assert_all_free(engine)
+
+
+def test_a_cancel_while_blocks_are_shared_leaves_the_other_request_exact(model):
+    engine = make_engine()
+    served(engine, [SYSTEM + [1]], 1)
+    a = engine.add_request(SYSTEM + [2], 8, stop_token_ids=[])
+    b = engine.add_request(SYSTEM + [3], 8, stop_token_ids=[])
+    engine.step()
+    slots = list(engine.cache.tables)
+    assert engine.cache.tables[slots[0]][:3] == engine.cache.tables[slots[1]][:3]  # both hold the cached blocks
+    assert engine.cancel_request(a)
+    done = {o.request_id: o for o in engine.results()}
+    assert done[a].finish_reason == "cancelled"
+    assert done[b].token_ids == expected(model, [SYSTEM + [3]], 8)[0] and done[b].num_cached_tokens == 12
+    assert_all_free(engine)
+
+
+def test_eviction_and_preemption_under_pressure_keep_tokens_exact(model):
+    # 12 blocks of 4 for 4 requests of up to 26 tokens: evictions of cached blocks and preemptions
+    engine = make_engine(num_blocks=12, max_num_batched_tokens=8)
+    prompts = [SYSTEM + [i, i + 1] for i in range(1, 5)] + [[9, 9, 9, 9, 8, 8, 8, 8, 7], SYSTEM + [60]]
+    steps: list[serve.StepInfo] = []
+    out = engine.generate(prompts, 12, eos_token_id=[], on_step=steps.append)
+    assert sum(len(s.preempted) for s in steps) > 0
+    assert out == expected(model, prompts, 12)
+    assert_all_free(engine)
+    other = [[50 + i, 51, 52, 53, 54, 55, 56, 57, 1] for i in range(4)]  # evicts the system prompt's blocks
+    assert engine.generate(other, 10, eos_token_id=[]) == expected(model, other, 10)
+    assert_all_free(engine)
+    back = served(engine, [SYSTEM + [2]], 4)[0]  # its prefix evicted (or partly): served from what is cached
+    assert back.token_ids == expected(model, [SYSTEM + [2]], 4)[0]
+    assert_all_free(engine)
+
+
+def test_reset_prefix_cache_drops_the_unreferenced_blocks(model):
+    engine = make_engine()
+    served(engine, [SYSTEM + [1]], 2)
+    assert engine.reset_prefix_cache() == 3
+    assert engine.cache.prefix.num_cached == 0 and engine.reset_prefix_cache() == 0
+    assert served(engine, [SYSTEM + [1]], 2)[0].num_cached_tokens == 0
+    assert_all_free(engine)
+
+
+def test_an_engine_with_state_layers_serves_with_caching_off_said_once(caplog):
+    from piecewise_backend.serve import engine as engine_module
+
+    assert engine_module.prefix_caching_off(serve.EngineArgs(), None, 0) == ""
+    assert "state layers" in engine_module.prefix_caching_off(serve.EngineArgs(), object(), 0)
+    assert "speculative" in engine_module.prefix_caching_off(serve.EngineArgs(), None, 2)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
+        serve.EngineArgs(enable_prefix_caching=1)
+    with caplog.at_level(logging.WARNING):
+        make_engine(enable_prefix_caching=False)
+    assert "prefix caching is off" not in caplog.text  # turned off by the caller: nothing to say
+
+
+def test_micro_batching_composes_shared_blocks_are_only_read(model):
+    config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], platform="simulated",
+                                  compile_pieces="eager", use_ubatching=True, dbo_decode_token_threshold=2,
+                                  dbo_prefill_token_threshold=2)
+    engine = serve.Engine(own.make_model(), config, kv_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=4,
+                          max_model_len=40, block_size=4, max_num_batched_tokens=32)
+    prompts = [SYSTEM + [i] for i in range(1, 5)]
+    engine.generate(prompts[:1], 3, eos_token_id=[])
+    steps: list[serve.StepInfo] = []
+    before = pb.counters["prefix_cache_hits"]
+    assert engine.generate(prompts, 6, eos_token_id=[], on_step=steps.append) == expected(model, prompts, 6)
+    assert pb.counters["prefix_cache_hits"] - before == 48 and steps[0].num_tokens == 4  # 4 requests, 1 token each
+    assert_all_free(engine)
