@@ -25,6 +25,7 @@ from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
 from . import attention_swaps, indexed, mixers
 from .call_sites import CallSites
+from .modality import text_attention
 from .patching import Changes, RefusesNothing, Undo
 from .probe_result import LayerLayout, ProbeResult, layout_refusal  # noqa: F401  (documented here: hf.layout_refusal)
 from .self_assignments import recording_self_assignments, self_assigned
@@ -182,7 +183,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
     settable = model._can_set_attn_implementation()  # else its attention modules are swapped (attention_swaps)
     if settable:
-        model.set_attn_implementation(PROBE_IMPLEMENTATION)
+        model.set_attn_implementation(text_attention(model, PROBE_IMPLEMENTATION))
     recording = _RECORDING.set(record)
     # ModuleTracker's hooks assert on a view of a grad-requiring parameter taken under no_grad (dbrx's
     # experts slice their weights in the forward): the probe runs with the parameters' grads off.

@@ -34,6 +34,8 @@ from ..serve.model_runner import Decode, KVLayout, ModelRunner
 from ..serve.token_rules import RULE_FIELDS, TokenRules
 from .adaptation import TokensFirst, adapt, adapting, kv_shape
 from .adapter import length_refusal
+from .modality import is_multimodal
+from . import multimodal
 from .host_breaks import host_read_downgrades, no_full_graphs
 from .paged_attention import ATTN_IMPLEMENTATION, chunked_layers, paged_attention_forward, register_attention
 from .tensor_parallel import (
@@ -86,16 +88,25 @@ class HFEngine(Engine):
             localize(model)
         vocab_size = check_hf_model(model, config, args.max_model_len)
         args.check_model(model)
+        images = is_multimodal(model)
+        if images:
+            why = multimodal.refusal(model, config, args, tensor_parallel=is_tensor_parallel(model))
+            if why is not None:
+                raise ValueError(why)
         rules = resolve_rules(model, args.token_rules, "HFEngine", vocab_size)
         with adapting(model) as adapted:  # a failure building on it undoes the adaptation
-            main = ModelRunner(adapted, no_full_graphs(config, adapted.host_breaks), args=args,
+            layout = multimodal.layout(adapted, config, args) if images else adapted
+            main = ModelRunner(layout, no_full_graphs(config, adapted.host_breaks), args=args,
                                kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim),
                                state_specs=adapted.state_specs,
                                downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
-        self._start(args, [main], Decode(main, rules), main.cache, main.states, vocab_size=vocab_size,
+        step = multimodal.ImageDecode(main, layout, model, rules) if images else Decode(main, rules)
+        self._start(args, [main], step, main.cache, main.states, vocab_size=vocab_size,
                     eos_token_id=frozenset(), token_rules=rules)
+        if images:
+            self._loop.multimodal = multimodal.Admit(model)
 
     def default_eos(self) -> Any:
         """The model's ``generation_config.eos_token_id``, as ``model.generate`` uses by default."""
@@ -128,8 +139,19 @@ class HFEngine(Engine):
             kwargs.update(tp_load_kwargs(plan, given))
         elif given is not None:
             kwargs["distributed_config"] = given
-        model = transformers_module().AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        model = auto_class(folder).from_pretrained(folder, **kwargs)
         return cls(model.eval(), config, **engine_kwargs)
+
+
+def auto_class(folder: str) -> Any:
+    """The transformers auto class that loads the checkpoint in ``folder``: ``AutoModelForImageTextToText`` for
+    an image-text-to-text model's config, else ``AutoModelForCausalLM``."""
+    transformers = transformers_module()
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    if type(config) in transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and "vision_config" in getattr(
+            type(config), "sub_configs", {}):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def _join_tensor_parallel(folder: str) -> dict[str, str]:

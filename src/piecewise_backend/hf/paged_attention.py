@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .adapted_state import ADAPTED_ATTR, SLOPES_BUFFER, AdaptedAttention
 from .indexed import indexers
 from .patching import Changes, Undo
+from .modality import text_attention
 from .probe_result import ProbeResult, layout_refusal
 from .transformers_lib import transformers_module
 
@@ -111,7 +112,7 @@ class PagedAttention:
         register_attention()
         if model._can_set_attn_implementation():
             previous = model.config._attn_implementation
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            model.set_attn_implementation(text_attention(model, ATTN_IMPLEMENTATION))
             changes.then(lambda: model.set_attn_implementation(previous))
         return changes.undo
 

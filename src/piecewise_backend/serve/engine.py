@@ -228,17 +228,21 @@ class Engine:
         stop_token_ids: int | Sequence[int] | None = None,
         request_id: Hashable | None = None,
         on_token: Callable[[Hashable, int], None] | None = None,
+        mm_inputs: dict[str, Any] | None = None,
     ) -> Hashable:
         """Queue a request while others run (any thread); returns its id (default: the next free int).
 
         It joins the next step that has room. ``stop_token_ids`` end it (the stop token is kept), as
         :meth:`generate`'s ``eos_token_id``: an int or a list of ints (``[]``: none); None: the
         engine's default. ``on_token(request_id, token_id)`` is called as each of its tokens is produced.
+        ``mm_inputs``: the images of its prompt, as the model's own keyword inputs (``pixel_values``,
+        ``image_grid_thw``, ...: what its processor returns for this prompt); copied here, checked
+        against the prompt's image tokens (an image-text-to-text model on :class:`~piecewise_backend.hf.HFEngine`).
         """
         stops = eos_ids(stop_token_ids, self.default_eos(), vocab_size=self.vocab_size, name="stop_token_ids")
         return self._loop.add(
             prompt, max_new_tokens, sampling=sampling, stop_token_ids=sorted(stops), request_id=request_id,
-            on_token=on_token,
+            on_token=on_token, mm_inputs=mm_inputs,
         )
 
     def cancel_request(self, request_id: Hashable) -> bool:
@@ -269,6 +273,7 @@ class Engine:
         sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
+        mm_inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[list[int]]:
         """Completions of ``prompts`` (token ids, without the prompt), in order; greedy unless ``sampling``.
 
@@ -278,7 +283,8 @@ class Engine:
         decode tokens first, then prompt chunks, within ``max_num_batched_tokens`` and
         ``max_num_reqs``; when KV blocks run out the newest requests are preempted and recomputed.
         A request stops at its budget or at a token of ``eos_token_id`` (an int or a list of ints;
-        ``[]``: none; None: the engine's default).
+        ``[]``: none; None: the engine's default). ``mm_inputs``: one dict (or None) per prompt, as
+        :meth:`add_request`'s.
         """
         reserve = self._loop.lookahead - 1 if self._loop.lookahead else 0
         args = check_generate(prompts, max_new_tokens, vocab_size=self.vocab_size,
@@ -286,8 +292,13 @@ class Engine:
                               default_eos=self.default_eos(), reserve=reserve,
                               reserve_reason="speculative tokens - 1" if reserve else "")
         params = per_request(sampling, len(args.prompts))
+        if mm_inputs is not None and (not isinstance(mm_inputs, (list, tuple)) or len(mm_inputs) != len(args.prompts)):
+            raise ValueError(f"generate: mm_inputs must be a list of one dict (or None) per prompt ({len(args.prompts)}), "
+                             f"got {type(mm_inputs).__name__}"
+                             + (f" of {len(mm_inputs)}" if isinstance(mm_inputs, (list, tuple)) else ""))
         with torch.inference_mode():
-            return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step)
+            return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step,
+                                       mm_inputs)
 
 
 def prefix_caching_off(args: EngineArgs, states: Any, lookahead: int) -> str:

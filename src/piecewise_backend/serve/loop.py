@@ -95,6 +95,13 @@ class StepExecutor(Protocol):
     def kept(self, plan: StepPlan, executed: Executed, kept: list[int]) -> None: ...
 
 
+def text_only(prompt: list[int], mm_inputs: Any, where: str) -> None:
+    """:attr:`ServingLoop.multimodal` of a text-only model: any ``mm_inputs`` refused."""
+    if mm_inputs is not None:
+        raise ValueError(f"{where}: mm_inputs given, but this engine serves a text-only model (mm_inputs are for "
+                         "hf.HFEngine over an image-text-to-text model)")
+
+
 def _output(request: Request) -> RequestOutput:
     return RequestOutput(
         request.request_id, list(request.prompt), list(request.output), request.finish_reason or "", request.preemptions,
@@ -141,6 +148,9 @@ class ServingLoop:
         self._calls = itertools.count()  # generate() calls: their requests' ids
         #: called at the start of every step, before it is planned (the engine's lazy catch-up)
         self.before_step: Callable[[], None] | None = None
+        #: ``(prompt ids, mm_inputs, where) -> what a request keeps of them``: admits a request's multimodal
+        #: inputs (an engine over an image-text-to-text model sets it); the default serves text only
+        self.multimodal: Callable[[list[int], Any, str], Any] = text_only
         #: under tensor parallelism: the requests added since the last step, checked across ranks before the next
         self._admission = Admission() if distributed() else None
 
@@ -173,9 +183,10 @@ class ServingLoop:
         stop_token_ids: Sequence[int] | None = None,
         request_id: Hashable | None = None,
         on_token: Callable[[Hashable, int], None] | None = None,
+        mm_inputs: Any = None,
     ) -> Hashable:
         """Queue a request; returns its id (the next free int when ``request_id`` is None; a refused
-        request uses none up)."""
+        request uses none up). ``mm_inputs``: its multimodal inputs (:attr:`multimodal` admits them)."""
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         if on_token is not None and not callable(on_token):
@@ -189,7 +200,8 @@ class ServingLoop:
                 while self._next_id in self._live:
                     self._next_id += 1
                 request_id = self._next_id
-            request = self.add_internal(prompt, max_new_tokens, sampling, stop_token_ids, request_id, on_token, True)
+            request = self.add_internal(prompt, max_new_tokens, sampling, stop_token_ids, request_id, on_token, True,
+                                        mm_inputs=mm_inputs)
             if not given:
                 self._next_id += 1
             return request.request_id
@@ -198,6 +210,7 @@ class ServingLoop:
         self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None,
         stop_token_ids: Sequence[int] | None, request_id: Hashable, on_token: Callable[[Hashable, int], None] | None,
         report: bool = False, tag: Hashable = None, seen: dict[tuple[int, ...], int] | None = None,
+        mm_inputs: Any = None,
     ) -> Request:
         """Queue a request under ``request_id``; ``report``: its output goes to :meth:`step`'s results
         (``generate`` reads its requests' outputs itself); ``tag``: what its callbacks call it; ``seen``:
@@ -211,6 +224,7 @@ class ServingLoop:
                 raise ValueError(f"request id {request_id!r} is already running or waiting; ids must be unique")
             where = f"request {request_id if tag is None else tag!r}"
             ids = self.check_prompt(prompt, max_new_tokens, where)
+            mm = self.multimodal(ids, mm_inputs, where)
             params = sampling or GREEDY
             seed = 0
             if not params.greedy:
@@ -221,7 +235,7 @@ class ServingLoop:
                 seed = request_seed(seed, ids, occurrence)
             request = Request(
                 request_id, ids, int(max_new_tokens), params, seed,
-                frozenset(int(t) for t in stops), self._arrivals, on_token, report=report, tag=tag,
+                frozenset(int(t) for t in stops), self._arrivals, on_token, report=report, tag=tag, mm=mm,
             )
             self._arrivals += 1
             self.scheduler.add(request)
@@ -253,6 +267,7 @@ class ServingLoop:
         stops: Sequence[int],
         on_token: Callable[[int, int], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
+        mm_inputs: Sequence[Any] | None = None,
     ) -> list[list[int]]:
         """Serve ``prompts`` as one batch and return their outputs in order; ``on_token`` and
         ``on_step`` as in ``Engine.generate``. Requests of the online API are left alone (served
@@ -274,7 +289,8 @@ class ServingLoop:
                 seen: dict[tuple[int, ...], int] = {}  # identical (seed, prompt)s: occurrence 0, 1, ...
                 for i, p in enumerate(prompts):
                     requests.append(
-                        self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i, seen=seen)
+                        self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i, seen=seen,
+                                          mm_inputs=None if mm_inputs is None else mm_inputs[i])
                     )
                 while any(r.finish_reason is None for r in requests):
                     info = self.advance(report=on_step is not None)
