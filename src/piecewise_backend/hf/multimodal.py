@@ -283,6 +283,9 @@ class ImageDecode(Decode):
         self.encoder = encoder
 
     def execute(self, plan: StepPlan):  # type: ignore[override]
+        for r in plan.preempted:  # recomputed from its first token: its images encoded again then
+            if r.mm is not None:
+                r.mm.embeds = None
         rows, embeds, rope = self._inputs(plan.chunks)
         self.layout.stage(rows, embeds, rope)
         try:
