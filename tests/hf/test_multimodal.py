@@ -208,3 +208,21 @@ def test_refused_families_name_the_reason(arch):
     model = type("Fake", (), {"config": config})()
     why = multimodal.refusal(model, CONFIG, pb.serve.EngineArgs(), tensor_parallel=False)
     assert why is not None and multimodal.REFUSED[arch] in why
+
+
+def test_split_inputs_of_a_batch(llava, qwen):
+    """A processor's batched output cut into one dict per prompt (None for a text-only prompt)."""
+    engine, reference = llava
+    pads = max(len(llava_prompt(2)), len(TEXT))
+    prompts = [llava_prompt(2), TEXT, llava_prompt(1)]
+    ids = torch.tensor([p + [0] * (pads - len(p)) for p in prompts])
+    px = pixels(3, 11)
+    split = multimodal.split_inputs({"input_ids": ids, "pixel_values": px}, reference)
+    assert split[1] is None and torch.equal(split[0]["pixel_values"], px[:2]) and torch.equal(split[2]["pixel_values"], px[2:])
+    _, qref = qwen
+    a, b = qwen_image(4, 4, 1), qwen_image(4, 8, 2)
+    q = [[1] + [QWEN_IMAGE] * 8 + [2], [1] + [QWEN_IMAGE] * 4 + [0] * 5]
+    split = multimodal.split_inputs({"input_ids": torch.tensor(q), **qwen_images(b, a)}, qref)
+    assert torch.equal(split[0]["pixel_values"], b["pixel_values"]) and split[1]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    with pytest.raises(ValueError, match="prompt 0 holds 7 image tokens; its images make 8"):
+        multimodal.split_inputs({"input_ids": torch.tensor([q[0][:-2]]), **b}, qref)

@@ -31,7 +31,7 @@ from ..serve.arguments import EngineArgs
 from ..serve.model_runner import Decode, ModelRunner, own_code
 from ..serve.scheduler import StepPlan
 from .adaptation import TokensFirst
-from .modality import image_token, is_multimodal, text_attention  # noqa: F401  (named here too)
+from .modality import image_token
 
 #: Keyword inputs of video frames: not served (refused at ``add_request``).
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -343,37 +343,45 @@ def _rope_rows(images: Images | None, start: int, count: int, device: torch.devi
     return torch.cat([images.rope[start:prompt], after]) if start < prompt else after
 
 
-def split_inputs(batch: Mapping[str, Any], image_tokens: Sequence[int] | None = None,
-                 input_ids: torch.Tensor | None = None, image_token_id: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """One ``mm_inputs`` dict per prompt from a processor's batched output (``pixel_values`` of every image,
-    ``image_grid_thw`` / ``image_sizes`` one row per image): each prompt gets its own images' rows.
+def split_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> list[dict[str, torch.Tensor] | None]:
+    """One ``mm_inputs`` dict (None: no image) per prompt of a processor's batched output for ``model``.
 
-    How many images each prompt holds comes from ``image_grid_thw`` rows and ``input_ids`` (count of
-    ``image_token_id`` per prompt) on grid models, else from ``pixel_values`` when it has a per-prompt batch dim
-    (``(prompts, images, C, H, W)``) or one image per prompt.
+    ``batch`` holds ``input_ids`` (prompts, tokens) and the images of every prompt in prompt order:
+    per-image inputs (``pixel_values`` of every image, or of every patch with ``image_grid_thw``;
+    ``image_sizes``, ...) are cut at each prompt's images; inputs with one row per prompt
+    (``pixel_values`` of shape (prompts, images, C, H, W)) at its row. Without a grid, a prompt's
+    image count is its image tokens over the tokens per image (every image the same size).
     """
+    ids = batch["input_ids"]
+    token = image_token(model)
+    tokens = (torch.as_tensor(ids) == token).sum(-1).tolist()
+    prompts = len(tokens)
     pixels = batch["pixel_values"]
+    rest = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids",
+                                                         "token_type_ids")}
     grid = batch.get("image_grid_thw")
     if grid is not None:
-        if input_ids is None or image_token_id is None:
-            raise ValueError("split_inputs: image_grid_thw outputs need input_ids and image_token_id to find each "
-                             "prompt's images")
-        tokens = (input_ids == image_token_id).sum(-1).tolist()
-        merge2 = int(grid.prod(-1)[0]) // max(1, tokens[0]) if tokens[0] else 1  # noqa: F841  (kept simple below)
-        per_image = grid.prod(-1).tolist()
-        out, image, patch = [], 0, 0
-        for n in tokens:
-            have, first_image, first_patch = 0, image, patch
-            while have < n and image < len(per_image):
-                have += per_image[image]
-                patch += per_image[image]
-                image += 1
-            out.append({"pixel_values": pixels[first_patch:patch], "image_grid_thw": grid[first_image:image]})
-        return out
-    if pixels.dim() == 5:
-        return [{"pixel_values": p, **{k: v[i] for k, v in batch.items() if k not in ("pixel_values", "input_ids",
-                                                                                  "attention_mask")}}
-                for i, p in enumerate(pixels)]
-    return [{"pixel_values": pixels[i:i + 1], **{k: v[i:i + 1] for k, v in batch.items()
-                                                 if k not in ("pixel_values", "input_ids", "attention_mask")}}
-            for i in range(pixels.shape[0])]
+        merge = model.config.vision_config.spatial_merge_size
+        per_image = (grid.prod(-1) // merge ** 2).tolist()
+        patches = grid.prod(-1).tolist()
+    elif pixels.dim() == 5 and pixels.shape[0] == prompts:  # one row per prompt
+        return [({k: v[i] for k, v in rest.items()} if tokens[i] else None) for i in range(prompts)]
+    else:
+        images = pixels.shape[0]
+        if images == 0 or sum(tokens) % images:
+            raise ValueError(f"split_inputs: {sum(tokens)} image tokens over {images} images: not one size per image")
+        per_image = [sum(tokens) // images] * images
+        patches = [1] * images
+    out: list[dict[str, torch.Tensor] | None] = []
+    image = patch = 0
+    for i, n in enumerate(tokens):
+        first_image, first_patch, have = image, patch, 0
+        while have < n and image < len(per_image):
+            have, patch, image = have + per_image[image], patch + patches[image], image + 1
+        if have != n:
+            raise ValueError(f"split_inputs: prompt {i} holds {n} image tokens; its images make {have}")
+        if not n:
+            out.append(None)
+            continue
+        out.append({k: v[first_patch:patch] if k == "pixel_values" else v[first_image:image] for k, v in rest.items()})
+    return out
