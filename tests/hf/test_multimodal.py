@@ -118,7 +118,7 @@ def test_preempted_request_encodes_again(monkeypatch):
     outs = engine.generate([llava_prompt(1)] * 2, 16, mm_inputs=mms, eos_token_id=[], on_step=steps.append)
     assert any(s.preempted for s in steps)
     assert outs == [vlm_reference(reference, llava_prompt(1), 16, mm) for mm in mms]
-    assert len(calls) > 2
+    assert len(calls) + engine.encoder_graphs.replayed > 2
 
 
 def test_prefix_cache_keys_hold_the_images(llava):
@@ -226,3 +226,45 @@ def test_split_inputs_of_a_batch(llava, qwen):
     assert torch.equal(split[0]["pixel_values"], b["pixel_values"]) and split[1]["image_grid_thw"].tolist() == [[1, 4, 4]]
     with pytest.raises(ValueError, match="prompt 0 holds 7 image tokens; its images make 8"):
         multimodal.split_inputs({"input_ids": torch.tensor([q[0][:-2]]), **b}, qref)
+
+
+def test_encoder_replays_graphs_over_image_budgets(llava):
+    """The images of a step packed into the smallest budget that holds them: two requests of 1 and 2 images
+    prefilled in one step replay the 4-image graph once; tokens exact. A step budget beyond the image-token
+    buffers is refused."""
+    with pytest.raises(ValueError, match="built for steps of at most 8 tokens"):
+        llava[0].max_num_batched_tokens = 64
+    model = tiny_llava()
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, max_num_batched_tokens=64, **ENGINE)
+    graphs = engine.encoder_graphs
+    assert graphs.budgets == (1, 2, 4, 8)
+    engine.capture()
+    assert graphs.captured == 4
+    one, two = {"pixel_values": pixels(1, 12)}, {"pixel_values": pixels(2, 13)}
+    short = [LLAVA_IMAGE] * 16 + [7]
+    replayed, replays = graphs.replayed, pb.counters["replays"]
+    outs = engine.generate([short, [LLAVA_IMAGE] * 32 + [8]], 4, mm_inputs=[one, two], eos_token_id=[])
+    assert graphs.replayed == replayed + 1 and graphs.eager == 0
+    assert pb.counters["replays"] > replays
+    assert outs == [vlm_reference(reference, short, 4, one), vlm_reference(reference, [LLAVA_IMAGE] * 32 + [8], 4, two)]
+
+
+def test_encoder_token_budgets():
+    """Budgets in image tokens become images per graph; more images than the largest run eagerly, exactly."""
+    model = tiny_llava()
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, encoder_token_budgets=[16, 40], **ENGINE)
+    assert engine.encoder_graphs.budgets == (1, 2)
+    assert engine.estimate_capture_memory() > sum(m.runner.estimate_capture_memory() for m in engine.model_runners)
+    engine.capture()
+    three = {"pixel_values": pixels(3, 14)}
+    prompt = [LLAVA_IMAGE] * 48 + [9]
+    assert engine.generate([prompt], 3, mm_inputs=[three], eos_token_id=[]) == [vlm_reference(reference, prompt, 3, three)]
+    assert engine.encoder_graphs.eager == 1
+    with pytest.raises(ValueError, match="each is fewer than the 16 tokens of one image"):
+        hf.HFEngine(tiny_llava(), CONFIG, encoder_token_budgets=[8], **ENGINE)
+    with pytest.raises(ValueError, match="encoder_token_budgets must be None or a non-empty list"):
+        hf.HFEngine(tiny_llava(), CONFIG, encoder_token_budgets=[0], **ENGINE)
+    with pytest.raises(ValueError, match="this engine serves a text-only model"):
+        hf.HFEngine(hf.tiny_random_model("llama"), CONFIG, encoder_token_budgets=[16], **ENGINE)

@@ -27,10 +27,12 @@ import torch
 
 from ..inputs import mark_persistent
 from ..config import CompilationConfig
+from ..modes import CUDAGraphMode
 from ..serve.arguments import EngineArgs
 from ..serve.model_runner import Decode, ModelRunner, own_code
 from ..serve.scheduler import StepPlan
 from .adaptation import TokensFirst
+from .encoder_graphs import DEFAULT_BUDGETS, EncoderGraphs, fixed_image_shape
 from .modality import image_token
 
 #: Keyword inputs of video frames: not served (refused at ``add_request``).
@@ -214,17 +216,43 @@ class Admit:
         images.delta = int(delta.flatten()[0])
 
 
+def encoder_graphs(model: torch.nn.Module, config: CompilationConfig,
+                   token_budgets: Sequence[int] | None) -> EncoderGraphs | None:
+    """Graphs of ``model``'s encoder, each holding as many images as fit in one of ``token_budgets`` (image
+    tokens; None: :data:`~.encoder_graphs.DEFAULT_BUDGETS` images), or None where it runs eagerly: its images
+    vary in shape, or ``config`` captures no graph."""
+    shape = fixed_image_shape(model)
+    if shape is None or config.cudagraph_mode is CUDAGraphMode.NONE:
+        return None
+    param = next(model.parameters())
+    method = model.get_image_features
+    encode = lambda pixels: features(method(pixel_values=pixels))  # noqa: E731
+    budgets = DEFAULT_BUDGETS
+    if token_budgets is not None:
+        with torch.inference_mode():  # one image's tokens, from the encoder itself
+            per_image = encode(torch.zeros(1, *shape, dtype=param.dtype, device=param.device)).shape[0]
+        budgets = tuple(sorted({t // per_image for t in token_budgets if t >= per_image}))
+        if not budgets:
+            raise ValueError(f"encoder_token_budgets={list(token_budgets)}: each is fewer than the {per_image} tokens "
+                             f"of one image of {type(model).__name__}; give budgets of at least {per_image}")
+    return EncoderGraphs(encode, shape, budgets, config, dtype=param.dtype, device=param.device)
+
+
+def features(out: Any) -> torch.Tensor:
+    """``get_image_features``' output as one row per image token."""
+    found = getattr(out, "pooler_output", out)
+    if isinstance(found, (list, tuple)):
+        found = torch.cat([f.reshape(-1, f.shape[-1]) for f in found], 0)
+    return found.reshape(-1, found.shape[-1])
+
+
 def encode(model: torch.nn.Module, images: Images) -> torch.Tensor:
     """The encoder's output for ``images``: one row per image token, in prompt order (as ``masked_scatter``
     in the model's forward takes them)."""
     method = model.get_image_features
     wanted = inspect.signature(method).parameters
     kwargs = {k: v for k, v in images.inputs.items() if k in wanted or "kwargs" in wanted}
-    out = method(**kwargs)
-    features = getattr(out, "pooler_output", out)
-    if isinstance(features, (list, tuple)):
-        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features], 0)
-    return features.reshape(-1, features.shape[-1])
+    return features(method(**kwargs))
 
 
 class ImageTokensFirst(TokensFirst):
@@ -277,10 +305,13 @@ class ImageDecode(Decode):
     the encoder runs for requests whose image tokens it prefills first, and their rows and the step's rope
     positions are staged in the model's :class:`ImageTokensFirst`."""
 
-    def __init__(self, model: ModelRunner, layout: ImageTokensFirst, encoder: torch.nn.Module, rules: Any = None):
+    def __init__(self, model: ModelRunner, layout: ImageTokensFirst, encoder: torch.nn.Module, rules: Any = None,
+                 graphs: EncoderGraphs | None = None):
         super().__init__(model, rules)
         self.layout = layout
         self.encoder = encoder
+        #: the encoder's graphs over image budgets (None: it runs eagerly)
+        self.graphs = graphs
 
     def execute(self, plan: StepPlan):  # type: ignore[override]
         for r in plan.preempted:  # recomputed from its first token: its images encoded again then
@@ -305,6 +336,7 @@ class ImageDecode(Decode):
             raise ValueError(f"a step of {total} tokens exceeds the {self.layout.rows} rows of the image-token buffers "
                              "(max_num_batched_tokens is fixed when an image-text-to-text engine is built)")
         rows, feats, ropes = [], [], []
+        self._encode_all([r for r, start, count in chunks if _wants_encoder(r.mm, start, count)])
         offset = 0
         for r, start, count in chunks:
             images = r.mm
@@ -312,8 +344,6 @@ class ImageDecode(Decode):
                 places = images.placeholders
                 inside = (places >= start) & (places < start + count)
                 if bool(inside.any()):
-                    if images.embeds is None:
-                        images.embeds = self._encode(images, r)
                     rows.append(places[inside] - start + offset)
                     feats.append(images.embeds[inside.nonzero().flatten()])
             if self.layout.mrope:
@@ -324,12 +354,35 @@ class ImageDecode(Decode):
             return None, None, rope
         return torch.cat(rows), torch.cat(feats), rope
 
-    def _encode(self, images: Images, request: Any) -> torch.Tensor:
-        out = encode(self.encoder, images)
-        if out.shape[0] != images.placeholders.numel():
+    def _encode_all(self, requests: Sequence[Any]) -> None:
+        """The encoder output of every request in ``requests``: their images packed into one graph replay when
+        the encoder has graphs, else each request's run eagerly."""
+        if not requests:
+            return
+        if self.graphs is not None and all(set(r.mm.inputs) == {"pixel_values"} for r in requests):
+            pixels = [r.mm.inputs["pixel_values"] for r in requests]
+            out = self.graphs(torch.cat(pixels) if len(pixels) > 1 else pixels[0])
+            per_image = out.shape[0] // sum(p.shape[0] for p in pixels)
+            at = 0
+            for r, p in zip(requests, pixels):
+                r.mm.embeds = self._checked(out[at:at + p.shape[0] * per_image], r)
+                at += p.shape[0] * per_image
+            return
+        for r in requests:
+            r.mm.embeds = self._checked(encode(self.encoder, r.mm), r)
+
+    def _checked(self, out: torch.Tensor, request: Any) -> torch.Tensor:
+        if out.shape[0] != request.mm.placeholders.numel():
             raise ValueError(f"request {request.tag!r}: its images make {out.shape[0]} image features, its prompt "
-                             f"holds {images.placeholders.numel()} image tokens")
+                             f"holds {request.mm.placeholders.numel()} image tokens")
         return out
+
+
+def _wants_encoder(images: Images | None, start: int, count: int) -> bool:
+    """Whether a chunk ``start .. start + count`` of a request needs its encoder output, not yet computed."""
+    if images is None or images.embeds is not None or not images.placeholders.numel():
+        return False
+    return bool(((images.placeholders >= start) & (images.placeholders < start + count)).any())
 
 
 def _rope_rows(images: Images | None, start: int, count: int, device: torch.device) -> torch.Tensor:
