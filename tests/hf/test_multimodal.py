@@ -268,3 +268,20 @@ def test_encoder_token_budgets():
         hf.HFEngine(tiny_llava(), CONFIG, encoder_token_budgets=[0], **ENGINE)
     with pytest.raises(ValueError, match="this engine serves a text-only model"):
         hf.HFEngine(hf.tiny_random_model("llama"), CONFIG, encoder_token_budgets=[16], **ENGINE)
+
+
+def test_lazy_encoder_graphs_captured_in_idle_time():
+    """A lazy engine encodes eagerly until capture_idle captures the image budgets steps asked for."""
+    model = tiny_llava()
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, lazy_capture=True, step_capture_budget_s=0, **ENGINE)
+    graphs = engine.encoder_graphs
+    mm = {"pixel_values": pixels(1, 15)}
+    want = vlm_reference(reference, llava_prompt(1), 3, mm)
+    assert engine.generate([llava_prompt(1)], 3, mm_inputs=[mm], eos_token_id=[]) == [want]
+    assert (graphs.eager, graphs.replayed, graphs.captured, graphs.demand) == (1, 0, 0, {1})
+    captured = engine.capture_idle(60)
+    assert (pb.CUDAGraphMode.FULL, pb.BatchDescriptor(1)) in captured and graphs.captured == 1
+    engine.reset_prefix_cache()
+    assert engine.generate([llava_prompt(1)], 3, mm_inputs=[mm], eos_token_id=[]) == [want]
+    assert graphs.replayed == 1

@@ -5,7 +5,8 @@ that image alone (:data:`FIXED_SIZE`), one FULL graph per budget (a number of im
 independent of the step's token budget) is captured by a :class:`~piecewise_backend.CUDAGraphWrapper` in the
 graph pool the engine's graphs use: the step's images are copied into the first rows of a persistent pixel
 buffer, the rest of the budget is zeros (their features are dropped). More images than the largest budget run
-eagerly. Each replay counts in ``pb.counters["replays"]``.
+eagerly. Each replay counts in ``pb.counters["replays"]``. A lazy engine's budgets run eagerly until its
+``capture_idle`` captures those steps asked for.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class EncoderGraphs:
     """``encode(pixel_values) -> (images * tokens per image, hidden)`` replayed from a graph per budget."""
 
     def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], image_shape: tuple[int, ...],
-                 budgets: Sequence[int], config: CompilationConfig, *, dtype: torch.dtype, device: torch.device):
+                 budgets: Sequence[int], config: CompilationConfig, *, dtype: torch.dtype, device: torch.device,
+                 lazy: bool = False):
         if not budgets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in budgets):
             raise ValueError(f"encoder budgets must be positive ints (images per graph), got {list(budgets)!r}")
         #: the images each graph holds, ascending
@@ -51,8 +53,11 @@ class EncoderGraphs:
         self.pixels = torch.zeros(self.budgets[-1], *image_shape, dtype=dtype, device=device)
         mark_persistent(self.pixels)
         self.wrapper = CUDAGraphWrapper(encode, CUDAGraphMode.FULL, config=config)
-        #: encoder calls replayed from a graph, and run eagerly (more images than the largest budget)
+        #: encoder calls replayed from a graph, and run eagerly (more images than the largest budget, or lazy)
         self.replayed = self.eager = 0
+        #: ``lazy``: a budget not captured yet runs eagerly and is asked for here (:meth:`capture` takes it later)
+        self.lazy = lazy
+        self.demand: set[int] = set()
 
     def budget(self, images: int) -> int | None:
         """The smallest budget that holds ``images`` (None: more than the largest)."""
@@ -61,6 +66,9 @@ class EncoderGraphs:
     def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
         n = pixel_values.shape[0]
         budget = self.budget(n)
+        if budget is not None and self.lazy and BatchDescriptor(budget) not in self.wrapper.entries:
+            self.demand.add(budget)
+            budget = None
         if budget is None:
             self.eager += 1
             return self.encode(pixel_values)
@@ -71,9 +79,11 @@ class EncoderGraphs:
         self.replayed += 1
         return out[: out.shape[0] // budget * n].clone()  # graph memory: the next replay overwrites it
 
-    def capture(self) -> int:
-        """Capture every budget not yet captured (a replay of zeros each); returns how many were captured."""
-        missing = [b for b in self.budgets if BatchDescriptor(b) not in self.wrapper.entries]
+    def capture(self, demanded: bool = False) -> int:
+        """Capture every budget not yet captured (``demanded``: only those steps asked for); returns how many."""
+        wanted = sorted(self.demand) if demanded else self.budgets
+        missing = [b for b in wanted if BatchDescriptor(b) not in self.wrapper.entries]
+        self.demand.clear()
         for b in missing:
             with set_forward_context(CUDAGraphMode.FULL, BatchDescriptor(b)):
                 self.wrapper(self.pixels[:b])

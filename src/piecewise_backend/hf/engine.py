@@ -29,6 +29,8 @@ import torch
 
 from ..config import CompilationConfig
 from ..serve.arguments import MODEL_EOS, EngineArgs, check_config, engine_args, engine_keywords, takes_engine_args
+from ..context import BatchDescriptor
+from ..modes import CUDAGraphMode
 from ..runner import CaptureReport
 from ..serve.engine import Engine, no_images
 from ..serve.model_runner import Decode, KVLayout, ModelRunner
@@ -106,7 +108,8 @@ class HFEngine(Engine):
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
         #: the encoder's graphs over image budgets (None: a text model, or its encoder runs eagerly)
-        self.encoder_graphs = multimodal.encoder_graphs(model, config, args.encoder_token_budgets) if images else None
+        self.encoder_graphs = (multimodal.encoder_graphs(model, config, args.encoder_token_budgets, args.lazy_capture)
+                               if images else None)
         step = (multimodal.ImageDecode(main, layout, model, rules, self.encoder_graphs) if images
                 else Decode(main, rules))
         self._start(args, [main], step, main.cache, main.states, vocab_size=vocab_size,
@@ -136,6 +139,16 @@ class HFEngine(Engine):
             with torch.inference_mode():
                 self.encoder_graphs.capture()
         return report
+
+    def capture_idle(self, max_seconds: float, *, retry_failed: bool = False) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """:meth:`Engine.capture_idle`, then the encoder graphs of the image budgets steps asked for."""
+        captured = super().capture_idle(max_seconds, retry_failed=retry_failed)
+        if self.encoder_graphs is not None and self.encoder_graphs.demand:
+            wanted = sorted(self.encoder_graphs.demand)
+            with self._loop.lock, torch.inference_mode():
+                self.encoder_graphs.capture(demanded=True)
+            captured += [(CUDAGraphMode.FULL, BatchDescriptor(b)) for b in wanted]
+        return captured
 
     def estimate_capture_memory(self) -> int:
         """:meth:`Engine.estimate_capture_memory` plus what the encoder's graphs add."""

@@ -217,7 +217,7 @@ class Admit:
 
 
 def encoder_graphs(model: torch.nn.Module, config: CompilationConfig,
-                   token_budgets: Sequence[int] | None) -> EncoderGraphs | None:
+                   token_budgets: Sequence[int] | None, lazy: bool = False) -> EncoderGraphs | None:
     """Graphs of ``model``'s encoder, each holding as many images as fit in one of ``token_budgets`` (image
     tokens; None: :data:`~.encoder_graphs.DEFAULT_BUDGETS` images), or None where it runs eagerly: its images
     vary in shape, or ``config`` captures no graph."""
@@ -235,7 +235,7 @@ def encoder_graphs(model: torch.nn.Module, config: CompilationConfig,
         if not budgets:
             raise ValueError(f"encoder_token_budgets={list(token_budgets)}: each is fewer than the {per_image} tokens "
                              f"of one image of {type(model).__name__}; give budgets of at least {per_image}")
-    return EncoderGraphs(encode, shape, budgets, config, dtype=param.dtype, device=param.device)
+    return EncoderGraphs(encode, shape, budgets, config, dtype=param.dtype, device=param.device, lazy=lazy)
 
 
 def features(out: Any) -> torch.Tensor:
