@@ -285,3 +285,12 @@ def test_lazy_encoder_graphs_captured_in_idle_time():
     engine.reset_prefix_cache()
     assert engine.generate([llava_prompt(1)], 3, mm_inputs=[mm], eos_token_id=[]) == [want]
     assert graphs.replayed == 1
+
+
+def test_speculative_and_micro_batching_refused_up_front():
+    model = tiny_llava()
+    with pytest.raises(ValueError, match="SpecEngine does not serve image-text-to-text models yet"):
+        hf.SpecEngine(model, hf.tiny_random_model("llama"), CONFIG, num_speculative_tokens=2, **ENGINE)
+    with pytest.raises(ValueError, match="micro-batching"):
+        hf.HFEngine(model, CONFIG.replace(use_ubatching=True), **ENGINE)
+    assert model.config.get_text_config()._attn_implementation == "sdpa"  # nothing changed
