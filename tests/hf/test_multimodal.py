@@ -294,3 +294,18 @@ def test_speculative_and_micro_batching_refused_up_front():
     with pytest.raises(ValueError, match="micro-batching"):
         hf.HFEngine(model, CONFIG.replace(use_ubatching=True), **ENGINE)
     assert model.config.get_text_config()._attn_implementation == "sdpa"  # nothing changed
+
+
+def test_encoder_mismatch_ends_that_request_only(monkeypatch):
+    """A family whose image token count only the encoder tells: a request whose features do not match its
+    image tokens ends with finish_reason="error" naming both counts; the others in its step are served."""
+    model = tiny_llava()
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG.replace(cudagraph_mode="NONE"), **ENGINE)
+    assert engine.encoder_graphs is None  # no graphs: the encoder runs eagerly
+    monkeypatch.setattr(multimodal.Admit, "image_tokens", lambda self, inputs, where: None)
+    bad = engine.add_request(llava_prompt(2), 3, mm_inputs={"pixel_values": pixels(1, 0)}, stop_token_ids=[])
+    good = engine.add_request(TEXT, 3, stop_token_ids=[])
+    outs = {o.request_id: o for o in engine.results()}
+    assert outs[bad].finish_reason == "error" and "its images make 16 image features, its prompt holds 32" in outs[bad].error
+    assert outs[good].token_ids == vlm_reference(reference, TEXT, 3, None)

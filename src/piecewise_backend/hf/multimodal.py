@@ -29,6 +29,7 @@ from ..inputs import mark_persistent
 from ..config import CompilationConfig
 from ..modes import CUDAGraphMode
 from ..serve.arguments import EngineArgs
+from ..serve.loop import Executed
 from ..serve.model_runner import Decode, ModelRunner, own_code
 from ..serve.scheduler import StepPlan
 from .adaptation import TokensFirst
@@ -313,10 +314,22 @@ class ImageDecode(Decode):
         #: the encoder's graphs over image budgets (None: it runs eagerly)
         self.graphs = graphs
 
-    def execute(self, plan: StepPlan):  # type: ignore[override]
+    def execute(self, plan: StepPlan) -> Executed:
         for r in plan.preempted:  # recomputed from its first token: its images encoded again then
             if r.mm is not None:
                 r.mm.embeds = None
+        failed = self._encode_all([r for r, start, count in plan.chunks if _wants_encoder(r.mm, start, count)])
+        if failed:  # those requests end with "error"; the step runs the others
+            kept = [c for c in plan.chunks if id(c[0]) not in failed]
+            executed = self._run(dataclasses.replace(plan, chunks=kept)) if kept else Executed(
+                [], 0, False, CUDAGraphMode.NONE)
+            tokens = iter(executed.tokens)
+            executed.tokens = [[] if id(r) in failed else next(tokens) for r, _, _ in plan.chunks]
+            executed.failed = {i: failed[id(r)] for i, (r, _, _) in enumerate(plan.chunks) if id(r) in failed}
+            return executed
+        return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> Executed:
         rows, embeds, rope = self._inputs(plan.chunks)
         self.layout.stage(rows, embeds, rope)
         try:
@@ -336,7 +349,6 @@ class ImageDecode(Decode):
             raise ValueError(f"a step of {total} tokens exceeds the {self.layout.rows} rows of the image-token buffers "
                              "(max_num_batched_tokens is fixed when an image-text-to-text engine is built)")
         rows, feats, ropes = [], [], []
-        self._encode_all([r for r, start, count in chunks if _wants_encoder(r.mm, start, count)])
         offset = 0
         for r, start, count in chunks:
             images = r.mm
@@ -354,28 +366,39 @@ class ImageDecode(Decode):
             return None, None, rope
         return torch.cat(rows), torch.cat(feats), rope
 
-    def _encode_all(self, requests: Sequence[Any]) -> None:
+    def _encode_all(self, requests: Sequence[Any]) -> dict[int, str]:
         """The encoder output of every request in ``requests``: their images packed into one graph replay when
-        the encoder has graphs, else each request's run eagerly."""
+        the encoder has graphs, else each request's run eagerly. Returns the requests whose images the
+        encoder could not encode, or whose features do not match their image tokens, with the reason (keyed by
+        ``id(request)``)."""
+        failed: dict[int, str] = {}
         if not requests:
-            return
+            return failed
         if self.graphs is not None and all(set(r.mm.inputs) == {"pixel_values"} for r in requests):
             pixels = [r.mm.inputs["pixel_values"] for r in requests]
             out = self.graphs(torch.cat(pixels) if len(pixels) > 1 else pixels[0])
             per_image = out.shape[0] // sum(p.shape[0] for p in pixels)
             at = 0
             for r, p in zip(requests, pixels):
-                r.mm.embeds = self._checked(out[at:at + p.shape[0] * per_image], r)
+                self._keep(r, out[at:at + p.shape[0] * per_image], failed)
                 at += p.shape[0] * per_image
-            return
+            return failed
         for r in requests:
-            r.mm.embeds = self._checked(encode(self.encoder, r.mm), r)
+            try:
+                out = encode(self.encoder, r.mm)
+            except Exception as e:  # noqa: BLE001 (its images only: the request ends, the step goes on)
+                failed[id(r)] = f"the encoder failed on its mm_inputs ({type(e).__name__}: {e})"
+                continue
+            self._keep(r, out, failed)
+        return failed
 
-    def _checked(self, out: torch.Tensor, request: Any) -> torch.Tensor:
+    def _keep(self, request: Any, out: torch.Tensor, failed: dict[int, str]) -> None:
+        """``out`` as ``request``'s encoder output, or the reason it cannot be in ``failed``."""
         if out.shape[0] != request.mm.placeholders.numel():
-            raise ValueError(f"request {request.tag!r}: its images make {out.shape[0]} image features, its prompt "
-                             f"holds {request.mm.placeholders.numel()} image tokens")
-        return out
+            failed[id(request)] = (f"its images make {out.shape[0]} image features, its prompt holds "
+                               f"{request.mm.placeholders.numel()} image tokens")
+            return
+        request.mm.embeds = out
 
 
 def _wants_encoder(images: Images | None, start: int, count: int) -> bool:
