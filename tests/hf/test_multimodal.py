@@ -309,3 +309,17 @@ def test_encoder_mismatch_ends_that_request_only(monkeypatch):
     outs = {o.request_id: o for o in engine.results()}
     assert outs[bad].finish_reason == "error" and "its images make 16 image features, its prompt holds 32" in outs[bad].error
     assert outs[good].token_ids == vlm_reference(reference, TEXT, 3, None)
+
+
+def test_sampling_and_streaming(llava):
+    """Seeded sampling with images: the same seed gives the same tokens, streamed as they are produced."""
+    engine, _ = llava
+    engine.reset_prefix_cache()
+    mm = {"pixel_values": pixels(1, 16)}
+    params = hf.SamplingParams(temperature=0.9, top_k=20, seed=7)
+    streamed = []
+    first = engine.generate([llava_prompt(1), TEXT], 6, mm_inputs=[mm, None], sampling=params, eos_token_id=[],
+                            on_token=lambda i, t: streamed.append((i, t)))
+    assert [t for i, t in streamed if i == 0] == first[0] and [t for i, t in streamed if i == 1] == first[1]
+    engine.reset_prefix_cache()
+    assert engine.generate([llava_prompt(1), TEXT], 6, mm_inputs=[mm, None], sampling=params, eos_token_id=[]) == first
