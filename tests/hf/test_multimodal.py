@@ -323,3 +323,46 @@ def test_sampling_and_streaming(llava):
     assert [t for i, t in streamed if i == 0] == first[0] and [t for i, t in streamed if i == 1] == first[1]
     engine.reset_prefix_cache()
     assert engine.generate([llava_prompt(1), TEXT], 6, mm_inputs=[mm, None], sampling=params, eos_token_id=[]) == first
+
+
+def test_qwen2_vl_encoder_graphs_per_grid(monkeypatch):
+    """Qwen2-VL's tower as a graph per image grid: captured on first sight (its host reads computed outside
+    the capture), replayed for the same grids, eager past max_graphs; tokens equal generate's."""
+    model = tiny_qwen2_vl()
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, **ENGINE)
+    graphs = engine.encoder_graphs
+    assert isinstance(graphs, hf.encoder_graphs.GridEncoderGraphs)
+    a, b = qwen_image(4, 4, 5), qwen_image(4, 8, 6)
+    p1 = [1, 152] + [QWEN_IMAGE] * 4 + [153, 7]
+    p2 = [1, 152] + [QWEN_IMAGE] * 8 + [153, 8]
+    outs = engine.generate([p1, p2], 4, mm_inputs=[a, b], eos_token_id=[])
+    assert outs == [vlm_reference(reference, p1, 4, a), vlm_reference(reference, p2, 4, b)]
+    first = (graphs.captured, graphs.replayed)
+    assert first[0] >= 1 and first[1] >= 1 and graphs.eager == 0
+    engine.reset_prefix_cache()
+    before = pb.counters["replays"]
+    assert engine.generate([p1, p2], 4, mm_inputs=[a, b], eos_token_id=[]) == outs
+    assert graphs.captured == first[0] and graphs.replayed > first[1] and pb.counters["replays"] > before
+    monkeypatch.setattr(graphs, "max_graphs", graphs.captured)
+    c = qwen_image(8, 4, 7)
+    assert engine.generate([p2], 4, mm_inputs=[c], eos_token_id=[]) == [vlm_reference(reference, p2, 4, c)]
+    assert graphs.eager == 1
+    with pytest.raises(ValueError, match="keyed by the images' grids"):
+        hf.HFEngine(tiny_qwen2_vl(), CONFIG, encoder_token_budgets=[16], **ENGINE)
+
+
+def test_qwen2_vl_lazy_grid_graphs():
+    model = tiny_qwen2_vl()
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, lazy_capture=True, step_capture_budget_s=0, **ENGINE)
+    graphs = engine.encoder_graphs
+    a = qwen_image(4, 4, 8)
+    p = [1, 152] + [QWEN_IMAGE] * 4 + [153, 7]
+    want = [vlm_reference(reference, p, 3, a)]
+    assert engine.generate([p], 3, mm_inputs=[a], eos_token_id=[]) == want
+    assert (graphs.eager, graphs.captured, list(graphs.demand)) == (1, 0, [((1, 4, 4),)])
+    engine.capture_idle(60)
+    assert graphs.captured == 1
+    engine.reset_prefix_cache()
+    assert engine.generate([p], 3, mm_inputs=[a], eos_token_id=[]) == want and graphs.replayed == 1

@@ -1,4 +1,4 @@
-"""A vision encoder as CUDA graphs over image budgets: the images of a step packed into the smallest that holds them.
+"""A vision encoder as CUDA graphs: over image budgets for fixed-size towers, per image grid for qwen2-vl's.
 
 For towers whose images all have one shape, ``(images, C, H, W)``, and whose features of an image depend on
 that image alone (:data:`FIXED_SIZE`), one FULL graph per budget (a number of images; by default 1, 2, 4, 8,
@@ -7,13 +7,24 @@ graph pool the engine's graphs use: the step's images are copied into the first 
 buffer, the rest of the budget is zeros (their features are dropped). More images than the largest budget run
 eagerly. Each replay counts in ``pb.counters["replays"]``. A lazy engine's budgets run eagerly until its
 ``capture_idle`` captures those steps asked for.
+
+Qwen2-VL's tower (:data:`GRID_TOWERS`) packs its images' patches into one sequence and reads their
+lengths on the host (``cu_seqlens.tolist()``, the grid in loops): :class:`GridEncoderGraphs` keys a
+graph by the step's image grids instead. Its position ids and segment boundaries are computed before
+the capture, outside it, and the vision attention takes its segment lengths as Python ints for the
+call (a swap installed only while a graph records, :func:`_segment_attention`), so nothing inside reads
+the device. At most ``max_graphs`` grid keys are kept; other grids run eagerly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..capture.memory import scratch_pool
 from ..capture.wrappers import CUDAGraphWrapper
@@ -59,6 +70,10 @@ class EncoderGraphs:
         self.lazy = lazy
         self.demand: set[int] = set()
 
+    def takes(self, inputs: dict[str, torch.Tensor]) -> bool:
+        """Whether a request's ``mm_inputs`` can be encoded by these graphs (pixel values alone)."""
+        return set(inputs) == {"pixel_values"}
+
     def budget(self, images: int) -> int | None:
         """The smallest budget that holds ``images`` (None: more than the largest)."""
         return next((b for b in self.budgets if b >= images), None)
@@ -79,15 +94,16 @@ class EncoderGraphs:
         self.replayed += 1
         return out[: out.shape[0] // budget * n].clone()  # graph memory: the next replay overwrites it
 
-    def capture(self, demanded: bool = False) -> int:
-        """Capture every budget not yet captured (``demanded``: only those steps asked for); returns how many."""
+    def capture(self, demanded: bool = False) -> list[BatchDescriptor]:
+        """Capture every budget not yet captured (``demanded``: only those steps asked for); returns the
+        descriptors captured (``num_tokens``: the images of the budget)."""
         wanted = sorted(self.demand) if demanded else self.budgets
-        missing = [b for b in wanted if BatchDescriptor(b) not in self.wrapper.entries]
+        missing = [BatchDescriptor(b) for b in wanted if BatchDescriptor(b) not in self.wrapper.entries]
         self.demand.clear()
-        for b in missing:
-            with set_forward_context(CUDAGraphMode.FULL, BatchDescriptor(b)):
-                self.wrapper(self.pixels[:b])
-        return len(missing)
+        for desc in missing:
+            with set_forward_context(CUDAGraphMode.FULL, desc):
+                self.wrapper(self.pixels[:desc.num_tokens])
+        return missing
 
     def estimate_memory(self) -> int:
         """Bytes the graphs add to the pool: the largest budget captured into a scratch pool, then released."""
@@ -102,3 +118,131 @@ class EncoderGraphs:
     def captured(self) -> int:
         """Budgets captured so far."""
         return len(self.wrapper.entries)
+
+
+#: Model types whose towers pack patches with ``cu_seqlens`` (qwen2-vl's ``VisionAttention``): graphs per grid.
+GRID_TOWERS = frozenset({"qwen2_vl"})
+
+
+class GridEncoderGraphs:
+    """``encode(pixel_values, image_grid_thw) -> (image tokens, hidden)`` replayed from a graph per grid key
+    (the grids of the images encoded together), for a tower of :data:`GRID_TOWERS`."""
+
+    def __init__(self, model: torch.nn.Module, config: CompilationConfig, *, max_graphs: int = 8, lazy: bool = False):
+        self.visual = model.model.visual
+        self.config = config
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple[tuple[int, int, int], ...], tuple[CUDAGraphWrapper, torch.Tensor, dict]] = {}
+        self.replayed = self.eager = 0
+        #: ``lazy``: a grid not captured yet runs eagerly and is asked for here, with its pixel features
+        self.lazy = lazy
+        self.demand: dict[tuple[tuple[int, int, int], ...], int] = {}
+
+    def takes(self, inputs: dict[str, torch.Tensor]) -> bool:
+        """Whether a request's ``mm_inputs`` can be encoded by these graphs (pixel values and their grid)."""
+        return set(inputs) == {"pixel_values", "image_grid_thw"}
+
+    def capture(self, demanded: bool = False) -> list[BatchDescriptor]:
+        """Capture the grids steps asked for (a grid is known only from traffic, so ``demanded`` changes nothing);
+        returns the descriptors captured (``num_tokens``: the grid's patches)."""
+        wanted = dict(self.demand)
+        self.demand.clear()
+        done = []
+        for key, features in wanted.items():
+            if key not in self._graphs and len(self._graphs) < self.max_graphs:
+                patches = sum(t * h * w for t, h, w in key)
+                param = next(self.visual.parameters())
+                self._replay(key, torch.zeros(patches, features, dtype=param.dtype, device=param.device))
+                self.replayed -= 1  # a capture, not an encoding
+                done.append(BatchDescriptor(patches))
+        return done
+
+    def estimate_memory(self) -> int:
+        """0: a grid graph is captured on first sight of its grid, not before."""
+        return 0
+
+    @property
+    def captured(self) -> int:
+        """Grid keys captured so far."""
+        return len(self._graphs)
+
+    def _inputs(self, key: tuple[tuple[int, int, int], ...], device: torch.device) -> dict[str, Any]:
+        """What the tower computes from the grid on the host, computed here (outside any capture)."""
+        from transformers import vision_utils
+
+        grid = torch.tensor(key, dtype=torch.long)
+        merge = self.visual.spatial_merge_size
+        return {
+            "grid_thw": grid.to(device),
+            "position_ids": vision_utils.get_vision_position_ids(grid, merge).to(device),
+            "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid).to(device),
+            "max_seqlen": int((grid[:, 1] * grid[:, 2]).max()),
+            "pb_segments": [h * w for t, h, w in key for _ in range(t)],
+        }
+
+    def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        key = tuple(tuple(int(v) for v in row) for row in image_grid_thw.tolist())
+        if key not in self._graphs and (len(self._graphs) >= self.max_graphs or self.lazy):
+            if self.lazy and len(self._graphs) < self.max_graphs:
+                self.demand[key] = pixel_values.shape[1]
+            self.eager += 1
+            return self.encode_eagerly(pixel_values, image_grid_thw)
+        return self._replay(key, pixel_values)
+
+    def _replay(self, key: tuple[tuple[int, int, int], ...], pixel_values: torch.Tensor) -> torch.Tensor:
+        entry = self._graphs.get(key)
+        if entry is None:
+            pixels = torch.zeros_like(pixel_values, dtype=self.visual.dtype)
+            mark_persistent(pixels)
+            wrapper = CUDAGraphWrapper(self._tower, CUDAGraphMode.FULL, config=self.config)
+            entry = self._graphs[key] = (wrapper, pixels, self._inputs(key, pixels.device))
+        wrapper, pixels, inputs = entry
+        pixels.copy_(pixel_values)
+        with set_forward_context(CUDAGraphMode.FULL, BatchDescriptor(pixels.shape[0])), \
+                (_segment_attention(self.visual) if not wrapper.entries else contextlib.nullcontext()):
+            out = wrapper(pixels, **inputs)
+        self.replayed += 1
+        return out.clone()
+
+    def _tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        return self.visual(pixels, grid_thw=grid_thw, **inputs).pooler_output
+
+    def encode_eagerly(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.visual(pixel_values.type(self.visual.dtype), grid_thw=image_grid_thw).pooler_output
+
+
+@contextlib.contextmanager
+def _segment_attention(visual: torch.nn.Module) -> Iterator[None]:
+    """While a graph of ``visual`` records: each vision attention takes its segments' lengths from the call's
+    ``pb_segments`` (Python ints) instead of reading ``cu_seqlens`` on the host."""
+    swapped = [m for m in visual.modules() if type(m).__name__ == "VisionAttention"]
+    for m in swapped:
+        m.forward = types.MethodType(_segments_forward, m)
+    try:
+        yield
+    finally:
+        for m in swapped:
+            del m.forward
+
+
+def _segments_forward(self: Any, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      max_seqlen: int | None = None, pb_segments: Sequence[int] = (), **kwargs: Any) -> torch.Tensor:
+    """Qwen2-VL's vision attention: bidirectional within each image's patches, segments of ``pb_segments``."""
+    rotary = _rotary(type(self))
+    tokens = hidden_states.shape[0]
+    q, k, v = self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    q, k = rotary(q, k, cos, sin)
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, tokens, head_dim)
+    parts = [F.scaled_dot_product_attention(a, b, c, scale=self.scaling)
+             for a, b, c in zip(*(t.split(list(pb_segments), dim=2) for t in (q, k, v)))]
+    out = torch.cat(parts, dim=2)[0].transpose(0, 1).reshape(tokens, -1)
+    return self.proj(out)
+
+
+def _rotary(cls: type) -> Callable[..., Any]:
+    """The vision rotary function of the module that defines ``cls``."""
+    import sys
+
+    return sys.modules[cls.__module__].apply_rotary_pos_emb_vision

@@ -144,10 +144,8 @@ class HFEngine(Engine):
         """:meth:`Engine.capture_idle`, then the encoder graphs of the image budgets steps asked for."""
         captured = super().capture_idle(max_seconds, retry_failed=retry_failed)
         if self.encoder_graphs is not None and self.encoder_graphs.demand:
-            wanted = sorted(self.encoder_graphs.demand)
             with self._loop.lock, torch.inference_mode():
-                self.encoder_graphs.capture(demanded=True)
-            captured += [(CUDAGraphMode.FULL, BatchDescriptor(b)) for b in wanted]
+                captured += [(CUDAGraphMode.FULL, d) for d in self.encoder_graphs.capture(demanded=True)]
         return captured
 
     def estimate_capture_memory(self) -> int:

@@ -33,7 +33,7 @@ from ..serve.loop import Executed
 from ..serve.model_runner import Decode, ModelRunner, own_code
 from ..serve.scheduler import StepPlan
 from .adaptation import TokensFirst
-from .encoder_graphs import DEFAULT_BUDGETS, EncoderGraphs, fixed_image_shape
+from .encoder_graphs import DEFAULT_BUDGETS, GRID_TOWERS, EncoderGraphs, GridEncoderGraphs, fixed_image_shape
 from .modality import image_token
 
 #: Keyword inputs of video frames: not served (refused at ``add_request``).
@@ -217,13 +217,20 @@ class Admit:
         images.delta = int(delta.flatten()[0])
 
 
-def encoder_graphs(model: torch.nn.Module, config: CompilationConfig,
-                   token_budgets: Sequence[int] | None, lazy: bool = False) -> EncoderGraphs | None:
+def encoder_graphs(model: torch.nn.Module, config: CompilationConfig, token_budgets: Sequence[int] | None,
+                   lazy: bool = False) -> EncoderGraphs | GridEncoderGraphs | None:
     """Graphs of ``model``'s encoder, each holding as many images as fit in one of ``token_budgets`` (image
     tokens; None: :data:`~.encoder_graphs.DEFAULT_BUDGETS` images), or None where it runs eagerly: its images
     vary in shape, or ``config`` captures no graph."""
+    if config.cudagraph_mode is CUDAGraphMode.NONE:
+        return None
+    if getattr(model.config, "model_type", "") in GRID_TOWERS:
+        if token_budgets is not None:
+            raise ValueError(f"encoder_token_budgets={list(token_budgets)}: {type(model).__name__}'s encoder graphs are "
+                             "keyed by the images' grids (image_grid_thw), not by token budgets; leave it None")
+        return GridEncoderGraphs(model, config, lazy=lazy)
     shape = fixed_image_shape(model)
-    if shape is None or config.cudagraph_mode is CUDAGraphMode.NONE:
+    if shape is None:
         return None
     param = next(model.parameters())
     method = model.get_image_features
@@ -307,7 +314,7 @@ class ImageDecode(Decode):
     positions are staged in the model's :class:`ImageTokensFirst`."""
 
     def __init__(self, model: ModelRunner, layout: ImageTokensFirst, encoder: torch.nn.Module, rules: Any = None,
-                 graphs: EncoderGraphs | None = None):
+                 graphs: EncoderGraphs | GridEncoderGraphs | None = None):
         super().__init__(model, rules)
         self.layout = layout
         self.encoder = encoder
@@ -374,15 +381,15 @@ class ImageDecode(Decode):
         failed: dict[int, str] = {}
         if not requests:
             return failed
-        if self.graphs is not None and all(set(r.mm.inputs) == {"pixel_values"} for r in requests):
-            pixels = [r.mm.inputs["pixel_values"] for r in requests]
-            out = self.graphs(torch.cat(pixels) if len(pixels) > 1 else pixels[0])
-            per_image = out.shape[0] // sum(p.shape[0] for p in pixels)
-            at = 0
-            for r, p in zip(requests, pixels):
-                self._keep(r, out[at:at + p.shape[0] * per_image], failed)
-                at += p.shape[0] * per_image
-            return failed
+        if self.graphs is not None and all(self.graphs.takes(r.mm.inputs) for r in requests):
+            packed = {k: torch.cat([r.mm.inputs[k] for r in requests]) for k in requests[0].mm.inputs}
+            out = self.graphs(**packed)
+            counts = [r.mm.placeholders.numel() for r in requests]
+            if out.shape[0] == sum(counts):
+                for r, rows in zip(requests, out.split(counts)):
+                    r.mm.embeds = rows
+                return failed
+            # the images make another count than the prompts hold: encoded one by one to find which
         for r in requests:
             try:
                 out = encode(self.encoder, r.mm)
