@@ -468,7 +468,7 @@ def tiny_qwen2_vl(seed: int = 0) -> torch.nn.Module:
 
 def vlm_reference(model: torch.nn.Module, prompt: list[int], new: int, mm: dict | None) -> list[int]:
     """Greedy ``model.generate`` of ``prompt`` with its images ``mm`` (None: text only), no stop token."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
     kwargs = dict(mm or {})
     if mm and "image_grid_thw" in mm:
         kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
