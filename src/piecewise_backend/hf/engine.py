@@ -16,6 +16,8 @@ lists every type's outcome):
 * :class:`HFEngine` is :class:`piecewise_backend.serve.Engine` over the adapted model: the serving
   loop (chunked prefill, preemption, sampling, streaming, the online API, lazy capture) is
   serve's; steps with prompt tokens replay PIECEWISE graphs, pure decode steps replay one FULL graph.
+  An image-text-to-text model (llava, qwen2-vl, ...) is served with images in its requests
+  (:mod:`.multimodal`: its text model adapted, its encoder as graphs, :mod:`.encoder_graphs`).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class HFEngine(Engine):
     token. ``lazy_capture=True`` serves from the first call (a step without a graph runs eagerly) and
     :meth:`capture_idle` captures what traffic asked for; ``max_num_batched_tokens`` bounds every
     step's tokens (default: the largest capture size), longer prompts are prefilled in chunks;
-    ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool.
+    ``graph_memory_budget`` bounds the bytes the engine's graphs add to the graph pool. An
+    image-text-to-text model's requests carry their images as ``mm_inputs`` (docs/engine.md,
+    "Image-text-to-text models"); ``encoder_token_budgets`` sizes its encoder graphs.
     """
 
     @takes_engine_args(exclude=MODEL_EOS)
