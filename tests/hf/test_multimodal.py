@@ -13,7 +13,7 @@ import torch
 import piecewise_backend as pb
 
 transformers = pytest.importorskip("transformers")
-from pbtest.helpers import LLAVA_IMAGE, QWEN_IMAGE, tiny_llava, tiny_qwen2_vl, vlm_reference
+from pbtest.helpers import LLAVA_IMAGE, QWEN_IMAGE, tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl, vlm_reference
 
 from piecewise_backend import hf
 from piecewise_backend.hf import multimodal
@@ -366,3 +366,21 @@ def test_qwen2_vl_lazy_grid_graphs():
     assert graphs.captured == 1
     engine.reset_prefix_cache()
     assert engine.generate([p], 3, mm_inputs=[a], eos_token_id=[]) == want and graphs.replayed == 1
+
+
+@pytest.mark.parametrize("build", [tiny_qwen2_vl, tiny_qwen2_5_vl], ids=["qwen2_vl", "qwen2_5_vl"])
+def test_grid_graphs_equal_the_tower(build):
+    """A grid graph's features equal the tower's own eager forward (two images; qwen2.5-vl's windowed layer
+    attends within windows, its full layer over each image); tokens equal generate's, chunked."""
+    model = build()
+    reference = copy.deepcopy(model)
+    engine = hf.HFEngine(model, CONFIG, max_num_batched_tokens=8, **ENGINE)
+    graphs = engine.encoder_graphs
+    both = qwen_images(qwen_image(8, 8, 1), qwen_image(4, 12, 2))
+    with torch.inference_mode():
+        got = graphs(both["pixel_values"], both["image_grid_thw"])
+        want = graphs.encode_eagerly(both["pixel_values"], both["image_grid_thw"])
+    assert graphs.replayed == 1 and torch.allclose(got, want, atol=1e-6, rtol=0)
+    p = [1, 152] + [QWEN_IMAGE] * 16 + [153, 152] + [QWEN_IMAGE] * 12 + [153, 7]
+    assert engine.generate([p, TEXT], 4, mm_inputs=[both, None], eos_token_id=[]) == [
+        vlm_reference(reference, p, 4, both), vlm_reference(reference, TEXT, 4, None)]

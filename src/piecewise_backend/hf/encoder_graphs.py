@@ -8,7 +8,7 @@ buffer, the rest of the budget is zeros (their features are dropped). More image
 eagerly. Each replay counts in ``pb.counters["replays"]``. A lazy engine's budgets run eagerly until its
 ``capture_idle`` captures those steps asked for.
 
-Qwen2-VL's tower (:data:`GRID_TOWERS`) packs its images' patches into one sequence and reads their
+Qwen2-VL's and Qwen2.5-VL's towers (:data:`GRID_TOWERS`) pack its images' patches into one sequence and reads their
 lengths on the host (``cu_seqlens.tolist()``, the grid in loops): :class:`GridEncoderGraphs` keys a
 graph by the step's image grids instead. Its position ids and segment boundaries are computed before
 the capture, outside it, and the vision attention takes its segment lengths as Python ints for the
@@ -120,8 +120,11 @@ class EncoderGraphs:
         return len(self.wrapper.entries)
 
 
-#: Model types whose towers pack patches with ``cu_seqlens`` (qwen2-vl's ``VisionAttention``): graphs per grid.
-GRID_TOWERS = frozenset({"qwen2_vl"})
+#: Model types whose towers pack patches with ``cu_seqlens``: graphs per grid; True where the tower also attends
+#: within windows (qwen2.5-vl: ``window_index`` and ``cu_window_seqlens``).
+GRID_TOWERS = {"qwen2_vl": False, "qwen2_5_vl": True}
+#: Their vision attention classes (by name), which take their segment lengths as ints while a graph records.
+_SEGMENT_ATTENTION = frozenset({"VisionAttention", "Qwen2_5_VLVisionAttention"})
 
 
 class GridEncoderGraphs:
@@ -130,6 +133,7 @@ class GridEncoderGraphs:
 
     def __init__(self, model: torch.nn.Module, config: CompilationConfig, *, max_graphs: int = 8, lazy: bool = False):
         self.visual = model.model.visual
+        self.windows = GRID_TOWERS[model.config.model_type]
         self.config = config
         self.max_graphs = max_graphs
         self._graphs: dict[tuple[tuple[int, int, int], ...], tuple[CUDAGraphWrapper, torch.Tensor, dict]] = {}
@@ -172,13 +176,23 @@ class GridEncoderGraphs:
 
         grid = torch.tensor(key, dtype=torch.long)
         merge = self.visual.spatial_merge_size
-        return {
+        full = vision_utils.get_vision_cu_seqlens(grid)
+        inputs = {
             "grid_thw": grid.to(device),
             "position_ids": vision_utils.get_vision_position_ids(grid, merge).to(device),
-            "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid).to(device),
+            "cu_seqlens": full.to(device),
             "max_seqlen": int((grid[:, 1] * grid[:, 2]).max()),
-            "pb_segments": [h * w for t, h, w in key for _ in range(t)],
         }
+        segments = {inputs["cu_seqlens"].data_ptr(): _lengths(full)}  # which boundaries a layer was given
+        if self.windows:
+            index, windows = vision_utils.get_vision_window_index(
+                grid, spatial_merge_size=merge, window_size=self.visual.window_size, patch_size=self.visual.patch_size)
+            inputs.update(window_index=index.to(device), cu_window_seqlens=windows.to(device),
+                          max_window_seqlen=max(_lengths(windows), default=0))
+            segments[inputs["cu_window_seqlens"].data_ptr()] = _lengths(windows)
+        mark_persistent(*(v for v in inputs.values() if isinstance(v, torch.Tensor)))  # read in place: segments by address
+        inputs["pb_segments"] = segments
+        return inputs
 
     def __call__(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         key = tuple(tuple(int(v) for v in row) for row in image_grid_thw.tolist())
@@ -215,7 +229,7 @@ class GridEncoderGraphs:
 def _segment_attention(visual: torch.nn.Module) -> Iterator[None]:
     """While a graph of ``visual`` records: each vision attention takes its segments' lengths from the call's
     ``pb_segments`` (Python ints) instead of reading ``cu_seqlens`` on the host."""
-    swapped = [m for m in visual.modules() if type(m).__name__ == "VisionAttention"]
+    swapped = [m for m in visual.modules() if type(m).__name__ in _SEGMENT_ATTENTION]
     for m in swapped:
         m.forward = types.MethodType(_segments_forward, m)
     try:
@@ -227,8 +241,11 @@ def _segment_attention(visual: torch.nn.Module) -> Iterator[None]:
 
 def _segments_forward(self: Any, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                       position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      max_seqlen: int | None = None, pb_segments: Sequence[int] = (), **kwargs: Any) -> torch.Tensor:
-    """Qwen2-VL's vision attention: bidirectional within each image's patches, segments of ``pb_segments``."""
+                      max_seqlen: int | None = None, pb_segments: dict[int, list[int]] | None = None,
+                      **kwargs: Any) -> torch.Tensor:
+    """Qwen2-VL's vision attention: bidirectional within each segment (an image, or a window of one), the
+    segments' lengths those ``pb_segments`` holds for the boundaries this layer was given."""
+    lengths = pb_segments[cu_seqlens.data_ptr()]  # type: ignore[index]
     rotary = _rotary(type(self))
     tokens = hidden_states.shape[0]
     q, k, v = self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
@@ -236,9 +253,14 @@ def _segments_forward(self: Any, hidden_states: torch.Tensor, cu_seqlens: torch.
     q, k = rotary(q, k, cos, sin)
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, tokens, head_dim)
     parts = [F.scaled_dot_product_attention(a, b, c, scale=self.scaling)
-             for a, b, c in zip(*(t.split(list(pb_segments), dim=2) for t in (q, k, v)))]
+             for a, b, c in zip(*(t.split(lengths, dim=2) for t in (q, k, v))) if a.shape[2]]
     out = torch.cat(parts, dim=2)[0].transpose(0, 1).reshape(tokens, -1)
     return self.proj(out)
+
+
+def _lengths(boundaries: torch.Tensor) -> list[int]:
+    """Segment lengths of cumulative ``boundaries`` (a CPU tensor)."""
+    return (boundaries[1:] - boundaries[:-1]).tolist()
 
 
 def _rotary(cls: type) -> Callable[..., Any]:

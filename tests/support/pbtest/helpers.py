@@ -475,3 +475,19 @@ def vlm_reference(model: torch.nn.Module, prompt: list[int], new: int, mm: dict 
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                          eos_token_id=None, **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def tiny_qwen2_5_vl(seed: int = 0) -> torch.nn.Module:
+    """A random Qwen2.5-VL: as :func:`tiny_qwen2_vl`, its tower attending within windows of 2x2 merged patches
+    in layer 0 and over whole images in layer 1."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=160, max_position_embeddings=256, initializer_range=0.2,
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_theta": 10.0})
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1])
+    config = T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE, video_token_id=151,
+                                vision_start_token_id=152, vision_end_token_id=153, bos_token_id=1, eos_token_id=2)
+    return T.Qwen2_5_VLForConditionalGeneration(config).eval()
