@@ -352,6 +352,8 @@ TINY_VISION = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
     head_dim=16, image_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, out_hidden_size=64,
     projection_dim=64, mlp_ratio=2,
+    # qwen3-vl's deepstack adds features of these tower layers to the text model's first layers: kept within 2 layers
+    deepstack_visual_indexes=[0, 1],
 )
 #: The vocabulary of :func:`tiny_random_vlm`: special tokens (image, video, vision start/end, ...) take its top ids.
 VLM_VOCAB = 256
@@ -541,6 +543,9 @@ def random_mm_inputs(model: torch.nn.Module, images: int = 1, seed: int = 0) -> 
     """
     import inspect
 
+    if not callable(getattr(model, "get_image_features", None)):
+        raise ValueError(f"random_mm_inputs: {type(model).__name__} has no get_image_features (its images reach "
+                         "its forward another way: no image features to count)")
     vision = model.config.vision_config
     gen = torch.Generator().manual_seed(seed)
     forward = inspect.signature(model.forward).parameters
