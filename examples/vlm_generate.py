@@ -106,19 +106,19 @@ def main(argv: list[str] | None = None) -> int:
         mm, count = random_mm_inputs(model, images=args.images)
     except Exception as e:  # noqa: BLE001  (the model's own encoder refuses every shape tried)
         parser.error(f"tiny_random_vlm cannot build inputs for {args.arch!r}: {type(e).__name__}: {e}")
+    chunk = 16 if count > 8 else 8  # below the image prompt's length: a chunk cuts through its image tokens
+    model.generation_config.eos_token_id = None  # both run NEW_TOKENS tokens
+    reference = copy.deepcopy(model) if args.check else None
+    try:
+        engine = HFEngine(model, config, max_num_reqs=2, max_model_len=count + 64, block_size=4,
+                          max_num_batched_tokens=chunk)
+    except ValueError as e:  # refused up front, with the reason
+        parser.error(str(e))
     per_image = [count // args.images] * args.images
     gen = torch.Generator().manual_seed(1)
     image_prompt, text_prompt = prompts(model, per_image, gen)
     print(f"mm_inputs: {', '.join(f'{k} {tuple(v.shape)}' for k, v in mm.items())} -> {count} image tokens; "
           f"prompts of {len(image_prompt)} and {len(text_prompt)} tokens")
-    model.generation_config.eos_token_id = None  # both run NEW_TOKENS tokens
-    reference = copy.deepcopy(model) if args.check else None
-    chunk = 16 if len(image_prompt) > 16 else 8
-    try:
-        engine = HFEngine(model, config, max_num_reqs=2, max_model_len=len(image_prompt) + NEW_TOKENS + 8, block_size=4,
-                          max_num_batched_tokens=chunk)
-    except ValueError as e:  # refused up front, with the reason
-        parser.error(str(e))
     report = engine.capture()
     print(f"captured {report.graphs} graphs in {report.seconds:.2f} s; chunks of {chunk} tokens")
     outputs = engine.generate([image_prompt, text_prompt], NEW_TOKENS, mm_inputs=[mm, None], eos_token_id=[])

@@ -413,15 +413,18 @@ def _mrope_scaled(vlm: Any, text: Any, head_dim: int) -> dict[str, Any]:
         return {}
     section = rope.get("mrope_section")
     if not isinstance(section, (list, tuple)):
-        try:
-            source = inspect.getsource(importlib.import_module(type(vlm).__module__.replace("configuration_", "modeling_")))
-        except (ImportError, OSError, TypeError):
-            return {}
+        source = ""
+        for config in (vlm, text):  # glm46v's text model is glm4v's
+            try:
+                source += inspect.getsource(importlib.import_module(type(config).__module__.replace("configuration_", "modeling_")))
+            except (ImportError, OSError, TypeError):
+                pass
         found = re.search(r"mrope_section[^\n]{0,60}?\[(\d+),\s*(\d+),\s*(\d+)\]", source)
         if found is None and "mrope_section" not in source:
             return {}
         section = [int(x) for x in found.groups()] if found else [16, 24, 24]
-    half = head_dim // 2
+    partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
+    half = int(head_dim * partial) // 2
     scaled = [max(1, x * half // sum(section)) for x in section]
     scaled[0] += half - sum(scaled)
     return {"rope_parameters": {**rope, "mrope_section": scaled}}
