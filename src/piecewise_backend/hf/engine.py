@@ -29,7 +29,10 @@ import torch
 
 from ..config import CompilationConfig
 from ..serve.arguments import MODEL_EOS, EngineArgs, check_config, engine_args, engine_keywords, takes_engine_args
-from ..serve.engine import Engine
+from ..context import BatchDescriptor
+from ..modes import CUDAGraphMode
+from ..runner import CaptureReport
+from ..serve.engine import Engine, no_images
 from ..serve.model_runner import Decode, KVLayout, ModelRunner
 from ..serve.token_rules import RULE_FIELDS, TokenRules
 from .adaptation import TokensFirst, adapt, adapting, kv_shape
@@ -89,7 +92,9 @@ class HFEngine(Engine):
         vocab_size = check_hf_model(model, config, args.max_model_len)
         args.check_model(model)
         images = is_multimodal(model)
-        if images:
+        if not images:
+            no_images(args)
+        else:
             why = multimodal.refusal(model, config, args, tensor_parallel=is_tensor_parallel(model))
             if why is not None:
                 raise ValueError(why)
@@ -102,11 +107,56 @@ class HFEngine(Engine):
                                downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
-        step = multimodal.ImageDecode(main, layout, model, rules) if images else Decode(main, rules)
+        #: the encoder's graphs over image budgets (None: a text model, or its encoder runs eagerly)
+        self.encoder_graphs = (multimodal.encoder_graphs(model, config, args.encoder_token_budgets, args.lazy_capture)
+                               if images else None)
+        step = (multimodal.ImageDecode(main, layout, model, rules, self.encoder_graphs) if images
+                else Decode(main, rules))
         self._start(args, [main], step, main.cache, main.states, vocab_size=vocab_size,
-                    eos_token_id=frozenset(), token_rules=rules)
+                    eos_token_id=frozenset(), token_rules=rules, images=images)
         if images:
             self._loop.multimodal = multimodal.Admit(model)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The most tokens a step runs (an image-text-to-text engine: at most its image-token buffers' rows)."""
+        return Engine.max_num_batched_tokens.fget(self)  # type: ignore[attr-defined]
+
+    @max_num_batched_tokens.setter
+    def max_num_batched_tokens(self, value: int) -> None:
+        layout = self.model_runners[0].model
+        rows = getattr(layout, "rows", None) if self.encoder_graphs is not None or is_multimodal(self.model) else None
+        if rows is not None and isinstance(value, int) and value > rows:
+            raise ValueError(f"max_num_batched_tokens={value}: this image-text-to-text engine was built for steps of "
+                             f"at most {rows} tokens (its image-token buffers); build it with max_num_batched_tokens="
+                             f"{value}")
+        Engine.max_num_batched_tokens.fset(self, value)  # type: ignore[attr-defined]
+
+    def capture(self, progress: bool = False) -> CaptureReport:
+        """:meth:`Engine.capture`, then the encoder's graphs of every image budget (an image-text-to-text model)."""
+        report = super().capture(progress)
+        if self.encoder_graphs is not None:
+            with torch.inference_mode():
+                self.encoder_graphs.capture()
+        return report
+
+    def capture_idle(self, max_seconds: float, *, retry_failed: bool = False) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """:meth:`Engine.capture_idle`, then the encoder graphs of the image budgets steps asked for."""
+        captured = super().capture_idle(max_seconds, retry_failed=retry_failed)
+        if self.encoder_graphs is not None and self.encoder_graphs.demand:
+            wanted = sorted(self.encoder_graphs.demand)
+            with self._loop.lock, torch.inference_mode():
+                self.encoder_graphs.capture(demanded=True)
+            captured += [(CUDAGraphMode.FULL, BatchDescriptor(b)) for b in wanted]
+        return captured
+
+    def estimate_capture_memory(self) -> int:
+        """:meth:`Engine.estimate_capture_memory` plus what the encoder's graphs add."""
+        extra = 0
+        if self.encoder_graphs is not None:
+            with torch.inference_mode():
+                extra = self.encoder_graphs.estimate_memory()
+        return super().estimate_capture_memory() + extra
 
     def default_eos(self) -> Any:
         """The model's ``generation_config.eos_token_id``, as ``model.generate`` uses by default."""

@@ -27,11 +27,14 @@ import torch
 
 from ..inputs import mark_persistent
 from ..config import CompilationConfig
+from ..modes import CUDAGraphMode
 from ..serve.arguments import EngineArgs
+from ..serve.loop import Executed
 from ..serve.model_runner import Decode, ModelRunner, own_code
 from ..serve.scheduler import StepPlan
 from .adaptation import TokensFirst
-from .modality import image_token, is_multimodal, text_attention  # noqa: F401  (named here too)
+from .encoder_graphs import DEFAULT_BUDGETS, EncoderGraphs, fixed_image_shape
+from .modality import image_token
 
 #: Keyword inputs of video frames: not served (refused at ``add_request``).
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -214,17 +217,43 @@ class Admit:
         images.delta = int(delta.flatten()[0])
 
 
+def encoder_graphs(model: torch.nn.Module, config: CompilationConfig,
+                   token_budgets: Sequence[int] | None, lazy: bool = False) -> EncoderGraphs | None:
+    """Graphs of ``model``'s encoder, each holding as many images as fit in one of ``token_budgets`` (image
+    tokens; None: :data:`~.encoder_graphs.DEFAULT_BUDGETS` images), or None where it runs eagerly: its images
+    vary in shape, or ``config`` captures no graph."""
+    shape = fixed_image_shape(model)
+    if shape is None or config.cudagraph_mode is CUDAGraphMode.NONE:
+        return None
+    param = next(model.parameters())
+    method = model.get_image_features
+    encode = lambda pixels: features(method(pixel_values=pixels))  # noqa: E731
+    budgets = DEFAULT_BUDGETS
+    if token_budgets is not None:
+        with torch.inference_mode():  # one image's tokens, from the encoder itself
+            per_image = encode(torch.zeros(1, *shape, dtype=param.dtype, device=param.device)).shape[0]
+        budgets = tuple(sorted({t // per_image for t in token_budgets if t >= per_image}))
+        if not budgets:
+            raise ValueError(f"encoder_token_budgets={list(token_budgets)}: each is fewer than the {per_image} tokens "
+                             f"of one image of {type(model).__name__}; give budgets of at least {per_image}")
+    return EncoderGraphs(encode, shape, budgets, config, dtype=param.dtype, device=param.device, lazy=lazy)
+
+
+def features(out: Any) -> torch.Tensor:
+    """``get_image_features``' output as one row per image token."""
+    found = getattr(out, "pooler_output", out)
+    if isinstance(found, (list, tuple)):
+        found = torch.cat([f.reshape(-1, f.shape[-1]) for f in found], 0)
+    return found.reshape(-1, found.shape[-1])
+
+
 def encode(model: torch.nn.Module, images: Images) -> torch.Tensor:
     """The encoder's output for ``images``: one row per image token, in prompt order (as ``masked_scatter``
     in the model's forward takes them)."""
     method = model.get_image_features
     wanted = inspect.signature(method).parameters
     kwargs = {k: v for k, v in images.inputs.items() if k in wanted or "kwargs" in wanted}
-    out = method(**kwargs)
-    features = getattr(out, "pooler_output", out)
-    if isinstance(features, (list, tuple)):
-        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features], 0)
-    return features.reshape(-1, features.shape[-1])
+    return features(method(**kwargs))
 
 
 class ImageTokensFirst(TokensFirst):
@@ -277,12 +306,30 @@ class ImageDecode(Decode):
     the encoder runs for requests whose image tokens it prefills first, and their rows and the step's rope
     positions are staged in the model's :class:`ImageTokensFirst`."""
 
-    def __init__(self, model: ModelRunner, layout: ImageTokensFirst, encoder: torch.nn.Module, rules: Any = None):
+    def __init__(self, model: ModelRunner, layout: ImageTokensFirst, encoder: torch.nn.Module, rules: Any = None,
+                 graphs: EncoderGraphs | None = None):
         super().__init__(model, rules)
         self.layout = layout
         self.encoder = encoder
+        #: the encoder's graphs over image budgets (None: it runs eagerly)
+        self.graphs = graphs
 
-    def execute(self, plan: StepPlan):  # type: ignore[override]
+    def execute(self, plan: StepPlan) -> Executed:
+        for r in plan.preempted:  # recomputed from its first token: its images encoded again then
+            if r.mm is not None:
+                r.mm.embeds = None
+        failed = self._encode_all([r for r, start, count in plan.chunks if _wants_encoder(r.mm, start, count)])
+        if failed:  # those requests end with "error"; the step runs the others
+            kept = [c for c in plan.chunks if id(c[0]) not in failed]
+            executed = self._run(dataclasses.replace(plan, chunks=kept)) if kept else Executed(
+                [], 0, False, CUDAGraphMode.NONE)
+            tokens = iter(executed.tokens)
+            executed.tokens = [[] if id(r) in failed else next(tokens) for r, _, _ in plan.chunks]
+            executed.failed = {i: failed[id(r)] for i, (r, _, _) in enumerate(plan.chunks) if id(r) in failed}
+            return executed
+        return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> Executed:
         rows, embeds, rope = self._inputs(plan.chunks)
         self.layout.stage(rows, embeds, rope)
         try:
@@ -309,8 +356,6 @@ class ImageDecode(Decode):
                 places = images.placeholders
                 inside = (places >= start) & (places < start + count)
                 if bool(inside.any()):
-                    if images.embeds is None:
-                        images.embeds = self._encode(images, r)
                     rows.append(places[inside] - start + offset)
                     feats.append(images.embeds[inside.nonzero().flatten()])
             if self.layout.mrope:
@@ -321,12 +366,46 @@ class ImageDecode(Decode):
             return None, None, rope
         return torch.cat(rows), torch.cat(feats), rope
 
-    def _encode(self, images: Images, request: Any) -> torch.Tensor:
-        out = encode(self.encoder, images)
-        if out.shape[0] != images.placeholders.numel():
-            raise ValueError(f"request {request.tag!r}: its images make {out.shape[0]} image features, its prompt "
-                             f"holds {images.placeholders.numel()} image tokens")
-        return out
+    def _encode_all(self, requests: Sequence[Any]) -> dict[int, str]:
+        """The encoder output of every request in ``requests``: their images packed into one graph replay when
+        the encoder has graphs, else each request's run eagerly. Returns the requests whose images the
+        encoder could not encode, or whose features do not match their image tokens, with the reason (keyed by
+        ``id(request)``)."""
+        failed: dict[int, str] = {}
+        if not requests:
+            return failed
+        if self.graphs is not None and all(set(r.mm.inputs) == {"pixel_values"} for r in requests):
+            pixels = [r.mm.inputs["pixel_values"] for r in requests]
+            out = self.graphs(torch.cat(pixels) if len(pixels) > 1 else pixels[0])
+            per_image = out.shape[0] // sum(p.shape[0] for p in pixels)
+            at = 0
+            for r, p in zip(requests, pixels):
+                self._keep(r, out[at:at + p.shape[0] * per_image], failed)
+                at += p.shape[0] * per_image
+            return failed
+        for r in requests:
+            try:
+                out = encode(self.encoder, r.mm)
+            except Exception as e:  # noqa: BLE001 (its images only: the request ends, the step goes on)
+                failed[id(r)] = f"the encoder failed on its mm_inputs ({type(e).__name__}: {e})"
+                continue
+            self._keep(r, out, failed)
+        return failed
+
+    def _keep(self, request: Any, out: torch.Tensor, failed: dict[int, str]) -> None:
+        """``out`` as ``request``'s encoder output, or the reason it cannot be in ``failed``."""
+        if out.shape[0] != request.mm.placeholders.numel():
+            failed[id(request)] = (f"its images make {out.shape[0]} image features, its prompt holds "
+                               f"{request.mm.placeholders.numel()} image tokens")
+            return
+        request.mm.embeds = out
+
+
+def _wants_encoder(images: Images | None, start: int, count: int) -> bool:
+    """Whether a chunk ``start .. start + count`` of a request needs its encoder output, not yet computed."""
+    if images is None or images.embeds is not None or not images.placeholders.numel():
+        return False
+    return bool(((images.placeholders >= start) & (images.placeholders < start + count)).any())
 
 
 def _rope_rows(images: Images | None, start: int, count: int, device: torch.device) -> torch.Tensor:
@@ -340,37 +419,45 @@ def _rope_rows(images: Images | None, start: int, count: int, device: torch.devi
     return torch.cat([images.rope[start:prompt], after]) if start < prompt else after
 
 
-def split_inputs(batch: Mapping[str, Any], image_tokens: Sequence[int] | None = None,
-                 input_ids: torch.Tensor | None = None, image_token_id: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """One ``mm_inputs`` dict per prompt from a processor's batched output (``pixel_values`` of every image,
-    ``image_grid_thw`` / ``image_sizes`` one row per image): each prompt gets its own images' rows.
+def split_inputs(batch: Mapping[str, Any], model: torch.nn.Module) -> list[dict[str, torch.Tensor] | None]:
+    """One ``mm_inputs`` dict (None: no image) per prompt of a processor's batched output for ``model``.
 
-    How many images each prompt holds comes from ``image_grid_thw`` rows and ``input_ids`` (count of
-    ``image_token_id`` per prompt) on grid models, else from ``pixel_values`` when it has a per-prompt batch dim
-    (``(prompts, images, C, H, W)``) or one image per prompt.
+    ``batch`` holds ``input_ids`` (prompts, tokens) and the images of every prompt in prompt order:
+    per-image inputs (``pixel_values`` of every image, or of every patch with ``image_grid_thw``;
+    ``image_sizes``, ...) are cut at each prompt's images; inputs with one row per prompt
+    (``pixel_values`` of shape (prompts, images, C, H, W)) at its row. Without a grid, a prompt's
+    image count is its image tokens over the tokens per image (every image the same size).
     """
+    ids = batch["input_ids"]
+    token = image_token(model)
+    tokens = (torch.as_tensor(ids) == token).sum(-1).tolist()
+    prompts = len(tokens)
     pixels = batch["pixel_values"]
+    rest = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids",
+                                                         "token_type_ids")}
     grid = batch.get("image_grid_thw")
     if grid is not None:
-        if input_ids is None or image_token_id is None:
-            raise ValueError("split_inputs: image_grid_thw outputs need input_ids and image_token_id to find each "
-                             "prompt's images")
-        tokens = (input_ids == image_token_id).sum(-1).tolist()
-        merge2 = int(grid.prod(-1)[0]) // max(1, tokens[0]) if tokens[0] else 1  # noqa: F841  (kept simple below)
-        per_image = grid.prod(-1).tolist()
-        out, image, patch = [], 0, 0
-        for n in tokens:
-            have, first_image, first_patch = 0, image, patch
-            while have < n and image < len(per_image):
-                have += per_image[image]
-                patch += per_image[image]
-                image += 1
-            out.append({"pixel_values": pixels[first_patch:patch], "image_grid_thw": grid[first_image:image]})
-        return out
-    if pixels.dim() == 5:
-        return [{"pixel_values": p, **{k: v[i] for k, v in batch.items() if k not in ("pixel_values", "input_ids",
-                                                                                  "attention_mask")}}
-                for i, p in enumerate(pixels)]
-    return [{"pixel_values": pixels[i:i + 1], **{k: v[i:i + 1] for k, v in batch.items()
-                                                 if k not in ("pixel_values", "input_ids", "attention_mask")}}
-            for i in range(pixels.shape[0])]
+        merge = model.config.vision_config.spatial_merge_size
+        per_image = (grid.prod(-1) // merge ** 2).tolist()
+        patches = grid.prod(-1).tolist()
+    elif pixels.dim() == 5 and pixels.shape[0] == prompts:  # one row per prompt
+        return [({k: v[i] for k, v in rest.items()} if tokens[i] else None) for i in range(prompts)]
+    else:
+        images = pixels.shape[0]
+        if images == 0 or sum(tokens) % images:
+            raise ValueError(f"split_inputs: {sum(tokens)} image tokens over {images} images: not one size per image")
+        per_image = [sum(tokens) // images] * images
+        patches = [1] * images
+    out: list[dict[str, torch.Tensor] | None] = []
+    image = patch = 0
+    for i, n in enumerate(tokens):
+        first_image, first_patch, have = image, patch, 0
+        while have < n and image < len(per_image):
+            have, patch, image = have + per_image[image], patch + patches[image], image + 1
+        if have != n:
+            raise ValueError(f"split_inputs: prompt {i} holds {n} image tokens; its images make {have}")
+        if not n:
+            out.append(None)
+            continue
+        out.append({k: v[first_patch:patch] if k == "pixel_values" else v[first_image:image] for k, v in rest.items()})
+    return out

@@ -22,6 +22,7 @@ from ..serve.model_runner import KVLayout
 from ..serve.speculative import SpecModel, SpeculativeEngine, check_speculative_args
 from .adaptation import adapting, kv_shape
 from .engine import check_hf_model, generation_eos, resolve_rules
+from .modality import is_multimodal
 from .host_breaks import host_read_downgrades, no_full_graphs
 from .tensor_parallel import is_tensor_parallel
 
@@ -51,6 +52,10 @@ class SpecEngine(SpeculativeEngine):
         if any(is_tensor_parallel(m) for m in (target, drafter)):
             raise ValueError("SpecEngine does not serve tensor-parallel models (tp_plan) yet: the drafter and the "
                              "verifier would need their collectives agreed per step; use HFEngine")
+        multimodal = [type(m).__name__ for m in (target, drafter) if is_multimodal(m)]
+        if multimodal:
+            raise ValueError(f"SpecEngine does not serve image-text-to-text models yet ({multimodal[0]}): the drafter "
+                             "would need the target's image embeddings; use HFEngine")
         vocab = [m.config.get_text_config().vocab_size for m in (target, drafter)]
         if vocab[0] != vocab[1]:
             raise ValueError(f"the drafter's vocabulary ({vocab[1]} tokens) must be the target's ({vocab[0]})")

@@ -160,6 +160,8 @@ class EngineArgs:
     token_rules: TokenRules | None = None
     #: reuse the KV blocks of prompt prefixes other requests computed (docs/engine.md "Prefix caching")
     enable_prefix_caching: bool = True
+    #: an image-text-to-text model's encoder graphs: the image tokens each holds (None: 1, 2, 4 and 8 images' worth)
+    encoder_token_budgets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, meaning in (
@@ -182,6 +184,13 @@ class EngineArgs:
         check_tokens_budget(self.max_num_batched_tokens)
         if self.token_rules is not None and not isinstance(self.token_rules, TokenRules):
             raise ValueError(f"token_rules must be None or a serve.TokenRules(...), got {_show(self.token_rules)}")
+        b = self.encoder_token_budgets
+        if b is not None:
+            if isinstance(b, (str, bytes)) or not hasattr(b, "__iter__") or not list(b) or any(
+                    not is_int(t) or t < 1 for t in b):
+                raise ValueError(f"encoder_token_budgets must be None or a non-empty list of positive ints (image "
+                                 f"tokens per encoder graph), got {_show(b)}")
+            object.__setattr__(self, "encoder_token_budgets", tuple(sorted({int(t) for t in b})))
         g = self.graph_memory_budget
         if g is not None and (not is_int(g) or g < 0):
             raise ValueError(f"graph_memory_budget must be None or a number of bytes >= 0, got {_show(g)}")

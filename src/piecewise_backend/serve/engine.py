@@ -83,6 +83,7 @@ class Engine:
         fields) come as keywords, or as ``args=EngineArgs(...)`` (keywords given beside it replace its fields)."""
         args = engine_args("Engine", args, engine_kwargs)
         check_config(config)
+        no_images(args)
         if not isinstance(kv_layout, KVLayout):
             raise TypeError(f"kv_layout must be a serve.KVLayout(num_layers, num_kv_heads, head_dim), got "
                             f"{type(kv_layout).__name__}")
@@ -103,13 +104,16 @@ class Engine:
     def _start(
         self, args: EngineArgs, model_runners: Sequence[ModelRunner], executor: StepExecutor, blocks: KVBlocks,
         states: Any, *, vocab_size: int, eos_token_id: frozenset[int], lookahead: int = 0,
-        max_num_batched_tokens: int | None = None, token_rules: TokenRules | None = None,
+        max_num_batched_tokens: int | None = None, token_rules: TokenRules | None = None, images: bool = False,
     ) -> None:
         """Every engine's constructor ends here, with its arguments checked and its model runners built:
         the serving loop over ``executor``, which plans ``blocks`` (and frees ``states``) for its requests.
         ``max_num_batched_tokens``: the step's token budget when the engine chose one (default:
         ``args``', else the largest capture size, else ``max_model_len``: a whole prompt); ``token_rules``:
-        the rules ``executor`` applies (``args``' unless the engine chose others)."""
+        the rules ``executor`` applies (``args``' unless the engine chose others); ``images``: the engine serves
+        an image-text-to-text model (``encoder_token_budgets`` are its)."""
+        if not images:
+            no_images(args)
         #: the engine's arguments, checked (a :class:`~.arguments.EngineArgs`)
         self.args = args
         #: the per-token rules every step's logits get (a :class:`~.token_rules.TokenRules`; None: none)
@@ -299,6 +303,13 @@ class Engine:
         with torch.inference_mode():
             return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step,
                                        mm_inputs)
+
+
+def no_images(args: EngineArgs) -> None:
+    """Refuse ``encoder_token_budgets`` for an engine of a text-only model."""
+    if args.encoder_token_budgets is not None:
+        raise ValueError(f"encoder_token_budgets={list(args.encoder_token_budgets)} is for an image-text-to-text "
+                         "model's encoder graphs; this engine serves a text-only model")
 
 
 def prefix_caching_off(args: EngineArgs, states: Any, lookahead: int) -> str:

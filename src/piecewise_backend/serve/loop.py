@@ -83,6 +83,8 @@ class Executed:
     uniform_decode: bool
     mode: CUDAGraphMode
     reason: str = ""
+    #: chunks (indices in the plan) whose request cannot be served, and why: each ends with "error"
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 class StepExecutor(Protocol):
@@ -372,6 +374,13 @@ class ServingLoop:
         finish requests; returns the tokens each chunk kept and the first callback error."""
         kept: list[int] = []
         error: BaseException | None = None
+        if executed.failed:
+            for i, why in executed.failed.items():
+                r = plan.chunks[i][0]
+                if r.finish_reason is None:
+                    r.error = why
+                    logger.warning("request %r ends with finish_reason='error': %s", r.tag, why)
+                    self._finish(r, "error")
         for (r, _, _), tokens in zip(plan.chunks, executed.tokens):
             n = 0
             for token in tokens:

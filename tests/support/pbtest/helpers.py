@@ -430,3 +430,48 @@ class NaNLogitsAt(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         logits = self.inner(input_ids, position_ids)
         return logits.masked_fill((position_ids == self.position)[:, None], float("nan"))
+
+
+#: the image token of :func:`tiny_llava` and :func:`tiny_qwen2_vl` (inside their vocabularies)
+LLAVA_IMAGE, QWEN_IMAGE = 100, 150
+
+
+def tiny_llava(seed: int = 0) -> torch.nn.Module:
+    """A random LLaVA: 2-layer Llama text model, 2-layer CLIP tower; a 32x32 image is 16 image tokens."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    text = T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8)
+    config = T.LlavaConfig(text_config=text, vision_config=vision, image_token_index=LLAVA_IMAGE,
+                           projector_hidden_act="gelu", vision_feature_layer=-1)
+    return T.LlavaForConditionalGeneration(config).eval()
+
+
+def tiny_qwen2_vl(seed: int = 0) -> torch.nn.Module:
+    """A random Qwen2-VL (M-RoPE): an image of grid (1, h, w) is h*w patches of 96 features, h*w/4 image tokens."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=160, max_position_embeddings=256, initializer_range=0.2,
+                # a small theta: every section of the rotary dims turns (at 1e6 only the temporal one would)
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_theta": 10.0})
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    config = T.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE, video_token_id=151,
+                             vision_start_token_id=152, vision_end_token_id=153, bos_token_id=1, eos_token_id=2)
+    return T.Qwen2VLForConditionalGeneration(config).eval()
+
+
+def vlm_reference(model: torch.nn.Module, prompt: list[int], new: int, mm: dict | None) -> list[int]:
+    """Greedy ``model.generate`` of ``prompt`` with its images ``mm`` (None: text only), no stop token."""
+    ids = torch.tensor([prompt])
+    kwargs = dict(mm or {})
+    if mm and "image_grid_thw" in mm:
+        kwargs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         eos_token_id=None, **kwargs)
+    return out[0, len(prompt):].tolist()
