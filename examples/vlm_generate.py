@@ -26,6 +26,7 @@ import piecewise_backend as pb
 from piecewise_backend.hf import HFEngine, random_mm_inputs, tiny_random_vlm
 
 NEW_TOKENS = 6
+MAX_MODEL_LEN = 160
 #: A token whose reference logit is within this of the best is a tie (float32 logits, float order differs).
 LOGIT_TOL = 1e-3
 #: Config fields naming the token before / after an image's placeholder tokens (first one the config has).
@@ -102,18 +103,20 @@ def main(argv: list[str] | None = None) -> int:
         model = tiny_random_vlm(args.arch, device=device)
     except ValueError as e:
         parser.error(str(e))
-    try:
-        mm, count = random_mm_inputs(model, images=args.images)
-    except Exception as e:  # noqa: BLE001  (the model's own encoder refuses every shape tried)
-        parser.error(f"tiny_random_vlm cannot build inputs for {args.arch!r}: {type(e).__name__}: {e}")
-    chunk = 16 if count > 8 else 8  # below the image prompt's length: a chunk cuts through its image tokens
     model.generation_config.eos_token_id = None  # both run NEW_TOKENS tokens
     reference = copy.deepcopy(model) if args.check else None
+    chunk = 8  # below the image prompt's length: a chunk cuts through its image tokens
     try:
-        engine = HFEngine(model, config, max_num_reqs=2, max_model_len=count + 64, block_size=4,
+        engine = HFEngine(model, config, max_num_reqs=2, max_model_len=MAX_MODEL_LEN, block_size=4,
                           max_num_batched_tokens=chunk)
     except ValueError as e:  # refused up front, with the reason
         parser.error(str(e))
+    try:
+        mm, count = random_mm_inputs(reference if reference is not None else model, images=args.images)
+    except Exception as e:  # noqa: BLE001  (the model's own encoder refuses every shape tried)
+        parser.error(f"tiny_random_vlm cannot build inputs for {args.arch!r}: {type(e).__name__}: {e}")
+    if count + 16 > MAX_MODEL_LEN:
+        parser.error(f"tiny_random_vlm cannot build inputs for {args.arch!r} short enough: {count} image tokens")
     per_image = [count // args.images] * args.images
     gen = torch.Generator().manual_seed(1)
     image_prompt, text_prompt = prompts(model, per_image, gen)

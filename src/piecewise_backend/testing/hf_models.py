@@ -351,7 +351,7 @@ def tiny_random_model(
 TINY_VISION = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
     head_dim=16, image_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, out_hidden_size=64,
-    projection_dim=64, mlp_ratio=2,
+    projection_dim=64, mlp_ratio=2.0,
     # qwen3-vl's deepstack adds features of these tower layers to the text model's first layers: kept within 2 layers
     deepstack_visual_indexes=[0, 1],
 )
@@ -448,6 +448,10 @@ def _vlm_config(transformers: Any, arch: str, defaults: Any, sizes: dict[str, An
         if sub is text:
             fields = _fields(sub, {"vocab_size": VLM_VOCAB, **given}, level)
             fields.update(_mrope_scaled(defaults, sub, fields.get("head_dim", TINY["head_dim"])))
+            kinds = list(dict.fromkeys(_layer_kinds(sub) or []))
+            if len(kinds) > 1 and "layer_types" not in given and level < 2:  # one layer of each type (qwen3.5: linear, full)
+                layers = max(len(kinds), fields.get("num_hidden_layers", 2))
+                fields.update(num_hidden_layers=layers, layer_types=kinds + [kinds[-1]] * (layers - len(kinds)))
         else:  # vision, audio, projector, q-former...: the vision sizes where the sub-config has them
             base = _fields(sub, {**TINY_VISION, **given}, min(level, 1))
             fields = {k: v for k, v in base.items() if k in TINY_VISION or k in given or level == 0 and k in TINY_IF_SET}
