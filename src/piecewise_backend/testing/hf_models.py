@@ -455,6 +455,8 @@ def _vlm_config(transformers: Any, arch: str, defaults: Any, sizes: dict[str, An
         else:  # vision, audio, projector, q-former...: the vision sizes where the sub-config has them
             base = _fields(sub, {**TINY_VISION, **given}, min(level, 1))
             fields = {k: v for k, v in base.items() if k in TINY_VISION or k in given or level == 0 and k in TINY_IF_SET}
+            if isinstance(fields.get("mlp_ratio"), float) and isinstance(getattr(sub, "mlp_ratio", None), int):
+                fields["mlp_ratio"] = int(fields["mlp_ratio"])  # qwen2-vl validates an int, step3p7 a float
             if "num_hidden_layers" not in fields and _settable(sub, "num_layers"):
                 fields["num_layers"] = 2
         subs[key] = type(sub)(**{**_without_per_layer(sub), **fields}) if level < 3 else sub
