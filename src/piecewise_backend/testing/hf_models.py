@@ -368,6 +368,10 @@ TINY_VLM_SIZES: dict[str, dict[str, Any]] = {
     **{arch: {"mm_tokens_per_image": 4} for arch in ("gemma3", "shieldgemma2")},
     # vipllava concatenates 5 of the tower's layers (down to layer -11): two of the two
     "vipllava": {"vision_feature_layers": [-2, -1]},
+    # aria's projector maps a tower's patch count to its query count: the tiny tower's 16 patches to 4 queries
+    "aria": {"projector_patch_to_query_dict": {16: 4}},
+    # the thinker's get_rope_index reads vision_start_token_id, which only the full omni config declares
+    "qwen2_5_omni_thinker": {"vision_start_token_id": VLM_VOCAB - 40},
 }
 
 
