@@ -44,6 +44,8 @@ REFUSED = {
     "gemma3": "gemma3 attends bidirectionally within each image's tokens (token_type_ids): the paged attention is causal",
     "paligemma": "paligemma attends bidirectionally over the whole prompt prefix (a prefix-LM): the paged attention is causal",
     "mllama": "mllama reads its images through cross-attention layers, not image tokens in the prompt",
+    "shieldgemma2": ("shieldgemma2 is gemma3 (Gemma3ForConditionalGeneration): it attends bidirectionally within each "
+                     "image's tokens (token_type_ids): the paged attention is causal"),
     "ovis2": ("ovis2's forward also puts visual-indicator embeddings (from its visual embedding table) at its "
               "indicator tokens, besides the image features at the image tokens"),
 }
