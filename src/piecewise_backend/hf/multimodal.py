@@ -70,8 +70,9 @@ BATCHED_PIXELS = frozenset({"idefics2", "idefics3", "smolvlm"})
 def text_image_input(model: torch.nn.Module) -> str | None:
     """The first :data:`TEXT_IMAGE_INPUTS` name the forward of ``model``'s text model takes (None: none)."""
     inner = getattr(model, "model", model)
-    text = getattr(inner, "language_model", None) or getattr(model, "language_model", None)
-    if not isinstance(text, torch.nn.Module):
+    found = (getattr(owner, name, None) for owner in (inner, model) for name in ("language_model", "text_model"))
+    text = next((m for m in found if isinstance(m, torch.nn.Module)), None)  # granite_docling: text_model
+    if text is None:
         return None
     taken = inspect.signature(text.forward).parameters
     return next((name for name in TEXT_IMAGE_INPUTS if name in taken), None)
