@@ -7,7 +7,12 @@ mismatch), ``crash`` (exit 1 otherwise), ``timeout``. A pass also records how ma
 engine compiled (the example's ``dynamo graphs: N`` line) and, for more than one, the first graph break:
 the tokens are right, but each break costs dispatch and leaves graphs without a splitting op.
 
+``--vlm`` runs ``examples/vlm_generate.py --arch TYPE --check`` for every image-text-to-text type instead
+(transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``) and writes its section of the same file
+(after :data:`VLM_MARK`; the causal-LM table before it is kept, and a causal-LM run keeps the VLM section).
+
 Run: python scripts/model_survey.py [--types llama mixtral ...] [--timeout 60] [--out docs/models.md]
+     python scripts/model_survey.py --vlm [--types llava qwen2_vl ...] [--timeout 120]
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTCOMES = ("pass", "refused", "not built", "wrong", "crash", "timeout")
-_NOT_BUILT = ("has no causal LM class", "is not a transformers model type", "tiny_random_model")
+_NOT_BUILT = ("has no causal LM class", "is not a transformers model type", "tiny_random_model", "tiny_random_vlm",
+              "is not an image-text-to-text model type")
+#: The line that starts the image-text-to-text section of docs/models.md.
+VLM_MARK = "<!-- image-text-to-text survey: scripts/model_survey.py --vlm -->"
+EXAMPLES = {False: "hf_generate.py", True: "vlm_generate.py"}
 
 
 @dataclasses.dataclass
@@ -43,6 +52,12 @@ def causal_lm_types() -> list[str]:
     return sorted({config.model_type for config in transformers.MODEL_FOR_CAUSAL_LM_MAPPING.keys()})
 
 
+def image_text_to_text_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
 def classify(arch: str, rc: int | None, out: str, seconds: float) -> Result:
     """The outcome of one run from its exit status and output."""
     lines = [line for line in out.splitlines() if line.strip()]
@@ -58,7 +73,7 @@ def classify(arch: str, rc: int | None, out: str, seconds: float) -> Result:
         if count.isdigit() and int(count) > 1 and not cut:
             cut = "no graph break recorded (Dynamo recompiled: a guard failed)"
         return Result(arch, "pass", check, seconds, int(count) if count.isdigit() else None, cut if count.isdigit() and int(count) > 1 else "")
-    error = next((line.split("error: ", 1)[1] for line in lines if "hf_generate.py: error: " in line), None)
+    error = next((line.split("error: ", 1)[1] for line in lines if re.match(r"^\w+\.py: error: ", line)), None)
     if rc == 2 and error is not None:
         return Result(arch, "not built" if "cannot build" in error or any(s in error for s in _NOT_BUILT) else "refused", error, seconds)
     mismatch = [line for line in lines if line.startswith("MISMATCH")]
@@ -69,13 +84,13 @@ def classify(arch: str, rc: int | None, out: str, seconds: float) -> Result:
     return Result(arch, "crash", last.strip(), seconds)
 
 
-def run_one(arch: str, timeout: float) -> Result:
-    """The example in a fresh process: ``python examples/hf_generate.py --arch ARCH --check``."""
+def run_one(arch: str, timeout: float, example: str = "hf_generate.py") -> Result:
+    """The example in a fresh process: ``python examples/EXAMPLE --arch ARCH --check``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "src"))
     start = time.perf_counter()
     try:
         proc = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "hf_generate.py"), "--arch", arch, "--check"],
+            [sys.executable, str(ROOT / "examples" / example), "--arch", arch, "--check"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
         )
     except subprocess.TimeoutExpired:
@@ -83,14 +98,14 @@ def run_one(arch: str, timeout: float) -> Result:
     return classify(arch, proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start)
 
 
-def run_forked(arch: str, timeout: float) -> Result:
+def run_forked(arch: str, timeout: float, example: str = "hf_generate.py") -> Result:
     """The example's ``main`` in a child forked from this process, which imported torch and transformers
     once (the import is most of a short run's time): the same isolation, exit status and output."""
     import multiprocessing
     import tempfile
 
     with tempfile.TemporaryFile(mode="w+") as log:
-        child = multiprocessing.get_context("fork").Process(target=_child, args=(arch, log.fileno()))
+        child = multiprocessing.get_context("fork").Process(target=_child, args=(arch, log.fileno(), example))
         start = time.perf_counter()
         child.start()
         child.join(timeout)
@@ -103,7 +118,7 @@ def run_forked(arch: str, timeout: float) -> Result:
         return classify(arch, child.exitcode, log.read(), seconds)
 
 
-def _child(arch: str, fd: int) -> None:
+def _child(arch: str, fd: int, example_file: str = "hf_generate.py") -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
@@ -111,8 +126,8 @@ def _child(arch: str, fd: int) -> None:
     import importlib.util
     import traceback
 
-    sys.argv = [str(ROOT / "examples" / "hf_generate.py"), "--arch", arch, "--check"]  # argparse's prog name
-    spec = importlib.util.spec_from_file_location("hf_generate", ROOT / "examples" / "hf_generate.py")
+    sys.argv = [str(ROOT / "examples" / example_file), "--arch", arch, "--check"]  # argparse's prog name
+    spec = importlib.util.spec_from_file_location(example_file.removesuffix(".py"), ROOT / "examples" / example_file)
     example = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(example)
@@ -183,6 +198,41 @@ def table(results: list[Result], conditions: str) -> str:
     return "\n".join(lines)
 
 
+def vlm_table(results: list[Result], conditions: str) -> str:
+    """The image-text-to-text section of docs/models.md (starts with :data:`VLM_MARK`)."""
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    lines = [
+        VLM_MARK,
+        "# Image-text-to-text survey",
+        "",
+        "Every model type in transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, run through",
+        "`python examples/vlm_generate.py --arch TYPE --check`: a tiny random-weight model (`hf.tiny_random_vlm`),",
+        "random pixel inputs of the shape it takes (`hf.random_mm_inputs`), a prompt with the image's placeholder",
+        "tokens served beside a text-only prompt with chunked prefill, tokens compared with `model.generate` given",
+        "the same inputs (a differing token passes only within 1e-3 of the forward's best logit). `refused`: refused",
+        "up front by `HFEngine` with the reason (`hf/multimodal.py`'s REFUSED and its checks); `not built`: no tiny",
+        "model or pixel inputs could be made for the type (the reason says why).",
+        "",
+        f"Conditions: {conditions}",
+        "",
+        "Counts: " + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES) + f" ({len(results)} types).",
+        "",
+    ]
+    for outcome in OUTCOMES:
+        group = [r for r in results if r.outcome == outcome]
+        if group:
+            lines += [f"## {outcome} ({len(group)})", "", "| type | outcome | reason | seconds |", "| --- | --- | --- | --- |"]
+            lines += [f"| {r.arch} | {r.outcome} | {_cell(r.reason)} | {r.seconds:.1f} |" for r in group]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def sections(text: str) -> tuple[str, str]:
+    """docs/models.md split into its causal-LM table and its image-text-to-text section ('' where absent)."""
+    head, mark, tail = text.partition(VLM_MARK)
+    return head.rstrip() + "\n", (mark + tail) if mark else ""
+
+
 def parse(text: str) -> list[Result]:
     """The rows of a table written by :func:`table`."""
     rows, breaks = [], {}
@@ -205,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conditions", default="", help="extra words for the conditions line (machine load, ...)")
     parser.add_argument("--merge", action="store_true", help="replace only these types' rows in --out, keep the others")
     parser.add_argument("--subprocess", action="store_true", help="a fresh interpreter per type (slower: imports each time)")
+    parser.add_argument("--vlm", action="store_true", help="the image-text-to-text types (examples/vlm_generate.py)")
     args = parser.parse_args(argv)
-    types = args.types or causal_lm_types()
+    types = args.types or (image_text_to_text_types() if args.vlm else causal_lm_types())
+    example = EXAMPLES[args.vlm]
     if not args.subprocess:  # imported once here, inherited by every forked child
         os.environ.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         sys.path.insert(0, str(ROOT / "src"))
@@ -218,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     results = []
     for i, arch in enumerate(types):
-        result = run_one(arch, args.timeout) if args.subprocess else run_forked(arch, args.timeout)
+        result = run_one(arch, args.timeout, example) if args.subprocess else run_forked(arch, args.timeout, example)
         results.append(result)
         print(f"[{i + 1}/{len(types)}] {arch}: {result.outcome} ({result.seconds:.1f} s) {result.reason[:160]}", flush=True)
     import torch
@@ -230,13 +282,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.timeout:.0f} s per type, one at a time"
                   f"{' (fresh interpreter each)' if args.subprocess else ' (each in a child forked after importing torch and transformers)'}. "
                   f"{args.conditions}").strip()
+    causal, vlm = sections(args.out.read_text()) if args.out.exists() else ("", "")
     if args.merge:  # rows of the other types kept from the existing table, with its conditions
-        old_text = args.out.read_text()
+        old_text = vlm if args.vlm else causal
         kept = [r for r in parse(old_text) if r.arch not in set(types)]
         previous = next(line.removeprefix("Conditions: ") for line in old_text.splitlines() if line.startswith("Conditions: "))
         conditions = f"{previous} Re-run later for {', '.join(types)}: {conditions}"
         results = sorted(kept + results, key=lambda r: r.arch)
-    args.out.write_text(table(results, conditions) + "\n")
+    if args.vlm:
+        args.out.write_text(causal + "\n" + vlm_table(results, conditions) + "\n")
+    else:
+        args.out.write_text(table(results, conditions) + "\n" + ("\n" + vlm if vlm else ""))
     print(", ".join(f"{sum(r.outcome == o for r in results)} {o}" for o in OUTCOMES))
     return 0
 

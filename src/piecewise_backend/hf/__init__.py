@@ -64,4 +64,6 @@ __all__ = [
     "TINY",
     "TINY_IF_SET",
     "tiny_random_model",
+    "tiny_random_vlm",
+    "random_mm_inputs",
 ]

@@ -1,4 +1,4 @@
-"""``piecewise_backend.hf.tiny_random_model``, ``hf.TINY``, ``hf.TINY_IF_SET``, ``hf.MAX_PARAMS``: aliases of the test
+"""``piecewise_backend.hf.tiny_random_model``, ``hf.tiny_random_vlm``, ``hf.random_mm_inputs``, ``hf.TINY``, ``hf.TINY_IF_SET``, ``hf.MAX_PARAMS``: aliases of the test
 fixtures of :mod:`piecewise_backend.testing.hf_models`, loaded on first use (hf's face imports :func:`__getattr__`).
 
 The fixtures build on what hf serves, but import nothing of it: ``tiny_random_model`` is given hf's
@@ -15,7 +15,7 @@ from .adapter import SERVED_LAYER_TYPES
 from .mixers import candidates
 
 #: The names of the fixtures importable from :mod:`piecewise_backend.hf`.
-FIXTURES = frozenset({"MAX_PARAMS", "TINY", "TINY_IF_SET", "tiny_random_model"})
+FIXTURES = frozenset({"MAX_PARAMS", "TINY", "TINY_IF_SET", "tiny_random_model", "tiny_random_vlm", "random_mm_inputs"})
 _LOADED: dict[str, Any] = {}
 
 

@@ -44,7 +44,38 @@ REFUSED = {
     "gemma3": "gemma3 attends bidirectionally within each image's tokens (token_type_ids): the paged attention is causal",
     "paligemma": "paligemma attends bidirectionally over the whole prompt prefix (a prefix-LM): the paged attention is causal",
     "mllama": "mllama reads its images through cross-attention layers, not image tokens in the prompt",
+    "shieldgemma2": ("shieldgemma2 is gemma3 (Gemma3ForConditionalGeneration): it attends bidirectionally within each "
+                     "image's tokens (token_type_ids): the paged attention is causal"),
+    "ovis2": ("ovis2's forward also puts visual-indicator embeddings (from its visual embedding table) at its "
+              "indicator tokens, besides the image features at the image tokens"),
 }
+#: Inputs of the text model's forward that carry image content besides the image tokens' rows: a model whose
+#: text model takes one is refused with the reason (the engine gives the text model input embeddings and
+#: positions only).
+TEXT_IMAGE_INPUTS = {
+    "deepstack_visual_embeds": ("its text model adds features of several vision layers to the hidden states of "
+                                "its first layers at the image tokens (deepstack), besides the input embeddings"),
+}
+#: Families whose image-token count is not the grid's patches / spatial_merge_size**2, why: counted when the
+#: encoder runs (a prompt with another count is refused then).
+GRID_COUNT_BY_ENCODER = {
+    "hunyuan_vl": "a row separator per merged row and begin / end rows per image",
+    "hy_v4_vl": "a row separator per merged row and begin / end rows per image",
+}
+#: Families whose ``pixel_values`` carry a leading per-prompt dim, ``(1, images, C, H, W)`` (their processor's
+#: output for one prompt).
+BATCHED_PIXELS = frozenset({"idefics2", "idefics3", "smolvlm"})
+
+
+def text_image_input(model: torch.nn.Module) -> str | None:
+    """The first :data:`TEXT_IMAGE_INPUTS` name the forward of ``model``'s text model takes (None: none)."""
+    inner = getattr(model, "model", model)
+    found = (getattr(owner, name, None) for owner in (inner, model) for name in ("language_model", "text_model"))
+    text = next((m for m in found if isinstance(m, torch.nn.Module)), None)  # granite_docling: text_model
+    if text is None:
+        return None
+    taken = inspect.signature(text.forward).parameters
+    return next((name for name in TEXT_IMAGE_INPUTS if name in taken), None)
 
 
 def refusal(model: torch.nn.Module, config: CompilationConfig, args: EngineArgs, *, tensor_parallel: bool) -> str | None:
@@ -53,6 +84,9 @@ def refusal(model: torch.nn.Module, config: CompilationConfig, args: EngineArgs,
     kind = getattr(model.config, "model_type", "")
     if kind in REFUSED:
         return f"{name}: {REFUSED[kind]}"
+    extra = text_image_input(model)
+    if extra is not None:
+        return f"{name}: {TEXT_IMAGE_INPUTS[extra]} (its text model's forward takes {extra})"
     if image_token(model) is None:
         return f"{name}: its config names no image token (image_token_id / image_token_index)"
     if config.use_ubatching:
@@ -188,11 +222,13 @@ class Admit:
             if pixels.dim() != 2 or pixels.shape[0] != patches:
                 raise ValueError(f"{where}: pixel_values of shape {tuple(pixels.shape)} do not match image_grid_thw "
                                  f"{grid.tolist()}: it needs ({patches}, patch features)")
-            return patches // self.merge ** 2
+            return None if self.model.config.model_type in GRID_COUNT_BY_ENCODER else patches // self.merge ** 2
         size, patch = getattr(self.vision, "image_size", None), getattr(self.vision, "patch_size", None)
         channels = getattr(self.vision, "num_channels", 3)
         if "image_sizes" in inputs or not isinstance(size, int) or not isinstance(patch, int):
             return None
+        if self.model.config.model_type in BATCHED_PIXELS and pixels.dim() == 5 and pixels.shape[0] == 1:
+            pixels = pixels[0]
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (channels, size, size):
             raise ValueError(f"{where}: pixel_values must be (images, {channels}, {size}, {size}), got "
                              f"{tuple(pixels.shape)}")

@@ -343,3 +343,258 @@ def tiny_random_model(
                 if p.dim() >= 2:
                     p.mul_(state_gain)
     return model.to(device).eval()
+
+
+#: Sizes of a vision tower in :func:`tiny_random_vlm`: as wide as the text model (towers whose ``hidden_size``
+#: is their output width, qwen2-vl's, then match it), 2 layers, an image of 32x32 pixels in patches of 8
+#: (a fixed-size tower: 16 patches before any merge or pooling).
+TINY_VISION = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    head_dim=16, image_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=4, out_hidden_size=64,
+    projection_dim=64, mlp_ratio=2.0,
+    # qwen3-vl's deepstack adds features of these tower layers to the text model's first layers: kept within 2 layers
+    deepstack_visual_indexes=[0, 1],
+)
+#: The vocabulary of :func:`tiny_random_vlm`: special tokens (image, video, vision start/end, ...) take its top ids.
+VLM_VOCAB = 256
+#: Token ids a VLM config names that stay as TINY sets them (not remapped to the top of the vocabulary).
+_PLAIN_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+#: Per-type sizes :func:`tiny_random_vlm` cannot derive (by model type; keys of the top-level config, or
+#: ``{"vision_config": {...}}`` merged into that sub-config's sizes).
+TINY_VLM_SIZES: dict[str, dict[str, Any]] = {
+    # llava_next's tiles come from image_grid_pinpoints (336-pixel tiles by default): one 32x32 tile
+    **{arch: {"image_grid_pinpoints": [[32, 32]]} for arch in ("llava_next", "llava_next_video", "llava_onevision")},
+    # gemma3 pools the tower's 16 patches to mm_tokens_per_image (256 by default: a kernel of 0)
+    **{arch: {"mm_tokens_per_image": 4} for arch in ("gemma3", "shieldgemma2")},
+    # vipllava concatenates 5 of the tower's layers (down to layer -11): two of the two
+    "vipllava": {"vision_feature_layers": [-2, -1]},
+    # aria's projector maps a tower's patch count to its query count: the tiny tower's 16 patches to 4 queries
+    "aria": {"projector_patch_to_query_dict": {16: 4}},
+    # the thinker's get_rope_index reads vision_start_token_id, which only the full omni config declares
+    "qwen2_5_omni_thinker": {"vision_start_token_id": VLM_VOCAB - 40},
+}
+
+
+def _special_tokens(config: Any) -> dict[str, int]:
+    """The special-token ids a VLM config names (image, video, vision start and end, ...), by field."""
+    out = {}
+    for name in dir(config):
+        if name.startswith("_") or not (name.endswith("_token_id") or name.endswith("_token_index")):
+            continue
+        if name in _PLAIN_TOKENS:
+            continue
+        try:
+            value = getattr(config, name)
+        except Exception:  # a deprecated alias that refuses a read
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
+def _without_per_layer(config: Any) -> dict[str, Any]:
+    """``config.to_dict()`` without its per-layer fields (lists as long as its layer count, dicts keyed by layer
+    index): the shrunk layer count derives its own."""
+    data = config.to_dict()
+    layers = {data.get(k) for k in ("num_hidden_layers", "depth", "num_layers") if isinstance(data.get(k), int)}
+    def per_layer(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return len(value) in layers and len(value) > 2
+        return isinstance(value, dict) and bool(value) and all(str(k).isdigit() for k in value)
+    return {k: v for k, v in data.items() if not per_layer(v) and k not in ("architectures", "transformers_version")}
+
+
+def _mrope_scaled(vlm: Any, text: Any, head_dim: int) -> dict[str, Any]:
+    """``text``'s ``rope_parameters`` with an M-RoPE ``mrope_section`` (sizes per position axis, summing to half
+    the head dim) scaled to ``head_dim``: the config's own, else the default its modeling code falls back to
+    (qwen2-vl's ``[16, 24, 24]``, for a head dim of 128); {} where the model has no M-RoPE."""
+    import importlib
+    import inspect
+    import re
+
+    rope = getattr(text, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return {}
+    section = rope.get("mrope_section")
+    if not isinstance(section, (list, tuple)):
+        source = ""
+        for config in (vlm, text):  # glm46v's text model is glm4v's
+            try:
+                source += inspect.getsource(importlib.import_module(type(config).__module__.replace("configuration_", "modeling_")))
+            except (ImportError, OSError, TypeError):
+                pass
+        found = re.search(r"mrope_section[^\n]{0,60}?\[(\d+),\s*(\d+),\s*(\d+)\]", source)
+        if found is None and "mrope_section" not in source:
+            return {}
+        section = [int(x) for x in found.groups()] if found else [16, 24, 24]
+    partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
+    half = int(head_dim * partial) // 2
+    scaled = [max(1, x * half // sum(section)) for x in section]
+    scaled[0] += half - sum(scaled)
+    return {"rope_parameters": {**rope, "mrope_section": scaled}}
+
+
+def _vlm_config(transformers: Any, arch: str, defaults: Any, sizes: dict[str, Any], level: int) -> Any:
+    """``arch``'s config with its text and vision sub-configs shrunk (``level`` as :func:`_fields`), its
+    special tokens remapped to the top of :data:`VLM_VOCAB`."""
+    own = {**TINY_VLM_SIZES.get(arch, {}), **sizes}
+    subs: dict[str, Any] = {}
+    text = None
+    try:
+        text = defaults.get_text_config()
+    except Exception:
+        pass
+    for key in getattr(defaults, "sub_configs", {}) or {}:
+        sub = getattr(defaults, key, None)
+        if not isinstance(sub, transformers.PretrainedConfig):
+            continue
+        given = own.pop(key, {})
+        if sub is text:
+            fields = _fields(sub, {"vocab_size": VLM_VOCAB, **given}, level)
+            fields.update(_mrope_scaled(defaults, sub, fields.get("head_dim", TINY["head_dim"])))
+            kinds = list(dict.fromkeys(_layer_kinds(sub) or []))
+            if len(kinds) > 1 and "layer_types" not in given and level < 2:  # one layer of each type (qwen3.5: linear, full)
+                layers = max(len(kinds), fields.get("num_hidden_layers", 2))
+                fields.update(num_hidden_layers=layers, layer_types=kinds + [kinds[-1]] * (layers - len(kinds)))
+        else:  # vision, audio, projector, q-former...: the vision sizes where the sub-config has them
+            base = _fields(sub, {**TINY_VISION, **given}, min(level, 1))
+            fields = {k: v for k, v in base.items() if k in TINY_VISION or k in given or level == 0 and k in TINY_IF_SET}
+            if isinstance(fields.get("mlp_ratio"), float) and isinstance(getattr(sub, "mlp_ratio", None), int):
+                fields["mlp_ratio"] = int(fields["mlp_ratio"])  # qwen2-vl validates an int, step3p7 a float
+            if "num_hidden_layers" not in fields and _settable(sub, "num_layers"):
+                fields["num_layers"] = 2
+        subs[key] = type(sub)(**{**_without_per_layer(sub), **fields}) if level < 3 else sub
+    top = {k: v for k, v in own.items()}
+    tokens = _special_tokens(defaults)
+    for i, name in enumerate(sorted(tokens)):
+        top.setdefault(name, VLM_VOCAB - 1 - i)
+    try:
+        config = transformers.AutoConfig.for_model(arch, **subs, **top)
+    except TypeError:  # a config that takes its sub-configs as dicts only
+        config = transformers.AutoConfig.for_model(arch, **{k: v.to_dict() for k, v in subs.items()}, **top)
+    for key, sub in subs.items():  # configs that rebuild a sub-config from their own defaults
+        if getattr(config, key, None) is not sub and isinstance(getattr(config, key, None), transformers.PretrainedConfig):
+            setattr(config, key, sub)
+    for name, value in top.items():  # set after __post_init__ (configs that derive ids from a sub-config)
+        if _settable(config, name):
+            setattr(config, name, value)
+    return config
+
+
+def tiny_random_vlm(arch: str, *, seed: int = 0, device: torch.device | str = "cpu", **sizes: Any) -> torch.nn.Module:
+    """A seeded random-weight image-text-to-text model of transformers model type ``arch`` (a key of
+    ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``; nothing downloaded).
+
+    The text sub-config gets :data:`TINY` (vocabulary :data:`VLM_VOCAB`), the vision tower and any other
+    sub-config :data:`TINY_VISION` where it has those fields (2 layers, 32x32 images in 8x8 patches); the
+    config's special tokens (image, video, vision start / end, ...) move to the top ids of the vocabulary.
+    ``sizes`` are set on the top-level config (a sub-config's key, e.g. ``vision_config={...}``, adds to that
+    sub-config's sizes). SDPA attention (eager where the model has none), eval mode. A type that cannot be
+    built raises ValueError naming why.
+    """
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as names
+    except ImportError as e:
+        raise ImportError("tiny_random_vlm needs transformers: pip install 'piecewise_backend[hf]'") from e
+    if arch not in names:
+        raise ValueError(f"{arch!r} is not an image-text-to-text model type (the keys of transformers' "
+                         "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, e.g. 'llava', 'qwen2_vl')")
+    try:
+        defaults = transformers.AutoConfig.for_model(arch)
+    except Exception as e:
+        raise ValueError(f"tiny_random_vlm cannot build {arch!r}: its default config is invalid ({type(e).__name__}: {e})") from e
+    errors = []
+    config = None
+    for level in range(4):
+        try:
+            candidate = _vlm_config(transformers, arch, defaults, sizes, level)
+            with torch.device("meta"):
+                params = sum(p.numel() for p in transformers.AutoModelForImageTextToText.from_config(candidate).parameters())
+        except Exception as e:  # the config's or the model's own validation: try fewer changes
+            errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            continue
+        if params <= MAX_PARAMS:
+            config = candidate
+            break
+        errors.append(f"{params / 1e6:.0f}M parameters (> {MAX_PARAMS / 1e6:.0f}M: a size field TINY_VISION does not know)")
+    if config is None:
+        raise ValueError(f"tiny_random_vlm cannot build {arch!r} from a shrunk config ({errors[0]}); pass fitting **sizes")
+    for implementation in ("sdpa", "eager"):
+        torch.manual_seed(seed)
+        try:
+            model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation=implementation)
+            break
+        except ValueError as e:  # no SDPA support in some sub-model
+            error = e
+    else:
+        raise ValueError(f"tiny_random_vlm cannot build {arch!r}: {error}")
+    return model.to(device).eval()
+
+
+def _image_features(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The rows ``model.get_image_features`` makes of ``inputs`` (flattened as the model scatters them)."""
+    import inspect
+
+    method = model.get_image_features
+    wanted = inspect.signature(method).parameters
+    with torch.no_grad():
+        out = method(**{k: v for k, v in inputs.items() if k in wanted or "kwargs" in wanted})
+    features = getattr(out, "pooler_output", out)
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features], 0)
+    return features.reshape(-1, features.shape[-1])
+
+
+def random_mm_inputs(model: torch.nn.Module, images: int = 1, seed: int = 0) -> tuple[dict[str, torch.Tensor], int]:
+    """Random pixel inputs of the shape ``model`` takes for ``images`` images, and how many image tokens they
+    make (``model.get_image_features`` run once to count them).
+
+    Grid models (a ``spatial_merge_size``: qwen2-vl and relatives) get ``image_grid_thw`` rows ``[1, 2m, 2m]``
+    and their flattened patches; fixed-size towers ``(images, C, H, W)`` at the tower's ``image_size``, with
+    ``image_sizes`` where the model's forward takes them.
+    """
+    import inspect
+
+    if not callable(getattr(model, "get_image_features", None)):
+        raise ValueError(f"random_mm_inputs: {type(model).__name__} has no get_image_features (its images reach "
+                         "its forward another way: no image features to count)")
+    vision = model.config.vision_config
+    gen = torch.Generator().manual_seed(seed)
+    forward = inspect.signature(model.forward).parameters
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
+    merge = getattr(vision, "spatial_merge_size", None)
+    if merge and "image_grid_thw" in forward:
+        patch = vision.patch_size
+        temporal = getattr(vision, "temporal_patch_size", 1) or 1
+        grid = torch.tensor([[1, 2 * merge, 2 * merge]] * images)
+        pixels = torch.randn(int(grid.prod(-1).sum()), channels * temporal * patch * patch, generator=gen)
+        inputs = {"pixel_values": pixels, "image_grid_thw": grid}
+        return _counted(model, inputs)
+    size = vision.image_size
+    h, w = (size, size) if isinstance(size, int) else (size["height"], size["width"]) if isinstance(size, dict) else tuple(size)
+    pixels = torch.randn(images, channels, h, w, generator=gen)
+    sizes = torch.tensor([[h, w]] * images)
+    # the shapes fixed-size towers take, tried in turn (the first the model's get_image_features takes):
+    # (images, C, H, W); with image_sizes (pixtral towers: mistral3); one tile per image besides the base
+    # image, with image_sizes (llava_next: image_grid_pinpoints [[H, W]]); (1, images, C, H, W) (idefics2/3)
+    tried = [{"pixel_values": pixels}]
+    if "image_sizes" in forward:
+        tried += [{"pixel_values": pixels, "image_sizes": sizes},
+                  {"pixel_values": torch.stack([pixels, pixels], 1), "image_sizes": sizes}]
+    tried.append({"pixel_values": pixels[None]})
+    errors = []
+    for inputs in tried:
+        try:
+            return _counted(model, inputs)
+        except Exception as e:  # not this shape: the next
+            errors.append(f"{tuple(inputs['pixel_values'].shape)}: {type(e).__name__}: {str(e)[:120]}")
+    raise ValueError(f"random_mm_inputs: {type(model).__name__}.get_image_features takes none of the pixel shapes "
+                     f"tried ({'; '.join(errors)})")
+
+
+def _counted(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """``inputs`` on ``model``'s device and dtype, and the image tokens they make."""
+    param = next(model.parameters())
+    inputs = {k: v.to(param.device, param.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+    return inputs, int(_image_features(model, inputs).shape[0])
