@@ -158,15 +158,3 @@ def test_an_unseeded_request_draws_its_seed_from_torchs_generator():
     torch.manual_seed(5)
     assert sampling.resolve_seed(SamplingParams()) == first
     assert sampling.resolve_seed(SamplingParams(seed=9)) == 9
-
-
-def test_greedy_tokens_mark_nan_rows():
-    """greedy_tokens: the argmax of every row, NAN_TOKEN for a row holding a NaN (anywhere in it)."""
-    from piecewise_backend.serve.sampling import NAN_TOKEN, greedy_tokens
-
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    logits[1, 7] = float("nan")
-    logits[3, 0] = float("nan")
-    want = logits.nan_to_num(nan=-1e9).argmax(-1)
-    want[1] = want[3] = NAN_TOKEN
-    assert greedy_tokens(logits.clone()).tolist() == want.tolist()

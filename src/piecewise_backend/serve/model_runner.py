@@ -29,7 +29,7 @@ from ..state.cache import StateCache, StateSpec
 from .arguments import EngineArgs, first_parameter, is_int
 from .ladder import Ladder, cover_limits
 from .loop import Executed, chunk_ends
-from .sampling import greedy_tokens, mark_nan, noise_key, sample
+from .sampling import mark_nan, noise_key, sample
 from .scheduler import StepPlan
 from .token_rules import TokenRules
 
@@ -272,11 +272,11 @@ class Decode:
             if self.rules is not None:
                 rows = self.rules.apply(rows, emitting)
             if all(r.greedy for r in emitting):  # argmax: no noise keys, no per-row parameters
-                chosen = greedy_tokens(rows)
+                chosen = rows.argmax(-1)
             else:
                 keys = [noise_key(r.seed, r.length) for r in emitting]  # the new token's position
-                chosen = mark_nan(rows, sample(rows, [r.sampling for r in emitting], keys))
-            drawn = chosen.tolist()  # read before any other replay
+                chosen = sample(rows, [r.sampling for r in emitting], keys)
+            drawn = mark_nan(rows, chosen).tolist()  # read before any other replay
             for i, token in zip(emit, drawn):
                 new[i] = [token]
         return Executed(new, len(tokens), decode, result.mode, result.reason)

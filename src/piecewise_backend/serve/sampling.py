@@ -253,15 +253,6 @@ def mark_nan(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill_(logits.sum(-1).isnan(), NAN_TOKEN)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row of ``logits`` ``(rows, vocab)``, :data:`NAN_TOKEN` where the row holds a NaN.
-
-    One op fewer than ``argmax`` then :func:`mark_nan` (each costs microseconds of host time in every decode
-    step): ``max`` gives the index and the value, and a row's max is NaN exactly when it holds one."""
-    best, tokens = logits.max(-1)
-    return tokens.masked_fill_(best.isnan(), NAN_TOKEN)
-
-
 #: ``noise_key`` purposes: a request's token itself (plain decoding, and speculative decoding's bonus
 #: token), a drafter's proposal, the acceptance test of a draft, and the draw after a rejection.
 TOKEN, DRAFT, ACCEPT, RESAMPLE = 0, 1, 2, 3
