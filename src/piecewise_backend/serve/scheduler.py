@@ -42,7 +42,7 @@ from collections.abc import Callable, Hashable
 from typing import Protocol
 
 from ..kv.cache import PagedKVCache
-from ..kv.prefix_cache import block_keys
+from ..kv.prefix_cache import block_keys, salt_bytes
 from ..observability import counters
 from ..state.cache import StateCache
 from .sampling import SamplingParams
@@ -95,6 +95,7 @@ class Request:
     registered: int = 0  # blocks of its table that are cached (found cached, or registered after their step)
     num_cached_tokens: int = 0  # prompt tokens it found cached when first scheduled
     scheduled: bool = False  # it ran in a step once
+    cache_salt: str | None = None  # prefix caching: it shares cached blocks only with requests of an equal salt
 
     #: its sampling is argmax (``sampling.greedy``), kept as a field: a step reads it per request
     greedy: bool = dataclasses.field(init=False, default=True)
@@ -174,7 +175,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.check_fits(len(request.prompt), request.max_new_tokens)
         if self.prefix:  # hashed once, here: no step hashes
-            request.keys = block_keys(request.prompt, self.cache.block_size)
+            request.keys = block_keys(request.prompt, self.cache.block_size, salt_bytes(request.cache_salt))
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
