@@ -11,7 +11,7 @@ logits for ``GraphRunner`` + ``PagedKVCache`` (tests/support/pbtest's ``PagedTin
 * ``not offered``: the engine has no option for this axis (named);
 * ``wrong`` / ``crash``: a difference from the reference, or an error after construction: a bug.
 
-Run: python scripts/compat_matrix.py [--engines runner serve hf spec spec-lazy spec-sample spec-state compile runner-none serve-none hf-none] [--out docs/compatibility.md]
+Run: python scripts/compat_matrix.py [--engines runner serve serve-prefix hf spec spec-lazy spec-sample spec-state compile runner-none serve-none hf-none] [--out docs/compatibility.md]
 (some engines: their sections are rerun, the others kept from --out; docs/engine.md's "What composes" table is
 rewritten from the whole page; ``--composes`` does only that, from --out)
 Dynamo is reset before every cell (each cell compiles its own models).
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # PagedTinyLM: the toy mode
 import piecewise_backend as pb  # noqa: E402
 from piecewise_backend import attention, kv  # noqa: E402
 
-ENGINES = ("runner", "serve", "hf", "spec", "spec-lazy", "spec-sample", "spec-state", "compile",
+ENGINES = ("runner", "serve", "serve-prefix", "hf", "spec", "spec-lazy", "spec-sample", "spec-state", "compile",
            "runner-none", "serve-none", "hf-none")
 #: Engines run with ``compile_pieces="none"``: no Dynamo, the model's own forward (splitting ops break at run time).
 NO_DYNAMO = ("runner-none", "serve-none", "hf-none")
@@ -269,6 +269,44 @@ def _serve_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], st
     return [engine.runner], workload
 
 
+SHARED = [3, 1, 4, 1, 5, 9, 2, 6]  # two blocks of BLOCK tokens: the prefix the serve-prefix cell's requests share
+
+
+def _serve_prefix_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
+    """serve.Engine as in ``serve``, with prefix caching (on by default): a request computes a shared prefix, then
+    requests starting with it (one prompt cached whole but its last block) reuse its blocks; their tokens vs a full
+    recompute, cached prompt tokens counted, and every block free or evictable at the end."""
+    from pbtest.helpers import load_file
+    from piecewise_backend import serve
+
+    own = load_file("examples/own_model.py")
+    engine = serve.Engine(own.make_model(), cell.config(), kv_layout=own.KV_LAYOUT, vocab_size=own.VOCAB,
+                          max_num_reqs=3, max_model_len=32, block_size=BLOCK, num_blocks=12, max_num_batched_tokens=8,
+                          attention_backend=cell.backend)
+    first, later = [SHARED + [7]], [SHARED + [8, 10], SHARED[:4] + [11], SHARED]
+
+    def workload(steps: _Steps) -> str | None:
+        if not engine.prefix_caching:
+            return "prefix caching is off"
+        engine.capture()
+        hits = pb.counters["prefix_cache_hits"]
+        outputs = [engine.generate(p, GEN_TOKENS, on_step=lambda info: steps.add(engine.runner)) for p in (first, later)]
+        cached = pb.counters["prefix_cache_hits"] - hits
+        reference = own.make_model()
+        prompts = first + later
+        wrong = _compare(outputs[0] + outputs[1], [own.reference(reference, p, GEN_TOKENS) for p in prompts],
+                         "the full recompute's")
+        if wrong:
+            return wrong
+        if cached != 8 + 4 + 4:  # the shared blocks; SHARED alone recomputes its last block (its logits)
+            return f"{cached} prompt tokens were found cached, not 16"
+        if engine.cache.tables or engine.cache.num_free_blocks != engine.cache.total_blocks:
+            return f"{engine.cache.total_blocks - engine.cache.num_free_blocks} blocks held after every request finished"
+        return None
+
+    return [engine.runner], workload
+
+
 def _spec_lazy_cell(cell: Cell) -> tuple[list[pb.GraphRunner], Callable[[_Steps], str | None]]:
     """SpecEngine as in ``spec``, with lazy capture and a cache too small for every request at once: serves
     before any capture (preempting), captures when idle, serves again; both times the target's tokens."""
@@ -387,7 +425,7 @@ def _compile_cell(cell: Cell) -> tuple[list[Any], Callable[[_Steps], str | None]
     return [report], workload
 
 
-BUILDERS = {"runner": _runner_cell, "serve": _serve_cell, "hf": _hf_cell, "spec": _spec_cell,
+BUILDERS = {"runner": _runner_cell, "serve": _serve_cell, "serve-prefix": _serve_prefix_cell, "hf": _hf_cell, "spec": _spec_cell,
             "spec-lazy": _spec_lazy_cell, "spec-sample": _spec_sample_cell, "spec-state": _spec_state_cell,
             "compile": _compile_cell, "runner-none": _runner_cell, "serve-none": _serve_cell, "hf-none": _hf_cell}
 
@@ -447,6 +485,9 @@ TITLES = {
     "spec": "`SpecEngine` (tiny llama, 1-layer drafter, k=2; reference: the target's `model.generate`)",
     "serve": "`serve.Engine` on your own model (examples/own_model.py's decoder; chunked prefill and preemption; "
              "reference: a full recompute)",
+    "serve-prefix": "`serve.Engine` with prefix caching (as `serve`; requests sharing a computed prefix reuse its "
+                    "blocks, one prompt cached whole but its last block; reference: a full recompute, 16 prompt tokens "
+                    "found cached, every block free or evictable at the end)",
     "spec-lazy": "`SpecEngine` with `lazy_capture` and preemption (as `spec`; served before and after `capture_idle`; "
                  "reference: the target's `model.generate`)",
     "spec-sample": "`SpecEngine` sampling (as `spec`; greedy and seeded requests in one batch; reference: generate for "
@@ -522,6 +563,7 @@ def parse(page: str) -> dict[Cell, tuple[str, str, str]]:
 FEATURES = {
     "runner": "`GraphRunner` + `PagedKVCache`",
     "serve": "`serve.Engine`: online requests, chunked prefill, preemption",
+    "serve-prefix": "`serve.Engine`: prefix caching (shared prompt blocks reused)",
     "hf": "`HFEngine`: online requests",
     "spec": "`SpecEngine`: online requests",
     "spec-lazy": "`SpecEngine` with `lazy_capture`, `capture_idle`, preemption",

@@ -39,6 +39,7 @@ SAMPLE = [
     Cell("spec", "FULL", False, True, "reference"),  # both caches on the reference backend
     Cell("serve", "FULL_AND_PIECEWISE", False, True, "bounded"),  # your own model: chunks, preemption
     Cell("serve", "FULL", True, False, "reference"),
+    Cell("serve-prefix", "FULL_AND_PIECEWISE", True, True, "bounded"),  # shared prompt blocks reused, micro-batched
     Cell("spec-lazy", "FULL_AND_PIECEWISE", False, True, "bounded"),  # served before and after capture_idle
     Cell("spec-sample", "FULL_AND_PIECEWISE", False, True, "bounded"),  # greedy and seeded requests together
     Cell("spec-state", "FULL", True, False, "reference"),  # state layers: PIECEWISE verify, said why

@@ -63,12 +63,13 @@ def test_ranks_given_different_requests_are_refused_on_every_rank_naming_the_fie
 def test_request_fields_tell_each_field_apart():
     def request(budget: int = 3, **kw: Any) -> Request:
         return Request("a", kw.get("prompt", [1, 2]), budget, kw.get("sampling", serve.sampling.GREEDY), 0,
-                       frozenset(kw.get("stops", ())), 0)
+                       frozenset(kw.get("stops", ())), 0, cache_salt=kw.get("salt"))
 
     fields = admission.request_fields(request())
-    assert len(fields) == len(admission.FIELDS) == 4 and len(set(fields)) == 4
+    assert len(fields) == len(admission.FIELDS) == 5 and len(set(fields)) == 5
     for name, other in (("prompt", request(prompt=[1, 3])), ("max_new_tokens", request(4)),
                         ("stop_token_ids", request(stops=[2])),
-                        ("sampling", request(sampling=serve.SamplingParams(temperature=0.5)))):
+                        ("sampling", request(sampling=serve.SamplingParams(temperature=0.5))),
+                        ("cache_salt", request(salt="tenant"))):
         changed = [n for n, a, b in zip(admission.FIELDS, fields, admission.request_fields(other)) if a != b]
         assert changed == [name]

@@ -155,3 +155,67 @@ def test_micro_batching_composes_shared_blocks_are_only_read(model):
     assert engine.generate(prompts, 6, eos_token_id=[], on_step=steps.append) == expected(model, prompts, 6)
     assert pb.counters["prefix_cache_hits"] - before == 48 and steps[0].num_tokens == 4  # 4 requests, 1 token each
     assert_all_free(engine)
+
+
+def salted(engine: serve.Engine, prompt, salt) -> serve.RequestOutput:
+    rid = engine.add_request(prompt, 4, stop_token_ids=[], cache_salt=salt)
+    return {o.request_id: o for o in engine.results()}[rid]
+
+
+def test_a_cache_salt_shares_blocks_only_with_an_equal_salt(model):
+    engine = make_engine()
+    cached = [salted(engine, SYSTEM + [i], salt).num_cached_tokens
+              for i, salt in enumerate([None, "tenant a", "tenant a", "tenant b", None, "", ""])]
+    assert cached == [0, 0, 12, 0, 12, 0, 12]  # "" is a salt of its own, not None
+    for i in range(3):
+        assert salted(engine, SYSTEM + [i], "tenant a").token_ids == expected(model, [SYSTEM + [i]], 4)[0]
+    before = pb.counters["prefix_cache_hits"]
+    prompts = [SYSTEM + [1], SYSTEM + [2], SYSTEM + [3]]
+    out = engine.generate(prompts, 4, eos_token_id=[], cache_salt=["tenant b", "tenant c", None])
+    assert out == expected(model, prompts, 4)
+    assert pb.counters["prefix_cache_hits"] - before == 24  # tenant b's and None's blocks were cached, c's were not
+    before = pb.counters["prefix_cache_hits"]
+    engine.generate(prompts, 2, eos_token_id=[], cache_salt="tenant c")  # one salt for all: c's first block is cached
+    assert pb.counters["prefix_cache_hits"] - before == 36
+    assert_all_free(engine)
+
+
+def test_a_bad_cache_salt_is_refused_naming_it():
+    engine = make_engine()
+    with pytest.raises(ValueError, match=r"cache_salt must be a str or None .*got int 3"):
+        engine.add_request(SYSTEM, 2, cache_salt=3)
+    with pytest.raises(ValueError, match=r"cache_salt must be a str or None .*got bytes b'x'"):
+        engine.add_request(SYSTEM, 2, cache_salt=b"x")
+    with pytest.raises(ValueError, match=r"one per prompt \(a list or tuple of 2 strs or Nones\), got \['a'\]"):
+        engine.generate([SYSTEM, SYSTEM], 2, cache_salt=["a"])
+    with pytest.raises(ValueError, match=r"cache_salt\[1\] must be a str or None .*got int 5"):
+        engine.generate([SYSTEM, SYSTEM], 2, cache_salt=[None, 5])
+    assert not engine.has_unfinished() and engine.cache.tables == {}
+
+
+def _worker_prefix_agreement(rank: int, mesh) -> dict:
+    said = {}
+    try:
+        make_engine(enable_prefix_caching=rank == 0, mode="NONE")
+        said["built"] = "built"
+    except ValueError as e:
+        said["built"] = str(e)
+    engine = make_engine(mode="NONE")
+    try:
+        engine.generate([SYSTEM + [1]], 2, cache_salt=f"rank {rank}")
+        said["salt"] = "served"
+    except ValueError as e:
+        said["salt"] = str(e)
+    said["same"] = engine.generate([SYSTEM + [1]], 2, eos_token_id=[], cache_salt="t") == [own.reference(
+        own.make_model(), SYSTEM + [1], 2)]
+    return said
+
+
+def test_ranks_disagreeing_on_prefix_caching_or_a_salt_are_refused_on_every_rank():
+    from pbtest.dist_harness import oks, run_ranks
+
+    for said in oks(run_ranks(_worker_prefix_agreement, timeout_s=240)):
+        assert ("the ranks were given different prefix caching settings (rank 0: enable_prefix_caching=True (on: True), "
+                "rank 1: enable_prefix_caching=False (on: False))") in said["built"]
+        assert ("has a different cache_salt on each rank (rank 0: 'rank 0', rank 1: 'rank 1')") in said["salt"]
+        assert said["same"]

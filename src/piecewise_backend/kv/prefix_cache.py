@@ -24,9 +24,17 @@ import numpy as np
 ROOT = b""
 
 
+def salt_bytes(salt: str | None) -> bytes:
+    """What a request's salt puts into its keys: nothing for None, else a 16-byte digest of the str (a fixed
+    length, so no salt and token ids can read as another's; ``""`` is a salt, not None)."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(b"salt:" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def block_keys(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
-    """The chained key of every full block of ``tokens`` (a prompt), in order; ``salt`` (a tenant's) enters
-    every key."""
+    """The chained key of every full block of ``tokens`` (a prompt), in order; ``salt`` (a tenant's,
+    :func:`salt_bytes`) enters every key, so prompts with different salts share no block."""
     keys: list[bytes] = []
     parent = ROOT
     ids = np.asarray(tokens, dtype=np.int64)

@@ -6,7 +6,8 @@ compute silently wrong tokens (the vocab-parallel embedding all-reduces differen
 each step under a process group, :class:`Admission` all-gathers the count and one digest of the requests
 added since the last step (``add_request`` may run on any thread; the step's lock orders them), and when
 they differ, exchanges each request's field digests and refuses on every rank, naming the request and the
-field (prompt, max_new_tokens, stop_token_ids, sampling) with each rank's value.
+field (prompt, max_new_tokens, stop_token_ids, sampling, cache_salt: a different salt would make a different
+prefix-cache decision) with each rank's value.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .scheduler import Request
 __all__ = ["FIELDS", "Admission", "AdmissionMismatch", "request_fields"]
 
 #: What must agree across ranks for each request, in the order of :func:`request_fields`.
-FIELDS = ("prompt", "max_new_tokens", "stop_token_ids", "sampling")
+FIELDS = ("prompt", "max_new_tokens", "stop_token_ids", "sampling", "cache_salt")
 
 
 class AdmissionMismatch(ValueError):
@@ -41,7 +42,7 @@ def _digest(value: Any) -> int:
 def _values(r: Request) -> tuple[Any, ...]:
     s = r.sampling
     sampling = ("greedy",) if r.greedy else (s.temperature, s.top_k, s.top_p, r.seed)
-    return (r.prompt, r.max_new_tokens, sorted(r.stop_token_ids), sampling)
+    return (r.prompt, r.max_new_tokens, sorted(r.stop_token_ids), sampling, r.cache_salt)
 
 
 def request_fields(request: Request) -> tuple[int, ...]:
@@ -76,7 +77,7 @@ def _show(value: Any) -> str:
 
 
 def _difference(everyone: list[list[tuple[str, tuple[Any, ...]]]]) -> str:
-    tail = ("; every rank must add the same requests (prompt, budget, stop tokens and sampling) in the same order "
+    tail = ("; every rank must add the same requests (prompt, budget, stop tokens, sampling and cache salt) in the same order "
             "before each step: these requests were refused on every rank")
     sizes = [len(x) for x in everyone]
     if len(set(sizes)) > 1:

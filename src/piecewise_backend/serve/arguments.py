@@ -96,6 +96,24 @@ def budgets(max_new_tokens: Any, num_prompts: int) -> list[int]:
     return [int(b) for b in per_prompt]
 
 
+def check_salt(value: Any, where: str = "cache_salt") -> str | None:
+    """A request's prefix-cache salt: a str or None (requests share cached blocks only with equal salts)."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where} must be a str or None (requests share cached prompt blocks only with an equal "
+                         f"salt), got {type(value).__name__} {_show(value)}")
+    return value
+
+
+def cache_salts(cache_salt: Any, num_prompts: int) -> list[str | None]:
+    """``cache_salt`` (a str or None for every prompt, or one per prompt) as one salt per prompt."""
+    if cache_salt is None or isinstance(cache_salt, str):
+        return [cache_salt] * num_prompts
+    if not isinstance(cache_salt, (list, tuple)) or len(cache_salt) != num_prompts:
+        raise ValueError(f"cache_salt must be a str or None, or one per prompt (a list or tuple of {num_prompts} "
+                         f"strs or Nones), got {_show(cache_salt)}")
+    return [check_salt(s, f"cache_salt[{i}]") for i, s in enumerate(cache_salt)]
+
+
 def eos_ids(
     eos_token_id: Any, default: Any = None, *, vocab_size: int | None = None, name: str = "eos_token_id"
 ) -> frozenset[int]:

@@ -25,10 +25,11 @@ from ..config import CompilationConfig
 from ..context import BatchDescriptor
 from ..modes import CUDAGraphMode
 from ..runner import CaptureReport
-from ..runner.agreement import distributed
+from ..runner.agreement import distributed, gather_ints
 from ..state.cache import StateSpec
 from .arguments import (
     EngineArgs,
+    cache_salts,
     check_config,
     check_generate,
     check_tokens_budget,
@@ -140,6 +141,7 @@ class Engine:
             logger.warning("prefix caching is off for this engine: %s (tokens are exact, prompts are computed whole)", off)
         #: whether requests reuse cached prompt blocks (``enable_prefix_caching``, unless the model cannot)
         self.prefix_caching = not off
+        check_prefix_agreement(args.enable_prefix_caching, self.prefix_caching)
         self._loop = ServingLoop(executor, blocks, vocab_size, args.max_num_reqs, budget, states, lookahead,
                                  self.prefix_caching)
         self._loop.before_step = self._catch_up
@@ -232,6 +234,7 @@ class Engine:
         stop_token_ids: int | Sequence[int] | None = None,
         request_id: Hashable | None = None,
         on_token: Callable[[Hashable, int], None] | None = None,
+        cache_salt: str | None = None,
         mm_inputs: dict[str, Any] | None = None,
     ) -> Hashable:
         """Queue a request while others run (any thread); returns its id (default: the next free int).
@@ -239,6 +242,8 @@ class Engine:
         It joins the next step that has room. ``stop_token_ids`` end it (the stop token is kept), as
         :meth:`generate`'s ``eos_token_id``: an int or a list of ints (``[]``: none); None: the
         engine's default. ``on_token(request_id, token_id)`` is called as each of its tokens is produced.
+        ``cache_salt`` (a str or None): with prefix caching, it shares cached prompt blocks only with
+        requests of an equal salt (None with None), e.g. one salt per tenant.
         ``mm_inputs``: the images of its prompt, as the model's own keyword inputs (``pixel_values``,
         ``image_grid_thw``, ...: what its processor returns for this prompt); copied here, checked
         against the prompt's image tokens (an image-text-to-text model on :class:`~piecewise_backend.hf.HFEngine`).
@@ -246,7 +251,7 @@ class Engine:
         stops = eos_ids(stop_token_ids, self.default_eos(), vocab_size=self.vocab_size, name="stop_token_ids")
         return self._loop.add(
             prompt, max_new_tokens, sampling=sampling, stop_token_ids=sorted(stops), request_id=request_id,
-            on_token=on_token, mm_inputs=mm_inputs,
+            on_token=on_token, cache_salt=cache_salt, mm_inputs=mm_inputs,
         )
 
     def cancel_request(self, request_id: Hashable) -> bool:
@@ -277,6 +282,7 @@ class Engine:
         sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
+        cache_salt: str | None | Sequence[str | None] = None,
         mm_inputs: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[list[int]]:
         """Completions of ``prompts`` (token ids, without the prompt), in order; greedy unless ``sampling``.
@@ -287,7 +293,8 @@ class Engine:
         decode tokens first, then prompt chunks, within ``max_num_batched_tokens`` and
         ``max_num_reqs``; when KV blocks run out the newest requests are preempted and recomputed.
         A request stops at its budget or at a token of ``eos_token_id`` (an int or a list of ints;
-        ``[]``: none; None: the engine's default). ``mm_inputs``: one dict (or None) per prompt, as
+        ``[]``: none; None: the engine's default). ``cache_salt``: one for all or one per prompt, and
+        ``mm_inputs``: one dict (or None) per prompt, as
         :meth:`add_request`'s.
         """
         reserve = self._loop.lookahead - 1 if self._loop.lookahead else 0
@@ -296,12 +303,13 @@ class Engine:
                               default_eos=self.default_eos(), reserve=reserve,
                               reserve_reason="speculative tokens - 1" if reserve else "")
         params = per_request(sampling, len(args.prompts))
+        salts = cache_salts(cache_salt, len(args.prompts))
         if mm_inputs is not None and (not isinstance(mm_inputs, (list, tuple)) or len(mm_inputs) != len(args.prompts)):
             raise ValueError(f"generate: mm_inputs must be a list of one dict (or None) per prompt ({len(args.prompts)}), "
                              f"got {type(mm_inputs).__name__}"
                              + (f" of {len(mm_inputs)}" if isinstance(mm_inputs, (list, tuple)) else ""))
         with torch.inference_mode():
-            return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step,
+            return self._loop.generate(args.prompts, args.budgets, params, sorted(args.eos), on_token, on_step, salts,
                                        mm_inputs)
 
 
@@ -321,6 +329,18 @@ def prefix_caching_off(args: EngineArgs, states: Any, lookahead: int) -> str:
     if lookahead:
         return "speculative decoding does not register blocks yet (drafts are never cached)"
     return ""
+
+
+def check_prefix_agreement(enabled: bool, on: bool) -> None:
+    """In a process group, raise on every rank when the ranks differ on ``enable_prefix_caching`` or on whether
+    caching is on: a rank reusing blocks another recomputes would run other steps (wrong tokens, or a hang)."""
+    if not distributed():
+        return
+    seen = gather_ints((int(enabled), int(on)))
+    if len(set(seen)) > 1:
+        per_rank = ", ".join(f"rank {r}: enable_prefix_caching={bool(e)} (on: {bool(o)})" for r, (e, o) in enumerate(seen))
+        raise ValueError(f"tensor parallel: the ranks were given different prefix caching settings ({per_rank}); every "
+                         "rank must build its engine with the same enable_prefix_caching and model")
 
 
 def _inference(results: Iterator[RequestOutput]) -> Iterator[RequestOutput]:

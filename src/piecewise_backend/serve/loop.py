@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from ..modes import CUDAGraphMode
 from ..runner.agreement import distributed
 from .admission import Admission, AdmissionMismatch
-from .arguments import is_int, prompt_ids
+from .arguments import check_salt, is_int, prompt_ids
 from .sampling import GREEDY, NAN_TOKEN, SamplingParams, request_seed, resolve_seed
 from .scheduler import KVBlocks, Request, Scheduler, StepPlan
 
@@ -185,10 +185,12 @@ class ServingLoop:
         stop_token_ids: Sequence[int] | None = None,
         request_id: Hashable | None = None,
         on_token: Callable[[Hashable, int], None] | None = None,
+        cache_salt: str | None = None,
         mm_inputs: Any = None,
     ) -> Hashable:
         """Queue a request; returns its id (the next free int when ``request_id`` is None; a refused
         request uses none up). ``mm_inputs``: its multimodal inputs (:attr:`multimodal` admits them)."""
+        check_salt(cache_salt)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         if on_token is not None and not callable(on_token):
@@ -203,7 +205,7 @@ class ServingLoop:
                     self._next_id += 1
                 request_id = self._next_id
             request = self.add_internal(prompt, max_new_tokens, sampling, stop_token_ids, request_id, on_token, True,
-                                        mm_inputs=mm_inputs)
+                                        cache_salt=cache_salt, mm_inputs=mm_inputs)
             if not given:
                 self._next_id += 1
             return request.request_id
@@ -212,12 +214,13 @@ class ServingLoop:
         self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None,
         stop_token_ids: Sequence[int] | None, request_id: Hashable, on_token: Callable[[Hashable, int], None] | None,
         report: bool = False, tag: Hashable = None, seen: dict[tuple[int, ...], int] | None = None,
-        mm_inputs: Any = None,
+        cache_salt: str | None = None, mm_inputs: Any = None,
     ) -> Request:
         """Queue a request under ``request_id``; ``report``: its output goes to :meth:`step`'s results
         (``generate`` reads its requests' outputs itself); ``tag``: what its callbacks call it; ``seen``:
         how often each (seed, prompt) came before in this ``generate`` call (updated here): the request's
-        occurrence in :func:`~.sampling.request_seed` (an online request is occurrence 0)."""
+        occurrence in :func:`~.sampling.request_seed` (an online request is occurrence 0); ``cache_salt``: its
+        prefix-cache salt (checked by the caller)."""
         stops = frozenset(stop_token_ids or ())
         if any(not is_int(t) for t in stops):
             raise ValueError(f"stop_token_ids must be ints, got {sorted(stops, key=repr)!r}")
@@ -237,7 +240,8 @@ class ServingLoop:
                 seed = request_seed(seed, ids, occurrence)
             request = Request(
                 request_id, ids, int(max_new_tokens), params, seed,
-                frozenset(int(t) for t in stops), self._arrivals, on_token, report=report, tag=tag, mm=mm,
+                frozenset(int(t) for t in stops), self._arrivals, on_token, report=report, tag=tag, cache_salt=cache_salt,
+                mm=mm,
             )
             self._arrivals += 1
             self.scheduler.add(request)
@@ -269,10 +273,11 @@ class ServingLoop:
         stops: Sequence[int],
         on_token: Callable[[int, int], None] | None = None,
         on_step: Callable[[StepInfo], None] | None = None,
+        salts: Sequence[str | None] | None = None,
         mm_inputs: Sequence[Any] | None = None,
     ) -> list[list[int]]:
-        """Serve ``prompts`` as one batch and return their outputs in order; ``on_token`` and
-        ``on_step`` as in ``Engine.generate``. Requests of the online API are left alone (served
+        """Serve ``prompts`` as one batch and return their outputs in order; ``on_token``, ``on_step`` and
+        ``salts`` (one cache salt per prompt, checked; None: none) as in ``Engine.generate``. Requests of the online API are left alone (served
         along when added meanwhile); only this call's own are dropped after an error."""
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be callable(request_index, token_id), got {type(on_token).__name__}")
@@ -292,6 +297,7 @@ class ServingLoop:
                 for i, p in enumerate(prompts):
                     requests.append(
                         self.add_internal(p, budgets[i], params[i], stops, _Own(call, i), on_token, tag=i, seen=seen,
+                                          cache_salt=salts[i] if salts is not None else None,
                                           mm_inputs=None if mm_inputs is None else mm_inputs[i])
                     )
                 while any(r.finish_reason is None for r in requests):

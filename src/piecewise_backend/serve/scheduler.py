@@ -42,7 +42,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from ..kv.cache import PagedKVCache
-from ..kv.prefix_cache import block_keys
+from ..kv.prefix_cache import block_keys, salt_bytes
 from ..observability import counters
 from ..state.cache import StateCache
 from .sampling import SamplingParams
@@ -95,6 +95,7 @@ class Request:
     registered: int = 0  # blocks of its table that are cached (found cached, or registered after their step)
     num_cached_tokens: int = 0  # prompt tokens it found cached when first scheduled
     scheduled: bool = False  # it ran in a step once
+    cache_salt: str | None = None  # prefix caching: it shares cached blocks only with requests of an equal salt
     mm: Any = None  # its multimodal inputs as the engine admitted them (hf.multimodal.Images; None: text only)
 
     #: its sampling is argmax (``sampling.greedy``), kept as a field: a step reads it per request
@@ -175,8 +176,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.check_fits(len(request.prompt), request.max_new_tokens)
         if self.prefix:  # hashed once, here: no step hashes
-            # a multimodal prompt's keys cover its images' content (the placeholder ids are the same for any image)
-            salt = request.mm.digest if request.mm is not None else b""
+            salt = salt_bytes(request.cache_salt)
+            if request.mm is not None:  # its images' content too: the placeholder ids are the same for any image
+                salt += request.mm.digest
             request.keys = block_keys(request.prompt, self.cache.block_size, salt)
         self.waiting.append(request)
 

@@ -555,7 +555,7 @@ class SpeculativeEngine(Engine):
         eos_token_id: int | Sequence[int] | None = None,
         sampling: SamplingParams | Sequence[SamplingParams | None] | None = None,
         on_token: Callable[[int, int], None] | None = None, on_round: Callable[[RoundInfo], None] | None = None,
-        on_step: Callable[[StepInfo], None] | None = None,
+        on_step: Callable[[StepInfo], None] | None = None, cache_salt: str | None | Sequence[str | None] = None,
     ) -> list[list[int]]:
         """Completions of ``prompts``: greedy ones equal to the target's own greedy decoding, sampled
         ones following its distribution under their ``SamplingParams``; :attr:`stats` holds this call's totals. ``on_round`` gets a :class:`RoundInfo` per step, ``on_step`` a
@@ -571,7 +571,7 @@ class SpeculativeEngine(Engine):
 
         self._speculate.stats = SpecStats()
         return super().generate(prompts, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling,
-                                on_token=on_token, on_step=step)
+                                on_token=on_token, on_step=step, cache_salt=cache_salt)
 
 
 def check_speculative_args(
