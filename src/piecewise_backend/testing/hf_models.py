@@ -563,13 +563,27 @@ def random_mm_inputs(model: torch.nn.Module, images: int = 1, seed: int = 0) -> 
     gen = torch.Generator().manual_seed(seed)
     forward = inspect.signature(model.forward).parameters
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
-    merge = getattr(vision, "spatial_merge_size", None)
-    if merge and "image_grid_thw" in forward:
+    merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_kernel_size", None)
+    merge = merge[0] if isinstance(merge, (list, tuple)) else merge
+    if "image_grid_thw" in forward and (merge or getattr(vision, "image_size", None) is None):
+        merge = merge or 2
         patch = vision.patch_size
         temporal = getattr(vision, "temporal_patch_size", 1) or 1
         grid = torch.tensor([[1, 2 * merge, 2 * merge]] * images)
-        pixels = torch.randn(int(grid.prod(-1).sum()), channels * temporal * patch * patch, generator=gen)
-        inputs = {"pixel_values": pixels, "image_grid_thw": grid}
+        count = int(grid.prod(-1).sum())
+        extra = {"image_merge_sizes": torch.tensor([merge] * images)} if "image_merge_sizes" in forward else {}
+        # flattened patches of the config's temporal patch size; of 2 frames (a tower that does not declare it);
+        # (patches, C, p, p) (kimi_k25)
+        shapes = [(count, channels * temporal * patch * patch), (count, channels * 2 * patch * patch),
+                  (count, channels, patch, patch)]
+        return _first_taken(model, [{"pixel_values": torch.randn(*shape, generator=gen), "image_grid_thw": grid, **extra}
+                                    for shape in dict.fromkeys(shapes)])
+    if getattr(vision, "image_size", None) is None and "spatial_shapes" in forward:
+        # siglip2's variable resolution (lfm2_vl): patches flattened per image, their grid and a mask over them
+        patch, side = vision.patch_size, 4
+        inputs = {"pixel_values": torch.randn(images, side * side, channels * patch * patch, generator=gen),
+                  "spatial_shapes": torch.tensor([[side, side]] * images),
+                  "pixel_attention_mask": torch.ones(images, side * side, dtype=torch.long)}
         return _counted(model, inputs)
     size = vision.image_size
     h, w = (size, size) if isinstance(size, int) else (size["height"], size["width"]) if isinstance(size, dict) else tuple(size)
@@ -583,6 +597,11 @@ def random_mm_inputs(model: torch.nn.Module, images: int = 1, seed: int = 0) -> 
         tried += [{"pixel_values": pixels, "image_sizes": sizes},
                   {"pixel_values": torch.stack([pixels, pixels], 1), "image_sizes": sizes}]
     tried.append({"pixel_values": pixels[None]})
+    return _first_taken(model, tried)
+
+
+def _first_taken(model: torch.nn.Module, tried: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], int]:
+    """The first of ``tried`` that ``model``'s ``get_image_features`` takes, and the image tokens it makes."""
     errors = []
     for inputs in tried:
         try:
