@@ -446,6 +446,9 @@ def _vlm_config(transformers: Any, arch: str, defaults: Any, sizes: dict[str, An
         pass
     for key in getattr(defaults, "sub_configs", {}) or {}:
         sub = getattr(defaults, key, None)
+        if sub is None and key == "vision_config":  # an optional tower left out by default (gemma4): its defaults
+            spec = defaults.sub_configs[key]
+            sub = getattr(spec, "config_class", spec)()
         if not isinstance(sub, transformers.PretrainedConfig):
             continue
         given = own.pop(key, {})
