@@ -453,12 +453,15 @@ def _vlm_config(transformers: Any, arch: str, defaults: Any, sizes: dict[str, An
             continue
         given = own.pop(key, {})
         if sub is text:
-            fields = _fields(sub, {"vocab_size": VLM_VOCAB, **given}, level)
+            typed = TINY_TYPE_SIZES.get(getattr(sub, "model_type", ""), {})  # the text model's own (qwen4_exp_text's QSA)
+            fields = _fields(sub, {"vocab_size": VLM_VOCAB, **typed, **given}, level)
             fields.update(_mrope_scaled(defaults, sub, fields.get("head_dim", TINY["head_dim"])))
             kinds = list(dict.fromkeys(_layer_kinds(sub) or []))
             if len(kinds) > 1 and "layer_types" not in given and level < 2:  # one layer of each type (qwen3.5: linear, full)
                 layers = max(len(kinds), fields.get("num_hidden_layers", 2))
                 fields.update(num_hidden_layers=layers, layer_types=kinds + [kinds[-1]] * (layers - len(kinds)))
+            if "sliding_attention" in kinds and getattr(sub, "sliding_window", None) is None:  # step3p7: None by default
+                fields["sliding_window"] = TINY_IF_SET["sliding_window"]
         else:  # vision, audio, projector, q-former...: the vision sizes where the sub-config has them
             base = _fields(sub, {**TINY_VISION, **given}, min(level, 1))
             fields = {k: v for k, v in base.items() if k in TINY_VISION or k in given or level == 0 and k in TINY_IF_SET}
