@@ -219,7 +219,7 @@ class Admit:
             if grid.dim() != 2 or grid.shape[1] != 3:
                 raise ValueError(f"{where}: image_grid_thw must be (images, 3), got shape {tuple(grid.shape)}")
             patches = int(grid.prod(-1).sum())
-            if pixels.dim() != 2 or pixels.shape[0] != patches:
+            if pixels.dim() < 2 or pixels.shape[0] != patches:  # (patches, C, p, p): paddleocr_vl, kimi_k25
                 raise ValueError(f"{where}: pixel_values of shape {tuple(pixels.shape)} do not match image_grid_thw "
                                  f"{grid.tolist()}: it needs ({patches}, patch features)")
             return None if self.model.config.model_type in GRID_COUNT_BY_ENCODER else patches // self.merge ** 2

@@ -446,16 +446,22 @@ def _vlm_config(transformers: Any, arch: str, defaults: Any, sizes: dict[str, An
         pass
     for key in getattr(defaults, "sub_configs", {}) or {}:
         sub = getattr(defaults, key, None)
+        if sub is None and key == "vision_config":  # an optional tower left out by default (gemma4): its defaults
+            spec = defaults.sub_configs[key]
+            sub = getattr(spec, "config_class", spec)()
         if not isinstance(sub, transformers.PretrainedConfig):
             continue
         given = own.pop(key, {})
         if sub is text:
-            fields = _fields(sub, {"vocab_size": VLM_VOCAB, **given}, level)
+            typed = TINY_TYPE_SIZES.get(getattr(sub, "model_type", ""), {})  # the text model's own (qwen4_exp_text's QSA)
+            fields = _fields(sub, {"vocab_size": VLM_VOCAB, **typed, **given}, level)
             fields.update(_mrope_scaled(defaults, sub, fields.get("head_dim", TINY["head_dim"])))
             kinds = list(dict.fromkeys(_layer_kinds(sub) or []))
             if len(kinds) > 1 and "layer_types" not in given and level < 2:  # one layer of each type (qwen3.5: linear, full)
                 layers = max(len(kinds), fields.get("num_hidden_layers", 2))
                 fields.update(num_hidden_layers=layers, layer_types=kinds + [kinds[-1]] * (layers - len(kinds)))
+            if "sliding_attention" in kinds and getattr(sub, "sliding_window", None) is None:  # step3p7: None by default
+                fields["sliding_window"] = TINY_IF_SET["sliding_window"]
         else:  # vision, audio, projector, q-former...: the vision sizes where the sub-config has them
             base = _fields(sub, {**TINY_VISION, **given}, min(level, 1))
             fields = {k: v for k, v in base.items() if k in TINY_VISION or k in given or level == 0 and k in TINY_IF_SET}
@@ -563,13 +569,27 @@ def random_mm_inputs(model: torch.nn.Module, images: int = 1, seed: int = 0) -> 
     gen = torch.Generator().manual_seed(seed)
     forward = inspect.signature(model.forward).parameters
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
-    merge = getattr(vision, "spatial_merge_size", None)
-    if merge and "image_grid_thw" in forward:
+    merge = getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_kernel_size", None)
+    merge = merge[0] if isinstance(merge, (list, tuple)) else merge
+    if "image_grid_thw" in forward and (merge or getattr(vision, "image_size", None) is None):
+        merge = merge or 2
         patch = vision.patch_size
         temporal = getattr(vision, "temporal_patch_size", 1) or 1
         grid = torch.tensor([[1, 2 * merge, 2 * merge]] * images)
-        pixels = torch.randn(int(grid.prod(-1).sum()), channels * temporal * patch * patch, generator=gen)
-        inputs = {"pixel_values": pixels, "image_grid_thw": grid}
+        count = int(grid.prod(-1).sum())
+        extra = {"image_merge_sizes": torch.tensor([merge] * images)} if "image_merge_sizes" in forward else {}
+        # flattened patches of the config's temporal patch size; of 2 frames (a tower that does not declare it);
+        # (patches, C, p, p) (kimi_k25)
+        shapes = [(count, channels * temporal * patch * patch), (count, channels * 2 * patch * patch),
+                  (count, channels, patch, patch)]
+        return _first_taken(model, [{"pixel_values": torch.randn(*shape, generator=gen), "image_grid_thw": grid, **extra}
+                                    for shape in dict.fromkeys(shapes)])
+    if getattr(vision, "image_size", None) is None and "spatial_shapes" in forward:
+        # siglip2's variable resolution (lfm2_vl): patches flattened per image, their grid and a mask over them
+        patch, side = vision.patch_size, 4
+        inputs = {"pixel_values": torch.randn(images, side * side, channels * patch * patch, generator=gen),
+                  "spatial_shapes": torch.tensor([[side, side]] * images),
+                  "pixel_attention_mask": torch.ones(images, side * side, dtype=torch.long)}
         return _counted(model, inputs)
     size = vision.image_size
     h, w = (size, size) if isinstance(size, int) else (size["height"], size["width"]) if isinstance(size, dict) else tuple(size)
@@ -583,6 +603,11 @@ def random_mm_inputs(model: torch.nn.Module, images: int = 1, seed: int = 0) -> 
         tried += [{"pixel_values": pixels, "image_sizes": sizes},
                   {"pixel_values": torch.stack([pixels, pixels], 1), "image_sizes": sizes}]
     tried.append({"pixel_values": pixels[None]})
+    return _first_taken(model, tried)
+
+
+def _first_taken(model: torch.nn.Module, tried: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], int]:
+    """The first of ``tried`` that ``model``'s ``get_image_features`` takes, and the image tokens it makes."""
     errors = []
     for inputs in tried:
         try:
