@@ -28,9 +28,10 @@ def _cheap_gc(monkeypatch):
 
 # llava and qwen2_vl (the core), qwen2_5_vl / smolvlm / mistral3 (named in issue 48), hunyuan_vl
 # (GRID_COUNT_BY_ENCODER), idefics3 (BATCHED_PIXELS), glm4v_moe (a partial-rotary M-RoPE section in the fixture),
-# qwen3_5 (one linear and one full attention layer), aria (its projector's patch-to-query map)
+# qwen3_5 (one linear and one full attention layer), aria (its projector's patch-to-query map), qwen3_vl
+# (deepstack: vision features added in its first text layers), llava_onevision (logits_to_keep in its kwargs)
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen2_5_vl", "mistral3", "smolvlm", "idefics3", "hunyuan_vl",
-                                  "glm4v_moe", "qwen3_5", "aria"])
+                                  "glm4v_moe", "qwen3_5", "aria", "qwen3_vl", "llava_onevision"])
 def test_served_types_equal_generate(arch):
     model = hf.tiny_random_vlm(arch)
     model.generation_config.eos_token_id = None
@@ -80,7 +81,6 @@ def test_tiny_random_vlm_says_why_not(arch, match):
 
 
 @pytest.mark.parametrize("arch, match", [
-    ("qwen3_vl", "deepstack"),  # TEXT_IMAGE_INPUTS: served, its tokens were wrong
     ("ovis2", "visual-indicator"),  # REFUSED: it crashed on the encoder's output
     ("shieldgemma2", "bidirectionally"),  # REFUSED: gemma3 under another type (its tiny model passed without token_type_ids)
 ])

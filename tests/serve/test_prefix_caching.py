@@ -134,7 +134,7 @@ def test_an_engine_with_state_layers_serves_with_caching_off_said_once(caplog):
 
     assert engine_module.prefix_caching_off(serve.EngineArgs(), None, 0) == ""
     assert "state layers" in engine_module.prefix_caching_off(serve.EngineArgs(), object(), 0)
-    assert "speculative" in engine_module.prefix_caching_off(serve.EngineArgs(), None, 2)
+    assert engine_module.prefix_caching_off(serve.EngineArgs(), None, 2) == ""  # speculative decoding composes
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
         serve.EngineArgs(enable_prefix_caching=1)
     with caplog.at_level(logging.WARNING):
@@ -219,3 +219,53 @@ def test_ranks_disagreeing_on_prefix_caching_or_a_salt_are_refused_on_every_rank
                 "rank 1: enable_prefix_caching=False (on: False))") in said["built"]
         assert ("has a different cache_salt on each rank (rank 0: 'rank 0', rank 1: 'rank 1')") in said["salt"]
         assert said["same"]
+
+
+def _nudged(scale: float):
+    """The target's weights plus noise: a drafter that agrees with it often, not always (drafts get rejected)."""
+    import torch
+
+    drafter = own.make_model(0)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return drafter
+
+
+def spec_engine(**kw) -> serve.SpeculativeEngine:
+    config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], platform="simulated",
+                                  compile_pieces="eager")
+    return serve.SpeculativeEngine(own.make_model(0), _nudged(0.3), config, num_speculative_tokens=3,
+                                   target_layout=own.KV_LAYOUT, drafter_layout=own.KV_LAYOUT, vocab_size=own.VOCAB,
+                                   max_num_reqs=3, max_model_len=40, block_size=4, **kw)
+
+
+def test_speculative_decoding_reuses_shared_prefixes_in_both_caches_tokens_equal_caching_off():
+    on, off = spec_engine(num_blocks=14, max_num_batched_tokens=12), spec_engine(enable_prefix_caching=False)
+    assert on.prefix_caching and not off.prefix_caching
+    prompts = [SYSTEM + [7, 8], SYSTEM + [9], SYSTEM[:8] + [1, 2, 3], SYSTEM]
+    first = served(on, prompts[:1], 8)
+    later = served(on, prompts[1:], 8)  # 3 requests in 14 blocks: evictions and preemptions too
+    assert [o.num_cached_tokens for o in first + later] == [0, 12, 8, 8]
+    assert 0 < on.stats.accepted < on.stats.proposed  # drafts rejected: both caches rolled back past shared blocks
+    tokens = [o.token_ids for o in first + later]
+    target = own.make_model(0)
+    assert tokens == [o.token_ids for o in served(off, prompts, 8)] == [own.reference(target, p, 8) for p in prompts]
+    for cache in (on.target.cache, on.drafter.cache):
+        assert cache.tables == {} and cache.num_free_blocks == cache.total_blocks
+        assert cache.prefix.num_cached > 0
+    assert on.reset_prefix_cache() > 0 and on.target.cache.prefix.num_cached == on.drafter.cache.prefix.num_cached == 0
+
+
+def test_the_drafters_shared_blocks_hold_its_own_kv_its_drafts_equal_caching_off():
+    # tokens are the target's whatever the drafter proposes; its acceptance shows its cache read valid K/V
+    on, off = spec_engine(max_num_batched_tokens=64), spec_engine(max_num_batched_tokens=64, enable_prefix_caching=False)
+    prompts = [SYSTEM + [9], SYSTEM[:8] + [1, 2, 3], SYSTEM + [4, 4]]
+    for engine in (on, off):
+        engine.generate([SYSTEM + [7, 8]], 4, eos_token_id=[])
+    hits = pb.counters["prefix_cache_hits"]
+    assert on.generate(prompts, 9, eos_token_id=[]) == off.generate(prompts, 9, eos_token_id=[])
+    assert pb.counters["prefix_cache_hits"] - hits == 32
+    assert (on.stats.proposed, on.stats.accepted) == (off.stats.proposed, off.stats.accepted)
+    assert 0 < on.stats.accepted < on.stats.proposed

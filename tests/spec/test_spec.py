@@ -97,7 +97,7 @@ def test_target_as_its_own_drafter_accepts_every_draft(self_draft):
     assert s.tokens_per_target_step > 1 and s.emitted == sum(budgets)
     check_modes(engine, rounds, mode)
     for side in (engine.target, engine.drafter):
-        assert side.cache.tables == {} and side.cache.allocator.num_free == side.cache.allocator.num_blocks
+        assert side.cache.tables == {} and side.cache.num_free_blocks == side.cache.total_blocks  # cached blocks count free
 
 
 @pytest.mark.parametrize("self_draft", [(4, "FULL")], ids=["k4-FULL"], indirect=True)
@@ -162,7 +162,7 @@ def test_a_failed_round_frees_both_caches(self_draft):
         engine.generate(PROMPTS, 12, on_round=stop)
     assert engine.cached_tokens() == {}
     for side in (engine.target, engine.drafter):
-        assert side.cache.tables == {} and side.cache.allocator.num_free == side.cache.allocator.num_blocks
+        assert side.cache.tables == {} and side.cache.num_free_blocks == side.cache.total_blocks  # cached blocks count free
     assert engine.generate(PROMPTS[:1], 3) == [greedy(reference, PROMPTS[0], 3)]  # still serves
 
 
@@ -398,7 +398,7 @@ def test_spec_engine_streams_kept_tokens_samples_with_a_seed_and_preempts_when_b
     out = engine.generate(crowded, 4, eos_token_id=[], on_step=steps.append)
     assert out == [greedy(reference, p, 4) for p in crowded]
     assert any(info.preempted for info in steps), steps
-    assert engine.target.cache.tables == {} and engine.drafter.cache.allocator.num_free == 8
+    assert engine.target.cache.tables == {} and engine.drafter.cache.num_free_blocks == 8
     seen: list[tuple[int, int]] = []
     out = engine.generate(PROMPTS[:2], 5, sampling=hf.SamplingParams(0), on_token=lambda i, t: seen.append((i, t)))
     assert out == [greedy(reference, p, 5) for p in PROMPTS[:2]]

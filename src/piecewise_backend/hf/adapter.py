@@ -25,7 +25,7 @@ from ..platforms.simulated import rules as sim_rules
 from ..platforms.simulated.platform import OpKind, classify
 from . import attention_swaps, indexed, mixers
 from .call_sites import CallSites
-from .modality import text_attention
+from .modality import can_set_attention, text_attention
 from .patching import Changes, RefusesNothing, Undo
 from .probe_result import LayerLayout, ProbeResult, layout_refusal  # noqa: F401  (documented here: hf.layout_refusal)
 from .self_assignments import recording_self_assignments, self_assigned
@@ -59,6 +59,7 @@ UNDERSTOOD_KWARGS = frozenset({
     "cache_position", "output_attentions", "use_cache", "past_key_values", "cache", "layer_idx", "position_embeddings",
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "return_dict", "token_type_ids",
     "indices",  # an indexer's top-k positions (indexed attention): pb_paged attends to those only
+    "logits_to_keep",  # which rows the LM head computes (llava_onevision passes its kwargs down): not attention's
 })
 
 
@@ -181,7 +182,7 @@ def probe(model: torch.nn.Module, tokens: int = 3) -> ProbeResult:
     param = next(model.parameters())
     vocab = model.config.get_text_config().vocab_size
     ids = torch.arange(1, tokens + 1, device=param.device).clamp(max=vocab - 1)[None]
-    settable = model._can_set_attn_implementation()  # else its attention modules are swapped (attention_swaps)
+    settable = can_set_attention(model)  # else its attention modules are swapped (attention_swaps)
     if settable:
         model.set_attn_implementation(text_attention(model, PROBE_IMPLEMENTATION))
     recording = _RECORDING.set(record)

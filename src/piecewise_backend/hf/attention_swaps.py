@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapted_state import SLOPES_BUFFER
+from .modality import can_set_attention
 from .paged_attention import ATTN_IMPLEMENTATION
 from .patching import Changes, Swap, class_key, lookup, recorded
 
@@ -257,7 +258,7 @@ class AttentionSwaps:
     name = "attention swaps"
 
     def refusal_of(self, model: torch.nn.Module, probed: ProbeResult | None) -> str | None:
-        if model._can_set_attn_implementation() or swappable(model):
+        if can_set_attention(model) or swappable(model):
             return None
         return unswappable_reason(model, ATTN_IMPLEMENTATION)
 

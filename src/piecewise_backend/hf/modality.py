@@ -36,3 +36,19 @@ def image_token(model: torch.nn.Module) -> int | None:
     return None
 
 
+
+
+def text_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module of ``model`` whose config is its text config: the language model of an image-text-to-text
+    model, ``model`` itself otherwise."""
+    if not is_multimodal(model):
+        return model
+    text = model.config.get_text_config()
+    return next((m for m in model.modules() if m is not model and getattr(m, "config", None) is text), model)
+
+
+def can_set_attention(model: torch.nn.Module) -> bool:
+    """Whether ``set_attn_implementation`` reaches ``model``'s text attention (an image-text-to-text model's
+    vision tower may keep attention of its own code: it is not switched)."""
+    inner = text_model(model)
+    return inner._can_set_attn_implementation() if inner is not model else model._can_set_attn_implementation()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from ..serve.model_runner import Decode, ModelRunner, own_code
 from ..serve.scheduler import StepPlan
 from .adaptation import TokensFirst
 from .encoder_graphs import DEFAULT_BUDGETS, GRID_TOWERS, EncoderGraphs, GridEncoderGraphs, fixed_image_shape
-from .modality import image_token
+from .modality import image_token, text_model
 
 #: Keyword inputs of video frames: not served (refused at ``add_request``).
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -78,6 +79,16 @@ def text_image_input(model: torch.nn.Module) -> str | None:
     return next((name for name in TEXT_IMAGE_INPUTS if name in taken), None)
 
 
+def deepstack_layers(model: torch.nn.Module) -> int:
+    """How many text layers get vision features added at the image tokens (qwen3-vl's deepstack), where the
+    engine serves it: a text model with ``_deepstack_process`` and ``deepstack_visual_indexes`` (0: none)."""
+    text = text_model(model)
+    indexes = getattr(getattr(model.config, "vision_config", None), "deepstack_visual_indexes", None)
+    if text is model or not callable(getattr(text, "_deepstack_process", None)) or not indexes:
+        return 0
+    return len(indexes)
+
+
 def refusal(model: torch.nn.Module, config: CompilationConfig, args: EngineArgs, *, tensor_parallel: bool) -> str | None:
     """Why the engine cannot serve the image-text-to-text ``model`` under ``config`` and ``args`` (None: it can)."""
     name = type(model).__name__
@@ -85,7 +96,7 @@ def refusal(model: torch.nn.Module, config: CompilationConfig, args: EngineArgs,
     if kind in REFUSED:
         return f"{name}: {REFUSED[kind]}"
     extra = text_image_input(model)
-    if extra is not None:
+    if extra is not None and not (extra == "deepstack_visual_embeds" and deepstack_layers(model)):
         return f"{name}: {TEXT_IMAGE_INPUTS[extra]} (its text model's forward takes {extra})"
     if image_token(model) is None:
         return f"{name}: its config names no image token (image_token_id / image_token_index)"
@@ -104,7 +115,7 @@ def layout(adapted: TokensFirst, config: CompilationConfig, args: EngineArgs) ->
     model = adapted.model
     hidden = model.get_input_embeddings().weight.shape[-1]
     mrope = callable(getattr(getattr(model, "model", model), "get_rope_index", None))
-    return own_code(ImageTokensFirst)(adapted, rows=rows, hidden=hidden, mrope=mrope)
+    return own_code(ImageTokensFirst)(adapted, rows=rows, hidden=hidden, mrope=mrope, deepstack=deepstack_layers(model))
 
 
 @dataclasses.dataclass
@@ -283,11 +294,16 @@ def encoder_graphs(model: torch.nn.Module, config: CompilationConfig, token_budg
 
 
 def features(out: Any) -> torch.Tensor:
-    """``get_image_features``' output as one row per image token."""
-    found = getattr(out, "pooler_output", out)
-    if isinstance(found, (list, tuple)):
-        found = torch.cat([f.reshape(-1, f.shape[-1]) for f in found], 0)
-    return found.reshape(-1, found.shape[-1])
+    """``get_image_features``' output as one row per image token (deepstack features beside the embedding's,
+    as more columns, in layer order)."""
+    def rows(found: Any) -> torch.Tensor:
+        if isinstance(found, (list, tuple)):
+            found = torch.cat([f.reshape(-1, f.shape[-1]) for f in found], 0)
+        return found.reshape(-1, found.shape[-1])
+
+    main = rows(getattr(out, "pooler_output", out))
+    deep = getattr(out, "deepstack_features", None)
+    return torch.cat([main, *(rows(d) for d in deep)], -1) if deep else main
 
 
 def encode(model: torch.nn.Module, images: Images) -> torch.Tensor:
@@ -304,13 +320,20 @@ class ImageTokensFirst(TokensFirst):
     image tokens' rows from :attr:`mm_embeds` where :attr:`mm_mask` says so, rope positions from
     :attr:`rope_positions` on an M-RoPE model (module buffers, written by :meth:`stage` before a step)."""
 
-    def __init__(self, base: TokensFirst, *, rows: int, hidden: int, mrope: bool):
+    def __init__(self, base: TokensFirst, *, rows: int, hidden: int, mrope: bool, deepstack: int = 0):
         super().__init__(base.model, base.kv_shape, base.host_breaks, base.state_specs, base.indexer_dim,
                          base.call_sites)
         param = next(base.model.parameters())
         self.embed = base.model.get_input_embeddings()
-        self.rows = rows
-        self.register_buffer("mm_embeds", torch.zeros(rows, hidden, dtype=param.dtype, device=param.device), persistent=False)
+        self.rows, self.hidden = rows, hidden
+        #: text layers that add vision features at the image tokens (deepstack): their rows sit beside the
+        #: embeddings' in :attr:`mm_embeds`, ``hidden`` columns each
+        self.deepstack = deepstack
+        if deepstack:
+            self.text = text_model(base.model)
+            self.text._deepstack_process = types.MethodType(_deepstack_rows, self.text)  # see _deepstack_rows
+        self.register_buffer("mm_embeds", torch.zeros(rows, hidden * (1 + deepstack), dtype=param.dtype,
+                                                      device=param.device), persistent=False)
         self.register_buffer("mm_mask", torch.zeros(rows, dtype=torch.bool, device=param.device), persistent=False)
         self.mrope = mrope
         self.register_buffer("rope_positions", torch.zeros(rows, 3, dtype=torch.long, device=param.device),
@@ -322,10 +345,16 @@ class ImageTokensFirst(TokensFirst):
         torch._check(input_ids.shape[0] >= 1)
         if self.call_sites is not None:
             self.call_sites.start()
-        n = input_ids.shape[0]
-        embeds = torch.where(self.mm_mask[:n, None], self.mm_embeds[:n], self.embed(input_ids))
+        n, h = input_ids.shape[0], self.hidden
+        mask = self.mm_mask[:n]
+        embeds = torch.where(mask[:, None], self.mm_embeds[:n, :h], self.embed(input_ids))
         positions = self.rope_positions[:n].t()[:, None] if self.mrope else position_ids[None]
-        return self.model(inputs_embeds=embeds[None], position_ids=positions, use_cache=False).logits[0]
+        if not self.deepstack:
+            return self.model(inputs_embeds=embeds[None], position_ids=positions, use_cache=False).logits[0]
+        deep = [self.mm_embeds[:n, h * (i + 1):h * (i + 2)] for i in range(self.deepstack)]
+        out = self.text(inputs_embeds=embeds[None], position_ids=positions, use_cache=False,
+                        visual_pos_masks=mask[None], deepstack_visual_embeds=deep)
+        return self.model.get_output_embeddings()(out.last_hidden_state)[0]
 
     def stage(self, rows: torch.Tensor | None, embeds: torch.Tensor | None, rope: torch.Tensor | None) -> None:
         """Before a step: ``embeds`` in place of the embeddings of step tokens ``rows``, ``rope`` (``(tokens, 3)``)
@@ -449,6 +478,14 @@ def _wants_encoder(images: Images | None, start: int, count: int) -> bool:
     if images is None or images.embeds is not None or not images.placeholders.numel():
         return False
     return bool(((images.placeholders >= start) & (images.placeholders < start + count)).any())
+
+
+def _deepstack_rows(self: Any, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor,
+                    visual_embeds: torch.Tensor) -> torch.Tensor:
+    """The text model's deepstack step with ``visual_embeds`` one row per token (the step's rows; only image
+    tokens' are read): added where ``visual_pos_masks`` holds, without the boolean indexing (a host read)."""
+    add = visual_embeds.to(hidden_states.dtype)[None]
+    return torch.where(visual_pos_masks[..., None], hidden_states + add, hidden_states)
 
 
 def _rope_rows(images: Images | None, start: int, count: int, device: torch.device) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .adapted_state import ADAPTED_ATTR, SLOPES_BUFFER, AdaptedAttention
 from .indexed import indexers
 from .patching import Changes, Undo
-from .modality import text_attention
+from .modality import can_set_attention, text_attention
 from .probe_result import ProbeResult, layout_refusal
 from .transformers_lib import transformers_module
 
@@ -110,7 +110,7 @@ class PagedAttention:
         for _, indexer in indexers(model):
             changes.set(indexer, ADAPTED_ATTR, AdaptedAttention(probed.head_dim, kv_layer=kv_layers[indexer.layer_idx]))
         register_attention()
-        if model._can_set_attn_implementation():
+        if can_set_attention(model):
             previous = model.config._attn_implementation
             model.set_attn_implementation(text_attention(model, ATTN_IMPLEMENTATION))
             changes.then(lambda: model.set_attn_implementation(previous))

@@ -320,14 +320,12 @@ def no_images(args: EngineArgs) -> None:
                          "model's encoder graphs; this engine serves a text-only model")
 
 
-def prefix_caching_off(args: EngineArgs, states: Any, lookahead: int) -> str:
-    """Why an engine serves with prefix caching off ("" when it is on)."""
+def prefix_caching_off(args: EngineArgs, states: Any, lookahead: int = 0) -> str:
+    """Why an engine serves with prefix caching off ("" when it is on); speculative decoding (``lookahead``) composes."""
     if not args.enable_prefix_caching:
         return "enable_prefix_caching=False"
     if states is not None:
         return "the model has state layers, whose states are not cached at block boundaries"
-    if lookahead:
-        return "speculative decoding does not register blocks yet (drafts are never cached)"
     return ""
 
 

@@ -255,7 +255,7 @@ class Scheduler:
             if hit:
                 need += cache.blocks_to_attach(hit) - len(hit)
             if count == 0 or need > cache.num_free_blocks:
-                request.computed = request.registered = 0
+                request.computed = request.registered = request.draft_computed = 0
                 break
             if hit:
                 cache.attach(request.slot, hit)
@@ -280,16 +280,20 @@ class Scheduler:
         bs = self.cache.block_size
         hit = self.cache.match(request.keys, request.prompt, (request.length - 1) // bs)  # type: ignore[attr-defined]
         request.computed, request.registered = len(hit) * bs, len(hit)
+        request.draft_computed = request.computed  # a drafter's cache holds the same blocks (CachesInStep.match)
         return hit
 
     def register(self) -> int:
         """Cache the prompt blocks the last step filled (their K/V now written); returns how many were cached.
-        Only requests with prompt blocks left to fill are looked at: a decode step past the prompts costs nothing."""
+        Only requests with prompt blocks left to fill are looked at: a decode step past the prompts costs nothing.
+        With ``lookahead`` (speculative decoding) a block is cached once both caches hold it (``computed`` and
+        ``draft_computed``): prompt blocks only, so never a drafted token."""
         if not self._filling:
             return 0
         bs, done = self.cache.block_size, 0
         for r in list(self._filling):
-            end = min(r.computed // bs, len(r.keys))
+            written = min(r.computed, r.draft_computed) if self.lookahead else r.computed  # in every cache
+            end = min(written // bs, len(r.keys))
             if end > r.registered:
                 done += self.cache.register(r.slot, r.keys, r.registered, end, r.prompt)  # type: ignore[attr-defined]
                 r.registered = end

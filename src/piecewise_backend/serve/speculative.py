@@ -136,6 +136,24 @@ class CachesInStep:
             if request in c.tables:
                 c.free(request)
 
+    # prefix caching: each cache keeps its own cached blocks; a prefix is reused only as far as every cache holds it
+    def match(self, keys: Sequence[bytes], tokens: Sequence[int], limit: int) -> list[tuple[int, ...]]:
+        """The longest prefix every cache holds: one ``(block of each cache)`` per cached block."""
+        found = [c.match(keys, tokens, limit) for c in self.caches]
+        n = min(len(f) for f in found)
+        return list(zip(*(f[:n] for f in found)))
+
+    def blocks_to_attach(self, blocks: Sequence[tuple[int, ...]]) -> int:
+        return max(c.blocks_to_attach([b[i] for b in blocks]) for i, c in enumerate(self.caches))
+
+    def attach(self, request: Hashable, blocks: Sequence[tuple[int, ...]]) -> None:
+        for i, c in enumerate(self.caches):
+            c.attach(request, [b[i] for b in blocks])
+
+    def register(self, request: Hashable, keys: Sequence[bytes], first: int, end: int, tokens: Sequence[int]) -> int:
+        """Blocks ``first .. end - 1`` cached in every cache (their K/V written in each); returns the first cache's count."""
+        return [c.register(request, keys, first, end, tokens) for c in self.caches][0]
+
 
 class StatesInStep:
     """The state caches of both models, freed together when the scheduler releases a request."""
