@@ -77,3 +77,16 @@ def test_own_model_example_serves_a_decoder_that_is_not_a_hf_model():
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert len(re.findall(r"^prompt \d: .* == full recompute$", proc.stdout, re.M)) == 4 and proc.stdout.rstrip().endswith("PASS"), proc.stdout
     assert re.search(r"modes \['FULL', 'PIECEWISE'\], chunked prefill: True, preemptions: [1-9]", proc.stdout), proc.stdout
+
+
+def test_vlm_generate_example_checks_and_refuses():
+    """examples/vlm_generate.py as the survey runs it: a served type exits 0 with its check line, a refused
+    one exits 2 naming the reason."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    run = lambda arch: subprocess.run([sys.executable, str(ROOT / "examples" / "vlm_generate.py"), "--arch", arch,  # noqa: E731
+                                       "--check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    served = run("llava")
+    assert served.returncode == 0, f"stdout:\n{served.stdout}\nstderr:\n{served.stderr}"
+    assert "check: 2/2 requests match model.generate" in served.stdout
+    refused = run("paligemma")
+    assert refused.returncode == 2 and "bidirectionally over the whole prompt prefix" in refused.stderr, refused.stderr
