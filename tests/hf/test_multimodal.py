@@ -384,3 +384,22 @@ def test_grid_graphs_equal_the_tower(build):
     p = [1, 152] + [QWEN_IMAGE] * 16 + [153, 152] + [QWEN_IMAGE] * 12 + [153, 7]
     assert engine.generate([p, TEXT], 4, mm_inputs=[both, None], eos_token_id=[]) == [
         vlm_reference(reference, p, 4, both), vlm_reference(reference, TEXT, 4, None)]
+
+
+def test_a_failed_build_leaves_a_deepstack_model_as_it_was(monkeypatch):
+    """qwen3-vl's deepstack step is swapped on its text model by the layout: an engine that fails to build
+    afterwards (here: its runner) leaves the model unadapted, the swap undone."""
+    from piecewise_backend.hf import engine as hf_engine
+    from piecewise_backend.hf.modality import text_model
+
+    model = hf.tiny_random_vlm("qwen3_vl")
+    assert multimodal.deepstack_layers(model) > 0
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("runner failed")
+
+    monkeypatch.setattr(hf_engine, "ModelRunner", broken)
+    with pytest.raises(RuntimeError, match="runner failed"):
+        hf.HFEngine(model, CONFIG, **ENGINE)
+    assert "_deepstack_process" not in vars(text_model(model))
+    assert model.config.get_text_config()._attn_implementation != hf.ATTN_IMPLEMENTATION

@@ -105,10 +105,15 @@ class HFEngine(Engine):
         rules = resolve_rules(model, args.token_rules, "HFEngine", vocab_size)
         with adapting(model) as adapted:  # a failure building on it undoes the adaptation
             layout = multimodal.layout(adapted, config, args) if images else adapted
-            main = ModelRunner(layout, no_full_graphs(config, adapted.host_breaks), args=args,
-                               kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim),
-                               state_specs=adapted.state_specs,
-                               downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
+            try:
+                main = ModelRunner(layout, no_full_graphs(config, adapted.host_breaks), args=args,
+                                   kv_layout=KVLayout(*kv_shape(adapted), adapted.indexer_dim),
+                                   state_specs=adapted.state_specs,
+                                   downgrades=host_read_downgrades(config, adapted.host_breaks), vocab_size=vocab_size)
+            except BaseException:
+                if images:
+                    layout.restore()
+                raise
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
         #: the encoder's graphs over image budgets (None: a text model, or its encoder runs eagerly)

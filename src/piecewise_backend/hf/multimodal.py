@@ -356,6 +356,11 @@ class ImageTokensFirst(TokensFirst):
                         visual_pos_masks=mask[None], deepstack_visual_embeds=deep)
         return self.model.get_output_embeddings()(out.last_hidden_state)[0]
 
+    def restore(self) -> None:
+        """Undo what this layout changed in the model (the deepstack step): the engine failed to build on it."""
+        if self.deepstack and "_deepstack_process" in vars(self.text):
+            del self.text._deepstack_process
+
     def stage(self, rows: torch.Tensor | None, embeds: torch.Tensor | None, rope: torch.Tensor | None) -> None:
         """Before a step: ``embeds`` in place of the embeddings of step tokens ``rows``, ``rope`` (``(tokens, 3)``)
         the step's rope positions. :meth:`unstage` after it."""
