@@ -317,3 +317,19 @@ def test_prompts_sharing_a_prefix_reuse_its_blocks_and_match_generate(engine, re
     off = hf.HFEngine(hf.tiny_random_model("llama"), CONFIG, enable_prefix_caching=False, **ENGINE)
     assert off.generate(prompts, 4, eos_token_id=[]) == [o.token_ids for o in outs]
     assert engine.cache.tables == {} and engine.cache.num_free_blocks == engine.cache.total_blocks
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "deepseek_v32"])  # sliding-window layers; indexed attention
+def test_prefix_caching_with_sliding_windows_and_indexed_attention(arch):
+    """A shared prefix longer than gemma3's sliding window (8), and deepseek_v32's indexer keys kept in the
+    shared blocks: later requests reuse the prefix, tokens equal model.generate's."""
+    reference = hf.tiny_random_model(arch)
+    engine = hf.HFEngine(copy.deepcopy(reference), CONFIG, **ENGINE)
+    system = list(range(100, 112))
+    prompts = [system + [5, 6], system + [7, 8, 9]]
+    first = engine.add_request(prompts[0], 4, stop_token_ids=[])
+    done = {o.request_id: o for o in engine.results()}
+    second = engine.add_request(prompts[1], 4, stop_token_ids=[])
+    done.update({o.request_id: o for o in engine.results()})
+    assert done[second].num_cached_tokens == 12
+    assert [done[first].token_ids, done[second].token_ids] == [reference_tokens(reference, p, 4) for p in prompts]
