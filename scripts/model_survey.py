@@ -210,7 +210,7 @@ def vlm_table(results: list[Result], conditions: str) -> str:
         "random pixel inputs of the shape it takes (`hf.random_mm_inputs`), a prompt with the image's placeholder",
         "tokens served beside a text-only prompt with chunked prefill, tokens compared with `model.generate` given",
         "the same inputs (a differing token passes only within 1e-3 of the forward's best logit). `refused`: refused",
-        "up front by `HFEngine` with the reason (`hf/multimodal.py`'s REFUSED and its checks); `not built`: no tiny",
+        "up front by `HFEngine` with the reason (`hf/multimodal/families.py`'s REFUSED and its checks); `not built`: no tiny",
         "model or pixel inputs could be made for the type (the reason says why).",
         "",
         f"Conditions: {conditions}",

@@ -1,4 +1,4 @@
-"""Image-text-to-text models on HFEngine (hf/multimodal.py): images in requests beside text-only ones,
+"""Image-text-to-text models on HFEngine (hf/multimodal/): images in requests beside text-only ones,
 chunked prefill through image tokens, M-RoPE, preemption, prefix caching keyed by image content, bad
 inputs refused at add_request; tokens equal to the model's own ``generate``. Simulated platform."""
 
@@ -111,8 +111,8 @@ def test_preempted_request_encodes_again(monkeypatch):
     engine = hf.HFEngine(model, CONFIG, max_num_batched_tokens=8, num_blocks=10, enable_prefix_caching=False,
                          **ENGINE)
     calls = []
-    real = multimodal.encode
-    monkeypatch.setattr(multimodal, "encode", lambda m, images: calls.append(1) or real(m, images))
+    real = multimodal.step.encode
+    monkeypatch.setattr(multimodal.step, "encode", lambda m, images: calls.append(1) or real(m, images))
     mms = [{"pixel_values": pixels(1, 4)}, {"pixel_values": pixels(1, 5)}]
     steps = []
     outs = engine.generate([llava_prompt(1)] * 2, 16, mm_inputs=mms, eos_token_id=[], on_step=steps.append)
@@ -332,7 +332,7 @@ def test_qwen2_vl_encoder_graphs_per_grid(monkeypatch):
     reference = copy.deepcopy(model)
     engine = hf.HFEngine(model, CONFIG, **ENGINE)
     graphs = engine.encoder_graphs
-    assert isinstance(graphs, hf.encoder_graphs.GridEncoderGraphs)
+    assert isinstance(graphs, hf.multimodal.encoder_graphs.GridEncoderGraphs)
     a, b = qwen_image(4, 4, 5), qwen_image(4, 8, 6)
     p1 = [1, 152] + [QWEN_IMAGE] * 4 + [153, 7]
     p2 = [1, 152] + [QWEN_IMAGE] * 8 + [153, 8]

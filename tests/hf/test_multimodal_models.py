@@ -1,6 +1,6 @@
 """Tiny random image-text-to-text models of many types (``hf.tiny_random_vlm``, ``hf.random_mm_inputs``) on
 HFEngine: an image prompt beside a text-only one, chunked, tokens equal to the model's own ``generate``; the
-per-family entries of hf/multimodal.py (refusals with the reason, image-token counts, pixel layouts)."""
+per-family entries of hf/multimodal/families.py (refusals with the reason, image-token counts, pixel layouts)."""
 
 from __future__ import annotations
 

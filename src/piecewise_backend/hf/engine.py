@@ -117,7 +117,7 @@ class HFEngine(Engine):
         #: the HF model (adapted in place); ``.model_runners[0].model`` is the adapted one the engine compiled
         self.model = model
         #: the encoder's graphs over image budgets (None: a text model, or its encoder runs eagerly)
-        self.encoder_graphs = (multimodal.encoder_graphs(model, config, args.encoder_token_budgets, args.lazy_capture)
+        self.encoder_graphs = (multimodal.build_encoder_graphs(model, config, args.encoder_token_budgets, args.lazy_capture)
                                if images else None)
         step = (multimodal.ImageDecode(main, layout, model, rules, self.encoder_graphs) if images
                 else Decode(main, rules))

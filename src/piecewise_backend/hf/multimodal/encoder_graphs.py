@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..capture.memory import scratch_pool
-from ..capture.wrappers import CUDAGraphWrapper
-from ..config import CompilationConfig
-from ..context import BatchDescriptor, set_forward_context
-from ..inputs import mark_persistent
-from ..modes import CUDAGraphMode
+from ...capture.memory import scratch_pool
+from ...capture.wrappers import CUDAGraphWrapper
+from ...config import CompilationConfig
+from ...context import BatchDescriptor, set_forward_context
+from ...inputs import mark_persistent
+from ...modes import CUDAGraphMode
 
 #: Model types whose towers take ``pixel_values`` of one shape and encode each image on its own.
 FIXED_SIZE = frozenset({"llava"})
