@@ -403,3 +403,14 @@ def test_a_failed_build_leaves_a_deepstack_model_as_it_was(monkeypatch):
         hf.HFEngine(model, CONFIG, **ENGINE)
     assert "_deepstack_process" not in vars(text_model(model))
     assert model.config.get_text_config()._attn_implementation != hf.ATTN_IMPLEMENTATION
+
+
+def test_from_pretrained_loads_an_image_text_to_text_checkpoint(tmp_path):
+    """HFEngine.from_pretrained picks AutoModelForImageTextToText for a llava folder; tokens equal generate's."""
+    model = tiny_llava()
+    model.save_pretrained(tmp_path)
+    engine = hf.HFEngine.from_pretrained(tmp_path, CONFIG, **ENGINE)
+    assert type(engine.model).__name__ == "LlavaForConditionalGeneration"
+    mm = {"pixel_values": pixels(1, 17)}
+    assert engine.generate([llava_prompt(1)], 3, mm_inputs=[mm], eos_token_id=[]) == [
+        vlm_reference(model, llava_prompt(1), 3, mm)]
