@@ -30,8 +30,9 @@ def _cheap_gc(monkeypatch):
 # (GRID_COUNT_BY_ENCODER), idefics3 (BATCHED_PIXELS), glm4v_moe (a partial-rotary M-RoPE section in the fixture),
 # qwen3_5 (one linear and one full attention layer), aria (its projector's patch-to-query map), qwen3_vl
 # (deepstack: vision features added in its first text layers), llava_onevision (logits_to_keep in its kwargs)
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen2_5_vl", "mistral3", "smolvlm", "idefics3", "hunyuan_vl",
-                                  "glm4v_moe", "qwen3_5", "aria", "qwen3_vl", "llava_onevision"])
+# (llava and qwen2_vl's own tests are tests/hf/test_multimodal.py's)
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "mistral3", "smolvlm", "idefics3", "hunyuan_vl", "glm4v_moe", "qwen3_5",
+                                  "aria", "qwen3_vl", "llava_onevision"])
 def test_served_types_equal_generate(arch):
     model = hf.tiny_random_vlm(arch)
     model.generation_config.eos_token_id = None

@@ -324,7 +324,8 @@ def test_prefix_caching_with_sliding_windows_and_indexed_attention(arch):
     """A shared prefix longer than gemma3's sliding window (8), and deepseek_v32's indexer keys kept in the
     shared blocks: later requests reuse the prefix, tokens equal model.generate's."""
     reference = hf.tiny_random_model(arch)
-    engine = hf.HFEngine(copy.deepcopy(reference), CONFIG, **ENGINE)
+    # served before any capture (lazy, no catch-up): what is shared is the cache, graphs or not
+    engine = hf.HFEngine(copy.deepcopy(reference), CONFIG, lazy_capture=True, step_capture_budget_s=0, **ENGINE)
     system = list(range(100, 112))
     prompts = [system + [5, 6], system + [7, 8, 9]]
     first = engine.add_request(prompts[0], 4, stop_token_ids=[])
