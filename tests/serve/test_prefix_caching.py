@@ -9,7 +9,7 @@ import logging
 import pytest
 
 import piecewise_backend as pb
-from pbtest.helpers import load_file
+from pbtest.helpers import load_file, nudged
 from piecewise_backend import serve
 
 own = load_file("examples/own_model.py")
@@ -221,22 +221,10 @@ def test_ranks_disagreeing_on_prefix_caching_or_a_salt_are_refused_on_every_rank
         assert said["same"]
 
 
-def _nudged(scale: float):
-    """The target's weights plus noise: a drafter that agrees with it often, not always (drafts get rejected)."""
-    import torch
-
-    drafter = own.make_model(0)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return drafter
-
-
 def spec_engine(**kw) -> serve.SpeculativeEngine:
     config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], platform="simulated",
                                   compile_pieces="eager")
-    return serve.SpeculativeEngine(own.make_model(0), _nudged(0.3), config, num_speculative_tokens=3,
+    return serve.SpeculativeEngine(own.make_model(0), nudged(own.make_model(0), 0.3), config, num_speculative_tokens=3,
                                    target_layout=own.KV_LAYOUT, drafter_layout=own.KV_LAYOUT, vocab_size=own.VOCAB,
                                    max_num_reqs=3, max_model_len=40, block_size=4, **kw)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import piecewise_backend as pb
-from pbtest.helpers import NaNLogitsAt, load_file
+from pbtest.helpers import NaNLogitsAt, load_file, nudged
 from piecewise_backend import serve
 
 own = load_file("examples/own_model.py")
@@ -15,21 +15,16 @@ M = pb.CUDAGraphMode
 PROMPTS = [[5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [3, 1, 4, 1, 5], [42]]
 
 
-def nudged(scale: float) -> torch.nn.Module:
+def drafter(scale: float) -> torch.nn.Module:
     """The target's weights plus noise: a drafter that agrees with it often, not always."""
-    model = own.make_model(0)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return model
+    return nudged(own.make_model(0), scale)
 
 
 def test_a_drafter_with_other_weights_keeps_the_targets_tokens():
     config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], platform="simulated",
                                   compile_pieces="eager")
     engine = serve.SpeculativeEngine(
-        own.make_model(0), nudged(0.3), config, num_speculative_tokens=3, target_layout=own.KV_LAYOUT,
+        own.make_model(0), drafter(0.3), config, num_speculative_tokens=3, target_layout=own.KV_LAYOUT,
         drafter_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=3, max_model_len=40, block_size=4, num_blocks=12,
     )
     engine.capture()
@@ -76,7 +71,7 @@ def test_sampled_tokens_follow_the_targets_distribution_with_a_differing_drafter
     config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[4, 8, 16], platform="simulated",
                                   compile_pieces="eager")
     engine = serve.SpeculativeEngine(
-        own.make_model(0), nudged(0.6), config, num_speculative_tokens=2, target_layout=own.KV_LAYOUT,
+        own.make_model(0), drafter(0.6), config, num_speculative_tokens=2, target_layout=own.KV_LAYOUT,
         drafter_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=8, max_model_len=16, block_size=4,
     )
     prompt = [3, 1, 4, 1, 5]
@@ -104,7 +99,7 @@ def test_sampled_tokens_follow_the_targets_distribution_with_a_differing_drafter
 def test_a_seed_gives_the_same_speculative_tokens_alone_and_in_a_batch():
     config = pb.CompilationConfig(cudagraph_mode="NONE")
     engine = serve.SpeculativeEngine(
-        own.make_model(0), nudged(0.3), config, num_speculative_tokens=3, target_layout=own.KV_LAYOUT,
+        own.make_model(0), drafter(0.3), config, num_speculative_tokens=3, target_layout=own.KV_LAYOUT,
         drafter_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=3, max_model_len=40, block_size=4,
     )
     params = serve.SamplingParams(temperature=0.9, top_p=0.9, seed=77)
@@ -123,7 +118,7 @@ def test_nan_target_logits_end_their_request_with_an_error_and_the_others_are_se
     config = pb.CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], platform="simulated",
                                   compile_pieces="eager")
     engine = serve.SpeculativeEngine(
-        NaNLogitsAt(own.make_model(0), 7), nudged(0.3), config, num_speculative_tokens=3, target_layout=own.KV_LAYOUT,
+        NaNLogitsAt(own.make_model(0), 7), drafter(0.3), config, num_speculative_tokens=3, target_layout=own.KV_LAYOUT,
         drafter_layout=own.KV_LAYOUT, vocab_size=own.VOCAB, max_num_reqs=3, max_model_len=40, block_size=4,
     )
     params = serve.SamplingParams(0.8, seed=3) if sampled else None

@@ -75,6 +75,16 @@ def compile_model(model: torch.nn.Module, config: pb.CompilationConfig = SIM) ->
     return torch.compile(model, backend=backend), backend
 
 
+def nudged(model: torch.nn.Module, scale: float, seed: int = 7) -> torch.nn.Module:
+    """``model`` with noise of ``scale`` times each parameter's std added in place: as a drafter of the model it
+    was, it agrees often, not always (drafts get rejected)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return model
+
+
 def token_ids(n: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n,), generator=g)
